@@ -1,0 +1,1 @@
+"""The continuous-batching engine. Knows nothing of Redis."""

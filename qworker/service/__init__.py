@@ -1,0 +1,1 @@
+"""The Redis service around the engine. Knows nothing of tensors."""
