@@ -1,0 +1,116 @@
+"""A packed (ragged) forward batch: the new tokens of several sequences, concatenated.
+
+Dense layers run once over all packed tokens; attention splits them back per sequence: single-token
+decodes are attended together in one call, prefill chunks one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's share of a step: its new tokens and where its cache stands."""
+
+    token_ids: list[int]  # the new tokens computed this step (a prefill chunk, or one decode token)
+    num_cached: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # cache blocks of the sequence, in order; enough for all its tokens
+    need_logits: bool = True  # whether the last new token's logits are wanted
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """All single-token sequences of the step, attended in one batched call."""
+
+    token_index: torch.Tensor  # [D] their rows in the packed batch
+    block_tables: torch.Tensor  # [D, max_blocks], padded with block 0
+    context_lens: torch.Tensor  # [D] tokens each attends to (cached + the new one)
+    contiguous_from: int | None  # when token_index is a range start..start+D, its start
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's multi-token chunk: packed rows [start, end), causal after num_cached."""
+
+    start: int
+    end: int
+    num_cached: int
+    block_table: torch.Tensor  # [blocks covering num_cached + chunk length]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] absolute positions
+    slot_mapping: torch.Tensor  # [N] flat cache slot (block * block_size + offset) per token
+    logits_indices: torch.Tensor  # [S_out] packed rows whose logits are returned, in input order
+    decode: DecodeGroup | None
+    prefills: tuple[PrefillChunk, ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_batch(
+    seqs: list[SequenceInput], block_size: int, device: torch.device | str = "cpu"
+) -> ForwardBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for seq in seqs:
+        start, n = len(ids), len(seq.token_ids)
+        total = seq.num_cached + n
+        assert n >= 1, "a scheduled sequence computes at least one token"
+        assert len(seq.block_table) * block_size >= total, "block table too short"
+        ids.extend(seq.token_ids)
+        for pos in range(seq.num_cached, total):
+            positions.append(pos)
+            slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        if seq.need_logits:
+            logits_rows.append(start + n - 1)
+        if n == 1:
+            decode_rows.append(start)
+            decode_tables.append(seq.block_table[: -(-total // block_size)])
+            decode_lens.append(total)
+        else:
+            table = torch.tensor(seq.block_table[: -(-total // block_size)], dtype=torch.long)
+            prefills.append(PrefillChunk(start, start + n, seq.num_cached, table.to(device)))
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return ForwardBatch(
+        input_ids=as_tensor(ids),
+        positions=as_tensor(positions),
+        slot_mapping=as_tensor(slots),
+        logits_indices=as_tensor(logits_rows),
+        decode=_decode_group(decode_rows, decode_tables, decode_lens, device),
+        prefills=tuple(prefills),
+        block_size=block_size,
+    )
+
+
+def _decode_group(
+    rows: list[int], tables: list[list[int]], lens: list[int], device: torch.device | str
+) -> DecodeGroup | None:
+    if not rows:
+        return None
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return DecodeGroup(
+        token_index=torch.tensor(rows, dtype=torch.long, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+        context_lens=torch.tensor(lens, dtype=torch.long, device=device),
+        contiguous_from=rows[0] if contiguous else None,
+    )

@@ -1,0 +1,159 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+q/k/v and gate/up projections are fused into one matmul each; every dense layer runs once over the
+packed tokens of a step, and logits are computed only for the rows the caller asks for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qworker.model.attention import paged_attention, write_kv
+from qworker.model.batch import ForwardBatch
+from qworker.model.config import ModelConfig
+from qworker.model.kv_cache import KVCache
+from qworker.model.rope import RotaryTable
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalised in float32 whatever the model dtype, as the reference implementation does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_heads, config.num_kv_heads, config.head_dim,
+        )
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryTable,
+        cache_k: torch.Tensor, cache_v: torch.Tensor,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = rope.apply(q.view(n, self.heads, self.head_dim), batch.positions)
+        k = rope.apply(k.view(n, self.kv_heads, self.head_dim), batch.positions)
+        write_kv(cache_k, cache_v, k, v.view(n, self.kv_heads, self.head_dim), batch.slot_mapping)
+        out = paged_attention(q, cache_k, cache_v, batch, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryTable,
+        cache_k: torch.Tensor, cache_v: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope, cache_k, cache_v)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryTable(
+            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling, dtype, device,
+        )
+        self.to(dtype=dtype, device=device)
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] (float32, float64 for a float64 model)."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer, cache_k, cache_v in zip(self.layers, cache.keys, cache.values, strict=True):
+            x = layer(x, batch, self.rope, cache_k, cache_v)
+        x = self.norm(x[batch.logits_indices])
+        logits = self.lm_head(x)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up)."""
+        own = self.state_dict()
+        given = _fused(weights, self.config)
+        missing = set(own) - set(given) - ({"lm_head.weight"} if self.config.tie_word_embeddings
+                                           else set())
+        assert not missing, f"weights missing: {sorted(missing)[:5]}"
+        for name, tensor in given.items():
+            if name in own:
+                assert own[name].shape == tensor.shape, f"{name}: {own[name].shape} vs {tensor.shape}"
+                own[name].copy_(tensor)
+
+
+def _fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
+    for i in range(config.num_layers):
+        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{attn}qkv_proj.{kind}"] = torch.cat(parts)
+        out[f"{mlp}gate_up_proj.weight"] = torch.cat(
+            [out.pop(f"{mlp}gate_proj.weight"), out.pop(f"{mlp}up_proj.weight")]
+        )
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def load_model(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaModel:
+    """Build a model from a HF folder, a .gguf file or a known model name."""
+    from qworker.model.hub import resolve_model
+    from qworker.model.loader import load_checkpoint
+
+    config, weights = load_checkpoint(resolve_model(str(name_or_path)))
+    model = LlamaModel(config, dtype=dtype, device=device)
+    model.load_hf_weights(weights)
+    return model

@@ -1,0 +1,55 @@
+"""Rotary position embeddings (half-split layout, as Hugging Face Llama), with rope scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from qworker.model.config import UnsupportedModelError
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling)
+    raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryTable:
+    """cos / sin for every position up to max_positions, computed in float32 then cast."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> None:
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = angles.cos().to(dtype=dtype, device=device)
+        self.sin = angles.sin().to(dtype=dtype, device=device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [N, heads, head_dim] rotated to its tokens' positions."""
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

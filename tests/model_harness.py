@@ -1,0 +1,51 @@
+"""Drive our paged model through a schedule of packed steps and compare with reference logits."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.kv_cache import KVCache
+from qworker.model.llama import LlamaModel
+
+Step = list[tuple[int, int]]  # (sequence index, number of new tokens) per scheduled sequence
+
+
+def disjoint_block_tables(
+    lengths: list[int], block_size: int, num_blocks: int, rng: random.Random
+) -> list[list[int]]:
+    """Shuffled, non-contiguous blocks: each sequence gets enough for its whole length."""
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = []
+    for length in lengths:
+        need = -(-length // block_size)
+        tables.append([pool.pop() for _ in range(need)])
+    return tables
+
+
+def run_schedule(
+    model: LlamaModel, sequences: list[list[int]], schedule: list[Step], block_size: int,
+    seed: int = 0,
+) -> list[tuple[int, int, torch.Tensor]]:
+    """Returns (sequence, position, logits) for the last new token of every scheduled sequence."""
+    rng = random.Random(seed)
+    lengths = [len(s) for s in sequences]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 7
+    cache = KVCache.allocate(model.config, num_blocks, block_size, model.dtype)
+    tables = disjoint_block_tables(lengths, block_size, num_blocks, rng)
+    cached = [0] * len(sequences)
+    results = []
+    for step in schedule:
+        inputs = []
+        for seq, n in step:
+            tokens = sequences[seq][cached[seq] : cached[seq] + n]
+            assert len(tokens) == n, "schedule runs past the end of a sequence"
+            inputs.append(SequenceInput(tokens, cached[seq], tables[seq]))
+        logits = model(build_batch(inputs, block_size), cache)
+        for row, (seq, n) in enumerate(step):
+            cached[seq] += n
+            results.append((seq, cached[seq] - 1, logits[row]))
+    return results
