@@ -1,0 +1,417 @@
+"""Wire protocol v1: a job as it arrives on `<prefix>:jobs`, the events of `<prefix>:out:<id>`, and
+every key name. Pure pydantic: no torch, no engine, no Redis client (producers import only this).
+
+On the wire every value is a string: numbers in decimal, booleans `true` / `false`, lists and
+objects as JSON. `parse_job_fields` turns one stream entry into a validated `Job`, `Job.to_fields`
+does the reverse; `event_to_fields` / `parse_event` do the same for output events.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+PROTOCOL_VERSION = 1
+
+ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+_ID_RE = re.compile(ID_PATTERN)
+
+# Input bounds: every job is bounded before it reaches the engine.
+MAX_PROMPT_CHARS = 1_000_000  # `prompt`, and the sum of all `messages` contents
+MAX_PROMPT_TOKEN_IDS = 131_072  # `prompt_token_ids`
+MAX_MESSAGES = 1_024
+MAX_TOKENS_CAP = 32_768  # bound of `max_tokens` and `min_tokens`
+MAX_TOKEN_ID = 2**31 - 1
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**63 - 1
+MAX_PRIORITY = 1_000_000
+MAX_DEADLINE_MS = 2**53  # far beyond any real unix time in ms; keeps JSON numbers exact
+MAX_FIELD_BYTES = 4 * 1024 * 1024  # one wire value, before any parsing
+MAX_FIELDS = 64  # fields of one entry
+
+DEFAULT_PREFIX = "qw"
+DEFAULT_GROUP = "workers"
+
+# Error codes of `ErrorEvent.code` (the set is open: clients must accept unknown codes).
+INVALID_REQUEST = "invalid_request"
+PROMPT_TOO_LONG = "prompt_too_long"
+EXPIRED = "expired"
+INTERNAL = "internal"
+TOO_MANY_DELIVERIES = "too_many_deliveries"  # poison job: delivered more than max_deliveries times
+
+# Fields a worker adds to a `<prefix>:dead` entry in front of the original fields. An original
+# field whose name collides with one of them is kept as `original.<name>`.
+DEAD_META_FIELDS = ("reason", "code", "source", "source_id", "worker")
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class JobValidationError(ValueError):
+    """A job entry that cannot be run.
+
+    `job_id` is set when the entry has a usable id (the `id` field when valid, else the entry id
+    when there is no `id` field), so an error event can go out."""
+
+    def __init__(self, message: str, job_id: str | None, code: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.message = message
+        self.job_id = job_id
+        self.code = code
+
+
+def is_valid_id(value: str) -> bool:
+    return bool(_ID_RE.match(value))
+
+
+# ----------------------------------------------------------------------------- job
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
+_PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class Job(BaseModel):
+    """One generation job. Exactly one of `prompt`, `messages`, `prompt_token_ids`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    id: Annotated[str | None, Field(pattern=ID_PATTERN, description="default: the entry id")] = None
+    prompt: Annotated[str | None, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] = None
+    messages: Annotated[
+        list[ChatMessage] | None,
+        Field(min_length=1, max_length=MAX_MESSAGES, description="rendered with the chat template"),
+    ] = None
+    prompt_token_ids: Annotated[
+        list[TokenId] | None, Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)
+    ] = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] = 256
+    temperature: Annotated[float, Field(ge=0.0, le=5.0, description="0: greedy")] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0, le=1_000_000, description="0: off")] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int | None, Field(ge=0, le=MAX_SEED)] = None
+    stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] = []
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    priority: Annotated[
+        int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="lower runs first")
+    ] = 0
+    deadline_ms: Annotated[
+        int | None, Field(ge=0, le=MAX_DEADLINE_MS, description="unix ms; past it: error expired")
+    ] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Job:
+        given = [n for n in _PROMPT_FIELDS if getattr(self, n) is not None]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise ValueError(f"exactly one of {', '.join(_PROMPT_FIELDS)} is required (got {got})")
+        chars = sum(len(m.content) for m in self.messages or ())
+        if chars > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be <= max_tokens")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite")
+        return self
+
+    def to_fields(self) -> dict[str, str]:
+        """The XADD fields of this job: only fields that were set, each encoded as a string."""
+        out: dict[str, str] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name not in self.model_fields_set:
+                continue
+            if value is None:
+                continue
+            out[name] = encode_value(value)
+        return out
+
+
+# Wire kind of each job field: how its string is decoded before validation.
+_JOB_WIRE_KINDS: dict[str, str] = {
+    "id": "str", "prompt": "str", "messages": "json", "prompt_token_ids": "json",
+    "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
+    "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",
+    "ignore_eos": "bool", "min_tokens": "int", "repetition_penalty": "float",
+    "presence_penalty": "float", "frequency_penalty": "float", "priority": "int",
+    "deadline_ms": "int",
+}
+assert set(_JOB_WIRE_KINDS) == set(Job.model_fields)
+
+_INT_RE = re.compile(r"^-?[0-9]{1,20}$")
+_FLOAT_RE = re.compile(r"^-?([0-9]{1,20}(\.[0-9]{0,20})?|\.[0-9]{1,20})([eE][-+]?[0-9]{1,3})?$")
+
+
+def encode_value(value: Any) -> str:
+    """One Python value as a wire string (decimal numbers, true/false, JSON for lists/objects)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value) if not isinstance(value, float) else repr(value)
+    if isinstance(value, BaseModel):
+        return json.dumps(value.model_dump(), ensure_ascii=False, separators=(",", ":"))
+    if isinstance(value, (list, tuple)):
+        items = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+        return json.dumps(items, ensure_ascii=False, separators=(",", ":"))
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _decode_value(name: str, kind: str, raw: str) -> Any:
+    if kind == "str":
+        return raw
+    if kind == "int":
+        if not _INT_RE.match(raw):
+            raise ValueError(f"field {name!r}: expected a decimal integer, got {_preview(raw)}")
+        return int(raw)
+    if kind == "float":
+        if not _FLOAT_RE.match(raw):
+            raise ValueError(f"field {name!r}: expected a decimal number, got {_preview(raw)}")
+        return float(raw)
+    if kind == "bool":
+        if raw not in ("true", "false"):
+            raise ValueError(f"field {name!r}: expected true or false, got {_preview(raw)}")
+        return raw == "true"
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"field {name!r}: invalid JSON ({exc})") from None
+
+
+def _preview(raw: str, limit: int = 40) -> str:
+    return repr(raw if len(raw) <= limit else raw[:limit] + "...")
+
+
+def _to_str(value: bytes | str, what: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not valid UTF-8") from None
+
+
+def _usable_id(fields: Mapping[bytes | str, bytes | str], entry_id: str) -> str | None:
+    """The id an error event can go to, before (or without) full validation."""
+    raw = None
+    for key, value in fields.items():
+        if key in ("id", b"id"):
+            raw = value
+            break
+    else:
+        return entry_id if is_valid_id(entry_id) else None
+    try:
+        text = _to_str(raw, "id")
+    except ValueError:
+        return None
+    return text if is_valid_id(text) else None
+
+
+def parse_job_fields(fields: Mapping[bytes | str, bytes | str], entry_id: str) -> Job:
+    """Decode and validate the fields of one `<prefix>:jobs` entry.
+
+    Raises `JobValidationError` (with the usable job id, if any) on anything wrong: unknown or
+    non-UTF-8 field names or values, malformed numbers / booleans / JSON, wrong types, values out of
+    range, missing or double prompt, a bad id.
+    """
+    job_id = _usable_id(fields, entry_id)
+    try:
+        if len(fields) > MAX_FIELDS:
+            raise ValueError(f"too many fields ({len(fields)} > {MAX_FIELDS})")
+        data: dict[str, Any] = {}
+        for raw_key, raw_value in fields.items():
+            key = _to_str(raw_key, "a field name")
+            kind = _JOB_WIRE_KINDS.get(key)
+            if kind is None:
+                raise ValueError(f"unknown field {_preview(key)}")
+            if len(raw_value) > MAX_FIELD_BYTES:
+                raise ValueError(f"field {key!r} is longer than {MAX_FIELD_BYTES} bytes")
+            data[key] = _decode_value(key, kind, _to_str(raw_value, f"field {key!r}"))
+        data.setdefault("id", entry_id)
+        return Job.model_validate(data)
+    except ValidationError as exc:
+        raise JobValidationError(_validation_message(exc), job_id) from None
+    except ValueError as exc:
+        raise JobValidationError(str(exc), job_id) from None
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+# ----------------------------------------------------------------------------- events
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TokenEvent(_Event):
+    """One generated token. The `text` of all token events joined is exactly the final text."""
+
+    type: Literal["token"] = "token"
+    i: Annotated[int, Field(ge=0, description="index of the generated token, from 0")]
+    token_id: Annotated[int, Field(ge=0)]
+    text: Annotated[str, Field(description="new text; may be empty while text is held back")] = ""
+
+
+class DoneEvent(_Event):
+    """The job finished. Times are in ms, counted from when the job was first queued."""
+
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    text: Annotated[str, Field(description="the whole final text")]
+    prompt_tokens: Annotated[int, Field(ge=0)]
+    completion_tokens: Annotated[int, Field(ge=0)]
+    queue_ms: Annotated[int, Field(ge=0, description="queued until first taken by a worker")] = 0
+    ttft_ms: Annotated[int, Field(ge=0, description="queued until the first token")] = 0
+    total_ms: Annotated[int, Field(ge=0, description="queued until done")] = 0
+
+
+class ErrorEvent(_Event):
+    """The job failed or could not be run; no event follows."""
+
+    type: Literal["error"] = "error"
+    code: Annotated[str, Field(description="invalid_request | prompt_too_long | expired | "
+                                           "too_many_deliveries | internal | ...")]
+    message: str
+
+
+Event = Annotated[Union[TokenEvent, DoneEvent, ErrorEvent], Field(discriminator="type")]  # noqa: UP007
+_EVENT_ADAPTER: TypeAdapter[TokenEvent | DoneEvent | ErrorEvent] = TypeAdapter(Event)
+TERMINAL_TYPES = ("done", "error")
+
+
+def event_to_fields(event: TokenEvent | DoneEvent | ErrorEvent) -> dict[str, str]:
+    """The XADD fields of an event, `type` first; every value a string."""
+    data = event.model_dump()
+    fields = {"type": data.pop("type")}
+    fields.update({k: encode_value(v) for k, v in data.items()})
+    return fields
+
+
+def parse_event(fields: Mapping[bytes | str, bytes | str]) -> TokenEvent | DoneEvent | ErrorEvent:
+    """Decode one `<prefix>:out:<id>` entry (as read with or without decode_responses)."""
+    data = {_to_str(k, "a field name"): _to_str(v, "a field value") for k, v in fields.items()}
+    return _EVENT_ADAPTER.validate_python(data)
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key of the protocol, under one prefix: nothing is written outside it."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.prefix}:jobs"
+
+    @property
+    def requeue(self) -> str:
+        return f"{self.prefix}:requeue"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:dead"
+
+    def out(self, job_id: str) -> str:
+        return f"{self.prefix}:out:{job_id}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self.prefix}:cancel:{job_id}"
+
+    def owner(self, job_id: str) -> str:
+        """Hash of the job's current owner (fencing token) and first-queued / started times."""
+        return f"{self.prefix}:owner:{job_id}"
+
+    def worker(self, name: str) -> str:
+        """A live worker's key (JSON `WorkerInfo`, with a TTL the worker keeps renewing)."""
+        return f"{self.prefix}:worker:{name}"
+
+    @property
+    def worker_pattern(self) -> str:
+        """SCAN pattern matching every live worker's key."""
+        return f"{self.prefix}:worker:*"
+
+    @property
+    def streams(self) -> tuple[str, str]:
+        """The group's streams in the order workers read them."""
+        return (self.requeue, self.jobs)
+
+
+class WorkerInfo(BaseModel):
+    """Value of a live worker's key."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    host: str
+    pid: int
+    model: str
+    group: str
+    started_ms: int
+    running: int = 0
+    free_slots: int = 0
+    draining: bool = False
+
+
+def entry_ms(entry_id: str) -> int | None:
+    """Milliseconds part of a stream entry id, or None when it is not one."""
+    head, _, _ = entry_id.partition("-")
+    return int(head) if head.isdigit() else None
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema of a job and of each output event (and of any event, discriminated by type)."""
+    return {
+        "job": Job.model_json_schema(),
+        "token": TokenEvent.model_json_schema(),
+        "done": DoneEvent.model_json_schema(),
+        "error": ErrorEvent.model_json_schema(),
+        "event": _EVENT_ADAPTER.json_schema(),
+        "worker": WorkerInfo.model_json_schema(),
+    }
+
+
+__all__ = [
+    "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "EXPIRED", "ID_PATTERN", "INTERNAL",
+    "INVALID_REQUEST", "PROMPT_TOO_LONG", "PROTOCOL_VERSION", "TERMINAL_TYPES",
+    "TOO_MANY_DELIVERIES", "ChatMessage", "DoneEvent", "ErrorEvent", "Event", "FinishReason",
+    "Job", "JobValidationError", "Keys", "TokenEvent", "WorkerInfo", "encode_value", "entry_ms",
+    "event_to_fields", "is_valid_id", "json_schemas", "parse_event", "parse_job_fields",
+]
