@@ -1,0 +1,46 @@
+"""`qworker model fetch [NAME]` and `qworker model path NAME`: get or locate model files."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("model", help="fetch or locate model files")
+    commands = parser.add_subparsers(dest="model_command", required=True)
+
+    fetch = commands.add_parser("fetch", help="download a known model (once) and print its path")
+    fetch.add_argument("name", nargs="?", default="smollm2", help="model name (default: smollm2)")
+    fetch.set_defaults(func=run_fetch)
+
+    path = commands.add_parser("path", help="print where a model is, without fetching it")
+    path.add_argument("name", help="model name or path")
+    path.set_defaults(func=run_path)
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    from qworker.model.hub import ModelFetchError, UnknownModelError, resolve_model
+
+    try:
+        print(resolve_model(args.name))
+    except (UnknownModelError, ModelFetchError) as exc:
+        print(f"qworker model fetch: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_path(args: argparse.Namespace) -> int:
+    from qworker.model.hub import UnknownModelError, local_path
+
+    try:
+        path = local_path(args.name)
+    except UnknownModelError as exc:
+        print(f"qworker model path: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    if not path.exists():
+        print(f"not fetched yet; run: qworker model fetch {args.name}", file=sys.stderr)
+        return 1
+    return 0
