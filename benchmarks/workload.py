@@ -1,0 +1,32 @@
+"""Standard workload v1: the request mix every throughput figure of qworker is measured on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt_ids: list[int]
+    output_len: int
+
+
+def standard_workload(seed: int = 0, vocab_size: int = 49152, count: int = 64) -> list[WorkItem]:
+    rng = random.Random(seed)
+    items = []
+    for _ in range(count):
+        prompt_len = min(512, max(16, round(math.exp(rng.uniform(math.log(16), math.log(512))))))
+        output_len = rng.randint(16, 256)
+        items.append(WorkItem([rng.randrange(32, vocab_size) for _ in range(prompt_len)],
+                              output_len))
+    return items
+
+
+def fingerprint(items: list[WorkItem]) -> str:
+    blob = json.dumps([[item.prompt_ids, item.output_len] for item in items],
+                      separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,185 @@
+"""The engine: add / abort / step, over a scheduler, a block manager and a model runner.
+
+It knows nothing of Redis. `generate` is the offline batch API on top of the same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from qworker.engine.block_manager import BlockManager
+from qworker.engine.config import EngineConfig
+from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
+from qworker.engine.runner import Runner
+from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from qworker.engine.sequence import Sequence, Status
+from qworker.engine.text import TextStream
+from qworker.model.kv_cache import KVCache, blocks_for_budget
+from qworker.model.llama import LlamaModel
+from qworker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        mc = model.config
+        num_blocks = config.num_blocks or blocks_for_budget(
+            mc, config.block_size, model.dtype, config.kv_cache_gb)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk,
+                            int(config.watermark * num_blocks)),
+            self.blocks,
+        )
+        cache = KVCache.allocate(mc, num_blocks, config.block_size, model.dtype, model.device)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
+        self.runner = Runner(model, cache, self.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        # no sequence can outgrow the model's context nor the whole cache
+        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
+        self._seqs: dict[str, Sequence] = {}
+        self._ready: list[StepOutput] = []  # outputs decided outside a step (resumed, finished)
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.last_schedule = ScheduledStep()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        from qworker.model.dtypes import resolve_dtype
+        from qworker.model.hub import resolve_model
+        from qworker.model.llama import load_model
+
+        path = resolve_model(config.model)
+        model = load_model(path, dtype=resolve_dtype(config.dtype, config.device),
+                           device=config.device)
+        return cls(model, Tokenizer.load(path), config)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._seqs:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        length = len(request.prompt_token_ids) + len(request.output_token_ids)
+        if not request.prompt_token_ids:
+            raise RequestRejectedError("invalid_request", "the prompt is empty")
+        if length >= self.max_seq_len:
+            raise RequestRejectedError(
+                "prompt_too_long",
+                f"prompt of {length} tokens does not fit: this engine holds at most "
+                f"{self.max_seq_len - 1} prompt tokens (max_model_len {self.max_model_len}, "
+                f"KV cache {self.blocks.num_blocks * self.blocks.block_size} tokens)",
+            )
+        params = request.params
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else random.getrandbits(63),
+            priority=request.priority,
+            arrival=next(self._arrivals),
+            text=TextStream(IncrementalDetokenizer(self.tokenizer), params.stop),
+        )
+        self._seqs[seq.request_id] = seq
+        for token in request.output_token_ids:  # replay what an earlier run already streamed
+            if (out := self._append(seq, token)).finished:  # it had ended; only `done` was lost
+                out.new_token_ids, out.text_delta, out.first_index = [], "", len(
+                    request.output_token_ids)
+                self._ready.append(out)
+                return
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        self._ready = [out for out in self._ready if out.request_id != request_id]
+
+    def free_slots(self) -> int:
+        """How many more requests admission would take now."""
+        if self.blocks.num_free <= self.scheduler.limits.watermark_blocks:
+            return 0
+        queued = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return max(0, self.config.max_num_seqs - queued)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._ready)
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._ready = self._ready, []
+        step = self.last_schedule = self.scheduler.schedule()
+        self.num_preemptions += len(step.preempted)
+        if self.config.requeue_preempted:
+            outputs += [self._hand_back(seq) for seq in step.preempted]
+        if step.work:
+            self.num_steps += 1
+            sampled = self.runner.run(step.work)
+            for seq, n in step.work:
+                seq.num_computed += n
+            outputs += [self._append(seq, token) for seq, token in sampled.items()]
+        return outputs
+
+    def generate(self, prompts: Iterable[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Offline batch API: runs every prompt to completion with continuous batching."""
+        prompts = list(prompts)
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        tokens: dict[str, list[int]] = {}
+        done: dict[str, StepOutput] = {}
+        for i, (prompt, p) in enumerate(zip(ids, params, strict=True)):
+            self.add(Request(f"generate-{i}", prompt, p))
+            tokens[f"generate-{i}"] = []
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            Completion(rid, ids[i], tokens[rid], done[rid].text or "",
+                       done[rid].finish_reason or "")
+            for i, rid in enumerate(tokens)
+        ]
+
+    def _hand_back(self, seq: Sequence) -> StepOutput:
+        self.scheduler.remove(seq)
+        del self._seqs[seq.request_id]
+        return StepOutput(seq.request_id, [], first_index=seq.num_output_tokens, preempted=True,
+                          num_prompt_tokens=seq.num_prompt_tokens)
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        """Adds a generated token; decides whether the sequence is finished."""
+        index = seq.num_output_tokens
+        seq.token_ids.append(token)
+        p = seq.params
+        count = index + 1
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            delta, reason = seq.text.flush(), "stop"  # the stop token's own text is not shown
+        else:
+            delta = seq.text.add(token, check_stop=count >= p.min_tokens)
+            reason = "stop" if seq.text.stopped else None
+            if reason is None and (count >= p.max_tokens or len(seq.token_ids) >= self.max_seq_len):
+                delta, reason = delta + seq.text.flush(), "length"
+        out = StepOutput(seq.request_id, [token], delta, first_index=index,
+                         num_prompt_tokens=seq.num_prompt_tokens)
+        if reason is not None:
+            out.finished, out.finish_reason, out.text = True, reason, seq.text.final_text
+            seq.finish_reason = reason
+            if seq.status is not Status.FINISHED:
+                self.scheduler.remove(seq)
+            self._seqs.pop(seq.request_id, None)
+        return out

@@ -1,0 +1,51 @@
+"""Runs one scheduled step: packs it into a ragged batch, runs the model, samples."""
+
+from __future__ import annotations
+
+import time
+
+from qworker.engine.sampler import SampleRow, sample
+from qworker.engine.sequence import Sequence
+from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.kv_cache import KVCache
+from qworker.model.llama import LlamaModel
+
+
+class Runner:
+    def __init__(self, model: LlamaModel, cache: KVCache, eos_token_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.cache = cache
+        self.eos_token_ids = eos_token_ids
+        self.forward_seconds = 0.0  # time spent in the model, for the benchmarks
+
+    def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        """Computes `n` new tokens of each sequence; returns the sampled token of those whose
+        computed tokens now reach their end."""
+        work = sorted(work, key=lambda item: item[1] > 1)  # decodes first, in one contiguous run
+        inputs = [
+            SequenceInput(
+                token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
+                num_cached=seq.num_computed,
+                block_table=seq.block_table,
+                need_logits=seq.num_computed + n == len(seq.token_ids),
+            )
+            for seq, n in work
+        ]
+        batch = build_batch(inputs, self.cache.block_size, self.model.device)
+        started = time.perf_counter()
+        logits = self.model(batch, self.cache)
+        self.forward_seconds += time.perf_counter() - started
+        sampled = [seq for (seq, _), inp in zip(work, inputs, strict=True) if inp.need_logits]
+        if not sampled:
+            return {}
+        tokens = sample(logits, [self._row(seq) for seq in sampled])
+        return dict(zip(sampled, tokens, strict=True))
+
+    def _row(self, seq: Sequence) -> SampleRow:
+        p = seq.params
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
+        return SampleRow(p, seq.seed, seq.num_output_tokens, seq.token_ids,
+                         seq.num_prompt_tokens, banned)
+

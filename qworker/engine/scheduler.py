@@ -1,0 +1,103 @@
+"""Decides each step: who decodes, who prefills how much, who is admitted, who is preempted.
+
+Running sequences go first, oldest first: a decode takes one token, a prefill a chunk of at most
+`prefill_chunk` tokens from the step's `max_batched_tokens` budget (decodes do not spend it). When a
+running sequence needs a block and none is free, the newest running sequence is preempted (possibly
+itself), so nobody is ever preempted for a later arrival. Waiting sequences are then admitted in
+(priority, arrival) order while the budget, `max_num_seqs` and the free blocks (less a watermark)
+allow; nothing is admitted in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from qworker.engine.block_manager import BlockManager
+from qworker.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_batched_tokens: int
+    prefill_chunk: int
+    watermark_blocks: int = 0
+
+
+@dataclass
+class ScheduledStep:
+    work: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+    prefill_tokens: int = 0  # tokens spent from the step's budget
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager) -> None:
+        self.limits = limits
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []  # sorted by queue_key
+        self.running: list[Sequence] = []  # in admission order
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished, aborted or handed back) and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self._schedule_running(step, self.limits.max_batched_tokens)
+        if not step.preempted:
+            self._admit_waiting(step, budget)
+        return step
+
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = 1 if not seq.is_prefill else min(seq.num_pending, self.limits.prefill_chunk, budget)
+            if n == 0:  # a prefill that must wait for budget
+                i += 1
+                continue
+            if not self._make_room(seq, seq.num_computed + n, step):
+                break  # seq preempted itself: it was the newest, nothing left after it
+            self.blocks.grow(seq, seq.num_computed + n)
+            step.work.append((seq, n))
+            if seq.is_prefill:
+                budget -= n
+                step.prefill_tokens += n
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, num_tokens: int, step: ScheduledStep) -> bool:
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = self.running.pop()
+            self.blocks.release(victim)
+            self.add(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, self.limits.prefill_chunk, budget)
+            reserve = self.limits.watermark_blocks if self.running else 0
+            if self.blocks.blocks_needed(seq, n) + reserve > self.blocks.num_free:
+                return
+            self.waiting.pop(0)
+            self.blocks.grow(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            step.work.append((seq, n))
+            budget -= n
+            step.prefill_tokens += n
