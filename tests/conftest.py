@@ -8,9 +8,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
+
+if TYPE_CHECKING:
+    from qworker.model.tokenizer import Tokenizer
 
 
 def free_port() -> int:
@@ -77,3 +81,19 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.flushall()
     yield redis_server.url
     client.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The default model's GGUF, fetched once into QWORKER_HOME (default ~/.cache/qworker)."""
+    from qworker.model.hub import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: Path) -> Tokenizer:
+    """The default model's tokenizer, built from its GGUF metadata once per session."""
+    from qworker.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_path)

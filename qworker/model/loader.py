@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +63,6 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _first_and_count(names: Iterable[str]) -> str:
-    ordered = sorted(names, key=_natural_key)
-    more = f" (and {len(ordered) - 1} more)" if len(ordered) > 1 else ""
-    return f"{ordered[0]!r}{more}"
-
-
 def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
@@ -88,18 +82,20 @@ def validate(
     unexpected = tensors.keys() - expected.keys()
     if unexpected:
         first = min(unexpected, key=_natural_key)
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise LoaderError(
-            f"{origin.get(first, checkpoint)}: unexpected tensor {_first_and_count(unexpected)} "
+            f"{origin.get(first, checkpoint)}: unexpected tensor {first!r}{more} "
             f"for a {config.architecture} model with {config.num_layers} layers"
             f"{', tied embeddings' if config.tie_word_embeddings else ''}"
             f"{'' if config.attention_bias else ', no attention bias'}"
         )
-    missing = expected.keys() - tensors.keys()
+    missing = [name for name in expected if name not in tensors]
     if missing:
-        raise LoaderError(f"{checkpoint}: missing tensor {_first_and_count(missing)}")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise LoaderError(f"{checkpoint}: missing tensor {missing[0]!r}{more}")
     wrong = [name for name, shape in expected.items() if tuple(tensors[name].shape) != shape]
     if wrong:
-        name = min(wrong, key=_natural_key)
+        name = wrong[0]
         others = f" (and {len(wrong) - 1} more of the wrong shape)" if len(wrong) > 1 else ""
         raise LoaderError(
             f"{origin.get(name, checkpoint)}: tensor {name!r} has shape "
@@ -318,8 +314,8 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             num_kv_heads=get("attention.head_count_kv", heads),
             head_dim=head_dim,
             max_position_embeddings=get("context_length", 2048),
-            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta=get("rope.freq_base", 10000.0),
+            rms_norm_eps=_shortest_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_shortest_f32(get("rope.freq_base", 10000.0)),
             rope_scaling=_gguf_rope_scaling(reader, arch),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
@@ -329,6 +325,11 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         )
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
+
+
+def _shortest_f32(value: float) -> float:
+    """GGUF stores float32: give 1e-05 back rather than 9.999999747378752e-06 (same float32)."""
+    return float(str(np.float32(value)))
 
 
 def _gguf_vocab_size(reader: Any) -> int:

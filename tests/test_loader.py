@@ -1,0 +1,348 @@
+"""qworker.model.loader: HF safetensors folders and GGUF files -> ModelConfig + HF-named tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.loader import LoaderError, expected_shapes, load_checkpoint
+
+TINY = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=50000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_llama(tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tie)).eval()
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True)).eval()
+
+
+def hf_state(model: torch.nn.Module, tie: bool) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if tie:
+        state.pop("lm_head.weight")
+    return state
+
+
+def save(model: torch.nn.Module, folder: Path, **kwargs: object) -> Path:
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].float(), tensor.float()), name
+
+
+def edit_json(file: Path, **changes: object) -> None:
+    data = json.loads(file.read_text())
+    data.update(changes)
+    file.write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face folders
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_folder_roundtrip(tmp_path: Path, tie: bool) -> None:
+    model = tiny_llama(tie)
+    config, tensors = load_checkpoint(save(model, tmp_path))
+    assert_same_tensors(tensors, hf_state(model, tie))
+    assert config == ModelConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
+        rope_theta=50000.0, tie_word_embeddings=tie, bos_token_id=1, eos_token_ids=(2,),
+    )
+
+
+def test_hf_sharded_folder(tmp_path: Path) -> None:
+    model = tiny_llama()
+    save(model, tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    _, tensors = load_checkpoint(tmp_path)
+    assert_same_tensors(tensors, hf_state(model, tie=False))
+
+
+def test_qwen2_folder_has_biases(tmp_path: Path) -> None:
+    model = tiny_qwen2()
+    config, tensors = load_checkpoint(save(model, tmp_path))
+    assert config.architecture == "qwen2" and config.attention_bias
+    assert "model.layers.1.self_attn.k_proj.bias" in tensors
+    assert_same_tensors(tensors, hf_state(model, tie=True))
+
+
+def test_expected_shapes_match_transformers() -> None:
+    model = tiny_qwen2()
+    config = ModelConfig.from_hf(model.config.to_dict())
+    want = {k: tuple(v.shape) for k, v in hf_state(model, tie=True).items()}
+    assert expected_shapes(config) == want
+
+
+def test_truncated_safetensors(tmp_path: Path) -> None:
+    save(tiny_llama(), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(LoaderError) as err:
+        load_checkpoint(tmp_path)
+    assert str(weights) in str(err.value)
+    assert "safetensors" in str(err.value)
+
+
+def test_missing_shard(tmp_path: Path) -> None:
+    save(tiny_llama(), tmp_path, max_shard_size="40KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(LoaderError, match=f"shard {shard.name} does not exist"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "tensor", "want", "got"),
+    [
+        ({"intermediate_size": 128}, "model.layers.0.mlp.gate_proj.weight", (128, 64), (96, 64)),
+        ({"hidden_size": 32}, "model.embed_tokens.weight", (101, 32), (101, 64)),
+        ({"vocab_size": 100}, "model.embed_tokens.weight", (100, 64), (101, 64)),
+    ],
+)
+def test_config_weights_mismatch(
+    tmp_path: Path, change: dict[str, int], tensor: str, want: tuple[int, ...],
+    got: tuple[int, ...],
+) -> None:
+    save(tiny_llama(), tmp_path)
+    edit_json(tmp_path / "config.json", **change)
+    with pytest.raises(LoaderError) as err:
+        load_checkpoint(tmp_path)
+    message = str(err.value)
+    assert str(tmp_path / "model.safetensors") in message
+    assert f"{tensor!r} has shape {got}, but the config implies {want}" in message
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    model = tiny_llama()
+    save(model, tmp_path)
+    state = hf_state(model, tie=False)
+    del state["model.layers.1.post_attention_layernorm.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(LoaderError, match=r"missing tensor 'model\.layers\.1\.post_attention_lay"):
+        load_checkpoint(tmp_path)
+
+
+def test_unexpected_tensor(tmp_path: Path) -> None:
+    model = tiny_llama()
+    save(model, tmp_path)
+    state = hf_state(model, tie=False) | {"model.layers.2.mlp.up_proj.weight": torch.zeros(1)}
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(LoaderError, match=r"safetensors: unexpected tensor 'model\.layers\.2"):
+        load_checkpoint(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    save(tiny_llama(), tmp_path)
+    edit_json(tmp_path / "config.json", model_type="mixtral")
+    with pytest.raises(UnsupportedModelError) as err:
+        load_checkpoint(tmp_path)
+    assert isinstance(err.value, LoaderError)
+    assert str(tmp_path / "config.json") in str(err.value) and "'mixtral'" in str(err.value)
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    with pytest.raises(LoaderError, match="no such file or directory"):
+        load_checkpoint(tmp_path / "nope")
+    with pytest.raises(LoaderError, match="neither a config.json nor a .gguf"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(TINY | {"model_type": "llama"}))
+    with pytest.raises(LoaderError, match=r"no \*\.safetensors weights"):
+        load_checkpoint(tmp_path)
+
+
+def test_broken_config_json(tmp_path: Path) -> None:
+    save(tiny_llama(), tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(LoaderError, match="config.json: cannot read JSON"):
+        load_checkpoint(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files written here from a tiny HF model
+
+Q = gguf.GGMLQuantizationType
+_LAYER_PARTS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_GLOBALS = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GLOBALS:
+        return _GLOBALS[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (HF's half-split RoPE -> interleaved pairs)."""
+    pairs = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    path: Path, state: dict[str, torch.Tensor], arch: str = "llama", qtype: Q = Q.F32,
+    types: dict[str, Q] | None = None,
+) -> Path:
+    """A GGUF of `state` (HF names) the way llama.cpp's converter lays it out."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(TINY["max_position_embeddings"])
+    writer.add_embedding_length(TINY["hidden_size"])
+    writer.add_block_count(TINY["num_hidden_layers"])
+    writer.add_feed_forward_length(TINY["intermediate_size"])
+    writer.add_head_count(TINY["num_attention_heads"])
+    writer.add_head_count_kv(TINY["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
+    writer.add_rope_freq_base(TINY["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(TINY["vocab_size"])])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, TINY["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, TINY["num_key_value_heads"])
+        kind = (types or {}).get(name, qtype if array.ndim == 2 else Q.F32)
+        if kind == Q.I32:
+            writer.add_tensor(gguf_name(name), array.astype(np.int32))
+        elif kind == Q.F16:
+            writer.add_tensor(gguf_name(name), array.astype(np.float16))
+        elif kind == Q.F32:
+            writer.add_tensor(gguf_name(name), array)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def roundtrip(tensor: torch.Tensor, kind: Q) -> torch.Tensor:
+    if tensor.ndim == 1 or kind == Q.F32:
+        return tensor.float()
+    if kind == Q.F16:
+        return tensor.half().float()
+    quantized = gguf.quants.quantize(tensor.numpy(), kind)
+    return torch.from_numpy(gguf.quants.dequantize(quantized, kind))
+
+
+@pytest.mark.parametrize("kind", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
+    model = tiny_llama()
+    state = hf_state(model, tie=False)
+    config, tensors = load_checkpoint(write_gguf(tmp_path / "tiny.gguf", state, qtype=kind))
+    assert config == ModelConfig.from_hf(model.config.to_dict())
+    assert_same_tensors(tensors, {k: roundtrip(v, kind) for k, v in state.items()})
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == (
+        torch.float16 if kind == Q.F16 else torch.float32
+    )
+
+
+def test_gguf_qwen2_is_not_permuted(tmp_path: Path) -> None:
+    model = tiny_qwen2()
+    state = hf_state(model, tie=True)
+    write_gguf(tmp_path / "qwen.gguf", state, arch="qwen2")
+    config, tensors = load_checkpoint(tmp_path)  # a folder holding one .gguf
+    assert config.architecture == "qwen2" and config.attention_bias and config.tie_word_embeddings
+    assert_same_tensors(tensors, state)
+
+
+def test_gguf_unsupported_tensor_type(tmp_path: Path) -> None:
+    state = hf_state(tiny_llama(), tie=False)
+    path = write_gguf(
+        tmp_path / "odd.gguf", state, types={"model.layers.1.input_layernorm.weight": Q.I32}
+    )
+    with pytest.raises(LoaderError) as err:
+        load_checkpoint(path)
+    message = str(err.value)
+    assert str(path) in message and "'blk.1.attn_norm.weight'" in message and "I32" in message
+
+
+def test_gguf_corrupt_and_ambiguous(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(200)))
+    with pytest.raises(LoaderError, match="bad.gguf: not a readable GGUF file"):
+        load_checkpoint(bad)
+    (tmp_path / "other.gguf").write_bytes(b"")
+    with pytest.raises(LoaderError, match="holds 2 .gguf files"):
+        load_checkpoint(tmp_path)
+
+
+def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "x.gguf", hf_state(tiny_llama(), tie=False), arch="gemma")
+    with pytest.raises(UnsupportedModelError, match="x.gguf: unsupported architecture 'gemma'"):
+        load_checkpoint(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real default model, against transformers' own GGUF loading
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config, tensors = load_checkpoint(smollm2_path)
+    reference = AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    hf = reference.config
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size
+    )
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim
+    )
+    assert config.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
+    assert config.rope_theta == hf.rope_parameters["rope_theta"] == 100000.0
+    assert config.max_position_embeddings == hf.max_position_embeddings == 8192
+    assert config.tie_word_embeddings and hf.tie_word_embeddings
+    assert config.bos_token_id == hf.bos_token_id
+    assert config.eos_token_ids[0] == hf.eos_token_id
+    want = hf_state(reference, tie=True)
+    del reference
+    assert sorted(tensors) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(tensors[name], tensor, atol=1e-6, rtol=0, msg=name)
