@@ -9,6 +9,9 @@ import sys
 COMMAND_MODULES = (
     "qworker.commands.model",
     "qworker.commands.generate",
+    "qworker.commands.submit",
+    "qworker.commands.tail",
+    "qworker.commands.stats",
 )
 
 

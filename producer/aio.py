@@ -1,0 +1,156 @@
+"""The asyncio twin of `producer.client`: the same API over `redis.asyncio`, with `async`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from types import TracebackType
+from typing import Any
+
+import redis.asyncio
+
+from producer.connect import (
+    DEFAULT_CANCEL_TTL_S,
+    READ_COUNT,
+    ClientOptions,
+    async_client,
+    redis_url_from_env,
+)
+from producer.fields import JobInput, job_fields
+from producer.result import START_ID, JobTimeoutError, OutputState, Result, stream_entries
+from producer.retry import TRANSIENT_ERRORS, Backoff, capped
+from qworker.protocol import (
+    DEFAULT_PREFIX,
+    ID_PATTERN,
+    DoneEvent,
+    ErrorEvent,
+    Keys,
+    TokenEvent,
+    is_valid_id,
+)
+
+
+class AsyncProducer:
+    """`Producer` for asyncio code: every Redis call is awaited."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        options: ClientOptions | None = None,
+        client: redis.asyncio.Redis | None = None,
+    ) -> None:
+        self.options = options or ClientOptions()
+        self.keys = Keys(prefix)
+        self.redis = client or async_client(redis_url or redis_url_from_env(), self.options)
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Mapping[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        **params: Any,
+    ) -> AsyncJob:
+        """See `Producer.submit`."""
+        spec = dict(params, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids)
+        return (await self.submit_many([spec]))[0]
+
+    async def submit_many(self, jobs: Iterable[JobInput]) -> list[AsyncJob]:
+        """Validate every job first, then XADD them all in one MULTI/EXEC round trip."""
+        prepared = [job_fields(job) for job in jobs]
+        if not prepared:
+            return []
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for _, fields in prepared:
+                pipe.xadd(self.keys.jobs, fields)
+            entry_ids = await pipe.execute()
+        return [
+            AsyncJob(self, job_id, entry_id)
+            for (job_id, _), entry_id in zip(prepared, entry_ids, strict=True)
+        ]
+
+    def job(self, job_id: str, after: str = START_ID) -> AsyncJob:
+        """A handle on an existing job, reading its output after entry `after` (default: all)."""
+        if not is_valid_id(job_id):
+            raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
+        job = AsyncJob(self, job_id)
+        job.state.last_id = after
+        return job
+
+    async def cancel(self, job_id: str, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
+        await self.redis.set(self.keys.cancel(job_id), "1", ex=ttl_s)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncProducer:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class AsyncJob:
+    """See `producer.client.Job`."""
+
+    def __init__(self, producer: AsyncProducer, job_id: str, entry_id: str | None = None) -> None:
+        self.producer = producer
+        self.id = job_id
+        self.entry_id = entry_id
+        self.state = OutputState(job_id)
+
+    def __repr__(self) -> str:
+        return f"AsyncJob(id={self.id!r}, last_id={self.state.last_id!r})"
+
+    @property
+    def last_id(self) -> str:
+        return self.state.last_id
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """See `Job.stream`."""
+        if self.state.error is not None:
+            raise self.state.job_error()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.state.finished:
+            for entry_id, fields in await self._read(deadline, timeout):
+                event = self.state.apply(entry_id, fields)
+                if isinstance(event, ErrorEvent):
+                    raise self.state.job_error()
+                yield event
+                if isinstance(event, DoneEvent):
+                    return
+
+    async def text_stream(self, timeout: float | None = None) -> AsyncIterator[str]:
+        async for event in self.stream(timeout):
+            if isinstance(event, TokenEvent) and event.text:
+                yield event.text
+
+    async def result(self, timeout: float | None = None) -> Result:
+        async for _ in self.stream(timeout):
+            pass
+        return self.state.result()
+
+    async def cancel(self, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
+        await self.producer.cancel(self.id, ttl_s)
+
+    async def _read(self, deadline: float | None, timeout: float | None) -> list[tuple[str, Any]]:
+        options = self.producer.options
+        backoff = Backoff(give_up_s=options.reconnect_give_up_s)
+        key = self.producer.keys.out(self.id)
+        while True:
+            block = options.block_for(deadline)
+            if block is None:
+                raise JobTimeoutError(f"job {self.id}: not finished within {timeout} s")
+            try:
+                reply = await self.producer.redis.xread(
+                    {key: self.state.last_id}, count=READ_COUNT, block=block
+                )
+                return stream_entries(reply)
+            except TRANSIENT_ERRORS as exc:
+                await asyncio.sleep(capped(backoff.failed(exc), deadline))

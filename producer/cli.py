@@ -1,0 +1,130 @@
+"""Shared pieces of the producer's commands (`qworker submit | tail | stats`).
+
+`python -m producer ...` runs the same commands without the rest of the `qworker` CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, TextIO
+
+import redis
+
+from producer.client import Job, Producer
+from producer.connect import redis_url_from_env
+from producer.result import JobError, JobTimeoutError, Result
+from qworker.protocol import DEFAULT_PREFIX, DoneEvent, ErrorEvent, TokenEvent
+
+PRODUCER_COMMANDS = (
+    "qworker.commands.submit",
+    "qworker.commands.tail",
+    "qworker.commands.stats",
+)
+EXIT_JOB_ERROR = 1
+EXIT_USAGE = 2
+EXIT_REDIS = 3
+EXIT_TIMEOUT = 124  # as timeout(1)
+EXIT_INTERRUPTED = 130
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--redis-url", default=None,
+        help="redis:// or rediss:// URL, may carry user:password "
+             "(default: $REDIS_URL, $QWORKER_REDIS_URL, else redis://localhost:6379/0)",
+    )
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix (default: qw)")
+
+
+def connect(args: argparse.Namespace) -> Producer:
+    return Producer(args.redis_url or redis_url_from_env(), args.prefix)
+
+
+def print_json(data: Any, out: TextIO | None = None) -> None:
+    stream = out or sys.stdout
+    stream.write(json.dumps(data, ensure_ascii=False) + "\n")
+    stream.flush()
+
+
+def print_event(event: TokenEvent | DoneEvent | ErrorEvent, as_json: bool) -> None:
+    """One event as a JSON line, or (text mode) a token's text as it comes."""
+    if as_json:
+        print_json(event.model_dump())
+    elif isinstance(event, TokenEvent) and event.text:
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+
+
+def report_error(message: str) -> None:
+    sys.stderr.write(f"qworker: {message}\n")
+    sys.stderr.flush()
+
+
+def reports_redis_errors(run: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """A command's `run` that prints a Redis failure as one line (exit 3), not a traceback."""
+
+    @functools.wraps(run)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except redis.RedisError as exc:
+            report_error(f"redis: {type(exc).__name__}: {exc}")
+            return EXIT_REDIS
+
+    return wrapper
+
+
+def follow(
+    job: Job, *, stream: bool, as_json: bool, timeout: float | None, cancel_on_interrupt: bool
+) -> int:
+    """Print a job's output: its text (live when `stream`), or JSON (the result, or one event per
+    line when `stream`). The exit status says how the job ended."""
+    try:
+        if stream:
+            for event in job.stream(timeout):
+                print_event(event, as_json)
+            if not as_json:
+                print()
+        else:
+            print_result(job.result(timeout), as_json)
+        return 0
+    except JobError as exc:
+        if as_json:
+            print_json({"type": "error", "code": exc.code, "message": exc.message})
+        report_error(str(exc))
+        return EXIT_JOB_ERROR
+    except JobTimeoutError as exc:
+        report_error(str(exc))
+        return EXIT_TIMEOUT
+    except KeyboardInterrupt:
+        if cancel_on_interrupt:
+            job.cancel()
+            report_error(f"job {job.id}: cancelled")
+        return EXIT_INTERRUPTED
+
+
+def print_result(result: Result, as_json: bool) -> None:
+    if as_json:
+        data = asdict(result)
+        print_json({"id": data.pop("job_id"), **data})
+    else:
+        print(result.text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in PRODUCER_COMMANDS:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

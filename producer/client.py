@@ -1,0 +1,181 @@
+"""The synchronous producer: submit jobs to `<prefix>:jobs`, follow `<prefix>:out:<id>`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import redis
+
+from producer.connect import (
+    DEFAULT_CANCEL_TTL_S,
+    READ_COUNT,
+    ClientOptions,
+    redis_url_from_env,
+    sync_client,
+)
+from producer.fields import JobInput, job_fields
+from producer.result import (
+    START_ID,
+    JobTimeoutError,
+    OutputState,
+    Result,
+    stream_entries,
+)
+from producer.retry import TRANSIENT_ERRORS, Backoff, capped
+from producer.stats import Stats, collect_stats
+from qworker.protocol import (
+    DEFAULT_GROUP,
+    DEFAULT_PREFIX,
+    ID_PATTERN,
+    DoneEvent,
+    ErrorEvent,
+    Keys,
+    TokenEvent,
+    is_valid_id,
+)
+
+
+class Producer:
+    """Submits jobs and follows their output. One Redis connection pool; thread-safe like redis-py.
+
+    `redis_url` may carry AUTH / ACL user (`redis://user:pass@host/0`) and TLS (`rediss://`);
+    None reads `REDIS_URL` or `QWORKER_REDIS_URL` from the environment.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        options: ClientOptions | None = None,
+        client: redis.Redis | None = None,
+    ) -> None:
+        self.options = options or ClientOptions()
+        self.keys = Keys(prefix)
+        self.redis = client or sync_client(redis_url or redis_url_from_env(), self.options)
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[Mapping[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        **params: Any,
+    ) -> Job:
+        """Validate one job (the protocol's own parser, so errors are the worker's) and XADD it.
+
+        `params` are the optional wire fields (`max_tokens`, `temperature`, `stop`, `id`, ...);
+        None means the worker's default. Raises `JobValidationError` (a ValueError) before
+        anything is sent. A job without `id` gets a uuid4 hex id.
+        """
+        spec = dict(params, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids)
+        return self.submit_many([spec])[0]
+
+    def submit_many(self, jobs: Iterable[JobInput]) -> list[Job]:
+        """Validate every job first, then XADD them all in one MULTI/EXEC round trip."""
+        prepared = [job_fields(job) for job in jobs]
+        if not prepared:
+            return []
+        pipe = self.redis.pipeline(transaction=True)
+        for _, fields in prepared:
+            pipe.xadd(self.keys.jobs, fields)  # never MAXLEN: trimming would drop work
+        entry_ids = pipe.execute()
+        pairs = zip(prepared, entry_ids, strict=True)
+        return [Job(self, job_id, entry_id) for (job_id, _), entry_id in pairs]
+
+    def job(self, job_id: str, after: str = START_ID) -> Job:
+        """A handle on an existing job, reading its output after entry `after` (default: all)."""
+        if not is_valid_id(job_id):
+            raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
+        job = Job(self, job_id)
+        job.state.last_id = after
+        return job
+
+    def cancel(self, job_id: str, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
+        self.redis.set(self.keys.cancel(job_id), "1", ex=ttl_s)
+
+    def stats(self, group: str = DEFAULT_GROUP) -> Stats:
+        return collect_stats(self.redis, self.keys, group)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Job:
+    """One submitted job. Reading resumes where the last read stopped (`last_id`)."""
+
+    def __init__(self, producer: Producer, job_id: str, entry_id: str | None = None) -> None:
+        self.producer = producer
+        self.id = job_id
+        self.entry_id = entry_id  # the `<prefix>:jobs` entry, when this handle submitted it
+        self.state = OutputState(job_id)
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, last_id={self.state.last_id!r})"
+
+    @property
+    def last_id(self) -> str:
+        return self.state.last_id
+
+    def stream(self, timeout: float | None = None) -> Iterator[TokenEvent | DoneEvent]:
+        """Yield this job's events live: token events, then the done event.
+
+        Raises `JobError` on an error event and `JobTimeoutError` when `timeout` seconds pass
+        first. A dropped connection is retried with backoff from the last entry seen, so no event
+        is skipped or repeated. Stopping early and calling again continues where it left off.
+        """
+        if self.state.error is not None:
+            raise self.state.job_error()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.state.finished:
+            for entry_id, fields in self._read(deadline, timeout):
+                event = self.state.apply(entry_id, fields)
+                if isinstance(event, ErrorEvent):
+                    raise self.state.job_error()
+                yield event
+                if isinstance(event, DoneEvent):
+                    return
+
+    def text_stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Only the non-empty text deltas of `stream()`."""
+        for event in self.stream(timeout):
+            if isinstance(event, TokenEvent) and event.text:
+                yield event.text
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the end of the job: its `Result`, or its `JobError` raised."""
+        for _ in self.stream(timeout):
+            pass
+        return self.state.result()
+
+    def cancel(self, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
+        """Ask the workers to stop this job; it ends with `finish_reason` `cancelled`."""
+        self.producer.cancel(self.id, ttl_s)
+
+    def _read(self, deadline: float | None, timeout: float | None) -> list[tuple[str, Any]]:
+        options = self.producer.options
+        backoff = Backoff(give_up_s=options.reconnect_give_up_s)
+        key = self.producer.keys.out(self.id)
+        while True:
+            block = options.block_for(deadline)
+            if block is None:
+                raise JobTimeoutError(f"job {self.id}: not finished within {timeout} s")
+            try:
+                reply = self.producer.redis.xread(
+                    {key: self.state.last_id}, count=READ_COUNT, block=block
+                )
+                return stream_entries(reply)
+            except TRANSIENT_ERRORS as exc:
+                time.sleep(capped(backoff.failed(exc), deadline))

@@ -1,0 +1,68 @@
+"""Redis clients for the producer: sync and asyncio, from one URL, with timeouts that fit BLOCK."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# The producer never trims `<prefix>:jobs`, but it bounds how long it blocks in one read.
+DEFAULT_BLOCK_MS = 5_000
+DEFAULT_CANCEL_TTL_S = 24 * 3600
+READ_COUNT = 512  # entries per XREAD: a whole burst of tokens in one round trip
+
+
+def redis_url_from_env() -> str:
+    return os.environ.get("REDIS_URL") or os.environ.get("QWORKER_REDIS_URL") or DEFAULT_REDIS_URL
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How the producer talks to Redis.
+
+    A blocking read (`XREAD BLOCK block_ms`) needs a socket timeout longer than its BLOCK, or the
+    client gives up on a healthy connection; `socket_timeout` is derived from `block_ms`.
+    AUTH, ACL users, TLS (`rediss://`) and the database come from the URL (redis-py `from_url`).
+    """
+
+    block_ms: int = DEFAULT_BLOCK_MS
+    connect_timeout_s: float = 5.0
+    socket_margin_s: float = 10.0
+    # How long a stream read keeps retrying a dead connection before raising.
+    reconnect_give_up_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.block_ms < 1:
+            raise ValueError("block_ms must be >= 1 (XREAD BLOCK 0 would block forever)")
+
+    @property
+    def socket_timeout_s(self) -> float:
+        return self.block_ms / 1000 + self.socket_margin_s
+
+    def block_for(self, deadline: float | None) -> int | None:
+        """BLOCK ms for the next read: `block_ms`, shortened to what is left before `deadline`
+        (a `time.monotonic()` value); None once the deadline has passed."""
+        if deadline is None:
+            return self.block_ms
+        left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+        return min(self.block_ms, left_ms) if left_ms > 0 else None
+
+    def kwargs(self) -> dict[str, object]:
+        return {
+            "decode_responses": True,
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+        }
+
+
+def sync_client(url: str, options: ClientOptions) -> redis.Redis:
+    return redis.Redis.from_url(url, **options.kwargs())
+
+
+def async_client(url: str, options: ClientOptions) -> redis.asyncio.Redis:
+    return redis.asyncio.Redis.from_url(url, **options.kwargs())

@@ -1,0 +1,108 @@
+"""What reading a job's output stream yields: events in, a `Result` or a `JobError` out.
+
+`OutputState` is the part shared by the sync and asyncio clients: it remembers the last entry id
+seen (where a read resumes) and how the job ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from qworker.protocol import DoneEvent, ErrorEvent, TokenEvent, parse_event
+
+OutputEvent = TokenEvent | DoneEvent | ErrorEvent
+
+# `XREAD ... STREAMS key 0-0` reads a stream from its first entry.
+START_ID = "0-0"
+
+
+class JobError(Exception):
+    """The job ended with an `error` event."""
+
+    def __init__(self, job_id: str, code: str, message: str) -> None:
+        super().__init__(f"job {job_id} failed: {code}: {message}")
+        self.job_id = job_id
+        self.code = code
+        self.message = message
+
+
+class JobTimeoutError(TimeoutError):
+    """No `done` or `error` event within the time asked for; the job may still be running."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Milliseconds from when the job was first queued."""
+
+    queue_ms: int
+    ttft_ms: int
+    total_ms: int
+
+
+@dataclass(frozen=True)
+class Result:
+    job_id: str
+    text: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+
+    @classmethod
+    def from_done(cls, job_id: str, done: DoneEvent) -> Result:
+        return cls(
+            job_id=job_id,
+            text=done.text,
+            finish_reason=done.finish_reason,
+            usage=Usage(done.prompt_tokens, done.completion_tokens),
+            timings=Timings(done.queue_ms, done.ttft_ms, done.total_ms),
+        )
+
+
+@dataclass
+class OutputState:
+    """Progress through one job's output stream."""
+
+    job_id: str
+    last_id: str = START_ID
+    done: DoneEvent | None = None
+    error: ErrorEvent | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+    def apply(self, entry_id: str, fields: Mapping[str, str]) -> OutputEvent:
+        """Take one entry as seen; remember a terminal event."""
+        event = parse_event(fields)
+        self.last_id = entry_id
+        if isinstance(event, DoneEvent):
+            self.done = event
+        elif isinstance(event, ErrorEvent):
+            self.error = event
+        return event
+
+    def job_error(self) -> JobError:
+        assert self.error is not None
+        return JobError(self.job_id, self.error.code, self.error.message)
+
+    def result(self) -> Result:
+        """The result of a finished job, or its JobError raised."""
+        if self.error is not None:
+            raise self.job_error()
+        assert self.done is not None
+        return Result.from_done(self.job_id, self.done)
+
+
+def stream_entries(response: object) -> list[tuple[str, dict[str, str]]]:
+    """The entries of an XREAD reply on one stream (RESP2 list or RESP3 dict form)."""
+    if not response:
+        return []
+    groups = response.values() if isinstance(response, dict) else [r[1] for r in response]
+    return [(entry_id, fields) for entries in groups for entry_id, fields in entries]

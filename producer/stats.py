@@ -1,0 +1,98 @@
+"""Queue health from Redis alone: lengths, lag, pending, dead letters, live workers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from qworker.protocol import DEFAULT_GROUP, Keys, WorkerInfo
+
+SCAN_COUNT = 1000
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """One work stream and the workers' consumer group on it (zeros when either is missing)."""
+
+    key: str
+    length: int = 0
+    group_exists: bool = False
+    consumers: int = 0
+    pending: int = 0  # delivered to a worker, not yet acked: in flight
+    lag: int | None = 0  # entries not yet delivered to any worker; None when Redis cannot tell
+    last_delivered_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Stats:
+    jobs: StreamStats
+    requeue: StreamStats
+    dead_letters: int
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def live_workers(self) -> int:
+        return len(self.workers)
+
+    @property
+    def backlog(self) -> int | None:
+        """Work not yet taken by any worker, over both streams (what an autoscaler looks at)."""
+        if self.jobs.lag is None or self.requeue.lag is None:
+            return None
+        return self.jobs.lag + self.requeue.lag
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "live_workers": self.live_workers, "backlog": self.backlog}
+
+
+def collect_stats(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -> Stats:
+    return Stats(
+        jobs=stream_stats(client, keys.jobs, group),
+        requeue=stream_stats(client, keys.requeue, group),
+        dead_letters=int(client.xlen(keys.dead)),
+        workers=live_workers(client, keys),
+    )
+
+
+def stream_stats(client: redis.Redis, key: str, group: str) -> StreamStats:
+    length = int(client.xlen(key))
+    if length == 0 and not client.exists(key):
+        return StreamStats(key)
+    info = next((g for g in client.xinfo_groups(key) if g["name"] == group), None)
+    if info is None:
+        return StreamStats(key, length=length, lag=length)
+    return StreamStats(
+        key,
+        length=length,
+        group_exists=True,
+        consumers=int(info["consumers"]),
+        pending=int(info["pending"]),
+        lag=None if info.get("lag") is None else int(info["lag"]),
+        last_delivered_id=info.get("last-delivered-id"),
+    )
+
+
+def live_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """Every worker whose liveness key has not expired, as its `WorkerInfo` (sorted by name).
+
+    A key whose value does not parse is still a live worker: it is listed with its name only."""
+    names = sorted(client.scan_iter(match=keys.worker_pattern, count=SCAN_COUNT))
+    if not names:
+        return []
+    workers = []
+    for name, raw in zip(names, client.mget(names), strict=True):
+        if raw is None:  # expired between SCAN and MGET
+            continue
+        workers.append(_worker_info(name.removeprefix(keys.worker("")), raw))
+    return workers
+
+
+def _worker_info(name: str, raw: str) -> dict[str, Any]:
+    try:
+        return WorkerInfo.model_validate(json.loads(raw)).model_dump()
+    except (ValueError, ValidationError):
+        return {"name": name}

@@ -1,0 +1,59 @@
+"""`qworker stats`: queue depth, group lag and pending, dead letters and live workers."""
+
+from __future__ import annotations
+
+import argparse
+
+from producer.cli import add_connection_args, connect, print_json, reports_redis_errors
+from producer.stats import Stats, StreamStats
+from qworker.protocol import DEFAULT_GROUP
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "stats", help="queue depth, lag, pending, dead letters, live workers",
+        description="Read the queue's state from Redis (no worker needed).",
+    )
+    parser.add_argument("--group", default=DEFAULT_GROUP, help="consumer group (default: workers)")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    add_connection_args(parser)
+    parser.set_defaults(func=run)
+
+
+@reports_redis_errors
+def run(args: argparse.Namespace) -> int:
+    with connect(args) as producer:
+        stats = producer.stats(args.group)
+    if args.json:
+        print_json(stats.to_dict())
+    else:
+        print(render(stats))
+    return 0
+
+
+def render(stats: Stats) -> str:
+    rows = [("stream", "length", "lag", "pending", "consumers", "last delivered")]
+    rows += [_stream_row(s) for s in (stats.jobs, stats.requeue)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    lines.append(f"dead letters: {stats.dead_letters}")
+    lines.append(f"live workers: {stats.live_workers}")
+    lines += [f"  {_worker_line(w)}" for w in stats.workers]
+    return "\n".join(lines)
+
+
+def _stream_row(s: StreamStats) -> tuple[str, ...]:
+    lag = "?" if s.lag is None else str(s.lag)
+    if not s.group_exists:
+        return (s.key, str(s.length), lag, "-", "no group", "-")
+    return (s.key, str(s.length), lag, str(s.pending), str(s.consumers),
+            s.last_delivered_id or "-")
+
+
+def _worker_line(worker: dict) -> str:
+    details = [f"{k}={worker[k]}" for k in ("host", "pid", "model", "running", "free_slots")
+               if k in worker]
+    if worker.get("draining"):
+        details.append("draining")
+    return " ".join([str(worker["name"]), *details])

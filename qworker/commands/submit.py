@@ -1,0 +1,126 @@
+"""`qworker submit`: send one job and print its output (live with `--stream`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from producer.cli import (
+    EXIT_USAGE,
+    add_connection_args,
+    connect,
+    follow,
+    print_json,
+    report_error,
+    reports_redis_errors,
+)
+
+# (flag, wire field, type) of the optional job fields taken as plain values.
+_PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
+    ("--max-tokens", "max_tokens", int),
+    ("--temperature", "temperature", float),
+    ("--top-p", "top_p", float),
+    ("--top-k", "top_k", int),
+    ("--min-p", "min_p", float),
+    ("--seed", "seed", int),
+    ("--min-tokens", "min_tokens", int),
+    ("--repetition-penalty", "repetition_penalty", float),
+    ("--presence-penalty", "presence_penalty", float),
+    ("--frequency-penalty", "frequency_penalty", float),
+    ("--priority", "priority", int),
+    ("--deadline-ms", "deadline_ms", int),
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "submit", help="submit a job and print its output",
+        description="Submit one job to <prefix>:jobs and print its text (or events with --json).",
+    )
+    parser.add_argument("prompt", nargs="?", help="prompt text ('-' reads stdin)")
+    add_prompt_args(parser)
+    add_param_args(parser)
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--json", action="store_true",
+                        help="machine output: the result object, or one event per line (--stream)")
+    parser.add_argument("--no-wait", action="store_true", help="print the job id and exit")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for the end")
+    add_connection_args(parser)
+    parser.set_defaults(func=run)
+
+
+def add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message (chat template applies)")
+    parser.add_argument("--system", default=None, help="system message (implies --chat)")
+    parser.add_argument("--messages-json", default=None,
+                        help='chat messages as JSON: [{"role": "user", "content": "..."}]')
+    parser.add_argument("--prompt-token-ids", default=None, help="prompt as a JSON list of ids")
+
+
+def add_param_args(parser: argparse.ArgumentParser) -> None:
+    for flag, field, kind in _PARAM_FLAGS:
+        parser.add_argument(flag, dest=field, type=kind, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--stop-token-ids", default=None, help="JSON list of token ids")
+    parser.add_argument("--ignore-eos", action="store_true", default=None)
+    parser.add_argument("--id", dest="job_id", default=None, help="job id (default: random)")
+
+
+def job_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's fields from the parsed flags; None fields are left to the worker's default."""
+    spec: dict[str, Any] = {field: getattr(args, field) for _, field, _ in _PARAM_FLAGS}
+    spec.update(
+        id=args.job_id, stop=args.stop, ignore_eos=args.ignore_eos,
+        stop_token_ids=_json_arg("--stop-token-ids", args.stop_token_ids),
+    )
+    spec.update(_prompt_fields(args))
+    return spec
+
+
+def _prompt_fields(args: argparse.Namespace) -> dict[str, Any]:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.messages_json is not None:
+        return {"messages": _json_arg("--messages-json", args.messages_json), "prompt": prompt}
+    if args.prompt_token_ids is not None:
+        return {"prompt_token_ids": _json_arg("--prompt-token-ids", args.prompt_token_ids),
+                "prompt": prompt}
+    if args.chat or args.system is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        user = [{"role": "user", "content": prompt}] if prompt is not None else []
+        return {"messages": system + user}
+    return {"prompt": prompt}
+
+
+def _json_arg(flag: str, raw: str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: invalid JSON ({exc})") from None
+
+
+@reports_redis_errors
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = job_spec(args)
+    except ValueError as exc:
+        report_error(str(exc))
+        return EXIT_USAGE
+    with connect(args) as producer:
+        try:
+            job = producer.submit(**spec)
+        except (ValueError, TypeError) as exc:
+            report_error(f"invalid job: {exc}")
+            return EXIT_USAGE
+        if args.no_wait:
+            if args.json:
+                print_json({"id": job.id})
+            else:
+                print(job.id)
+            return 0
+        return follow(job, stream=args.stream, as_json=args.json, timeout=args.timeout,
+                      cancel_on_interrupt=True)
