@@ -65,8 +65,8 @@ def _byte_level_spelling(token: str, alphabet: frozenset[str], table: dict[int, 
 
 @dataclass
 class Tokenizer:
-    backend: tokenizers.Tokenizer
-    chat_template: str | None = None
+    backend: tokenizers.Tokenizer = field(repr=False)
+    chat_template: str | None = field(default=None, repr=False)
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ...
     extra_eos_token_ids: tuple[int, ...] = ()
     source: str = ""
@@ -343,8 +343,3 @@ class IncrementalDetokenizer:
         text = self._decode(self._prefix)
         self._read = len(self.ids)
         return text[len(emitted) :] if text.startswith(emitted) else ""
-
-    @property
-    def pending(self) -> bool:
-        """Whether ids are held back: `flush()` would return text."""
-        return self._read < len(self.ids)
