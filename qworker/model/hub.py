@@ -50,7 +50,7 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
-ALIASES = {"smollm2-135m-instruct": "smollm2"}
+ALIASES = {"SmolLM2-135M-Instruct": "smollm2"}  # matched case-insensitively
 DEFAULT_MODEL = "smollm2"
 
 
@@ -66,8 +66,9 @@ def known_names() -> list[str]:
 
 def lookup(name: str) -> ModelSource:
     """The source of a known model name (case-insensitive, aliases allowed)."""
-    key = name.lower()
-    source = KNOWN_MODELS.get(ALIASES.get(key, key))
+    names = {alias.lower(): target for alias, target in ALIASES.items()}
+    names |= {known.lower(): known for known in KNOWN_MODELS}
+    source = KNOWN_MODELS.get(names.get(name.lower(), ""))
     if source is None:
         raise UnknownModelError(
             f"{name!r} is neither an existing path nor a known model name "
