@@ -265,20 +265,21 @@ def roundtrip(tensor: torch.Tensor, kind: Q) -> torch.Tensor:
         return tensor.float()
     if kind == Q.F16:
         return tensor.half().float()
+    if kind == Q.BF16:
+        return tensor.bfloat16().float()
     quantized = gguf.quants.quantize(tensor.numpy(), kind)
     return torch.from_numpy(gguf.quants.dequantize(quantized, kind))
 
 
-@pytest.mark.parametrize("kind", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("kind", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
     model = tiny_llama()
     state = hf_state(model, tie=False)
     config, tensors = load_checkpoint(write_gguf(tmp_path / "tiny.gguf", state, qtype=kind))
     assert config == ModelConfig.from_hf(model.config.to_dict())
     assert_same_tensors(tensors, {k: roundtrip(v, kind) for k, v in state.items()})
-    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == (
-        torch.float16 if kind == Q.F16 else torch.float32
-    )
+    stored = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(kind, torch.float32)
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == stored
 
 
 def test_gguf_qwen2_is_not_permuted(tmp_path: Path) -> None:
