@@ -12,6 +12,7 @@ COMMAND_MODULES = (
     "qworker.commands.submit",
     "qworker.commands.tail",
     "qworker.commands.stats",
+    "qworker.commands.serve",
 )
 
 

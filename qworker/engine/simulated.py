@@ -261,7 +261,7 @@ class SimulatedEngine:
                 # alone and still out of blocks: it can never grow, end it here
                 self._running.remove(seq)
                 self._release(seq)
-                outputs.append(self._finish(seq, "length"))
+                outputs.append(self._finish(seq, "length", flush=False))
                 return False
             self._preempt(victim, outputs)
             if victim is seq:
@@ -338,8 +338,11 @@ class SimulatedEngine:
             return "length"
         return None
 
-    def _finish(self, seq: _Seq, reason: str) -> StepOutput:
+    def _finish(self, seq: _Seq, reason: str, flush: bool = True) -> StepOutput:
+        """The final output; `flush=False` (no token to carry text): the shown text is final."""
         text = self._final_text(seq, reason)
+        if not flush:
+            text = text[:seq.emitted_chars]
         delta = text[seq.emitted_chars:]
         seq.emitted_chars = len(text)
         return StepOutput(seq.rid, [], delta, first_index=len(seq.outputs), finished=True,

@@ -1,0 +1,118 @@
+"""`qworker serve`: run one worker (one engine) on the job streams of a Redis.
+
+Every flag can also come from an environment variable `QWORKER_<FLAG>` (dashes as underscores,
+upper case), e.g. `QWORKER_REDIS_URL`, `QWORKER_MAX_NUM_SEQS`; a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+SIM_HELP = ("model name, HF folder or .gguf file; `sim` or `sim:step_ms=5,max_model_len=4096,"
+            "eos_every=0,token_us=0` selects the built-in simulated engine (no torch: a byte "
+            "tokenizer and a deterministic fake model with the real scheduling, for tests and "
+            "scale-out benchmarks)")
+
+
+def env_name(flag: str) -> str:
+    return "QWORKER_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _flag(parser: argparse.ArgumentParser, flag: str, type: Callable[[str], Any] = str,
+          default: Any = None, required: bool = False, help: str = "", **kw: Any) -> None:
+    env = env_name(flag)
+    value = os.environ.get(env)
+    if value is not None:
+        default, required = value, False  # argparse applies `type` to string defaults
+    shown = f"{help} (env {env}" + (f"; default {default})" if default is not None else ")")
+    parser.add_argument(flag, type=type, default=default, required=required, help=shown, **kw)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run a worker on a Redis job stream",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _flag(p, "--redis-url", required=True,
+          help="redis://[user:password@]host:port/db, rediss:// for TLS")
+    _flag(p, "--model", required=True, help=SIM_HELP)
+    _flag(p, "--prefix", default="qw", help="key prefix; nothing is written outside it")
+    _flag(p, "--group", default="workers", help="consumer group")
+    _flag(p, "--name", help="consumer name (default: host-pid)")
+    _flag(p, "--device", default="cpu", choices=["cpu", "cuda"], help="engine device")
+    _flag(p, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    _flag(p, "--max-num-seqs", type=int, default=64, help="most sequences in a batch")
+    _flag(p, "--num-blocks", type=int, help="KV cache blocks (default: from --kv-cache-gb)")
+    _flag(p, "--kv-cache-gb", type=float, default=1.0, help="KV cache size")
+    _flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    _flag(p, "--max-batched-tokens", type=int, default=2048, help="prefill tokens per step")
+    _flag(p, "--prefill-chunk", type=int, default=512, help="prefill tokens per sequence per step")
+    _flag(p, "--max-model-len", type=int, help="context limit (default: the model's)")
+    _flag(p, "--claim-idle-ms", type=int, default=30_000,
+          help="reclaim entries idle this long (their worker died); must exceed the longest step")
+    _flag(p, "--max-deliveries", type=int, default=5,
+          help="an entry delivered more often is dead-lettered as a poison job")
+    _flag(p, "--drain-timeout", type=float, default=30.0,
+          help="seconds to finish running jobs after SIGTERM before requeueing them")
+    _flag(p, "--result-ttl", type=int, default=3600,
+          help="seconds an output stream lives after its last event")
+    _flag(p, "--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    _flag(p, "--log-level", default="info", help="debug | info | warning | error")
+    p.set_defaults(func=run)
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from qworker.engine.config import EngineConfig
+    from qworker.engine.simulated import SimulatedEngine, is_simulated
+
+    kv: dict[str, Any] = {"num_blocks": args.num_blocks, "kv_cache_gb": args.kv_cache_gb}
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens, prefill_chunk=args.prefill_chunk,
+        block_size=args.block_size, max_model_len=args.max_model_len, requeue_preempted=True,
+        **kv)
+    if is_simulated(args.model):
+        return SimulatedEngine.from_config(config)
+    from qworker.engine.engine import Engine  # torch: only for a real model
+
+    return Engine.from_config(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qworker.service.config import ServiceConfig, default_worker_name
+    from qworker.service.logs import configure_logging, get_logger
+    from qworker.service.worker import Worker
+
+    configure_logging(args.log_level)
+    config = ServiceConfig(
+        redis_url=args.redis_url, prefix=args.prefix, group=args.group,
+        name=args.name or default_worker_name(), model=args.model,
+        claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries,
+        drain_timeout=args.drain_timeout, result_ttl=args.result_ttl,
+        metrics_port=args.metrics_port)
+    log = get_logger(worker=config.name)
+    log.info("loading engine", model=args.model, device=args.device)
+    worker = Worker(build_engine(args), config)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal", signal=signal.Signals(signum).name)
+        worker.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return worker.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qworker")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

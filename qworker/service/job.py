@@ -1,0 +1,117 @@
+"""A job this worker holds: where its entry is, what was already shown, what is still to publish."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qworker.protocol import DoneEvent, ErrorEvent, Job, TokenEvent, entry_ms, parse_event
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+RawFields = dict[bytes, bytes]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Entry:
+    """One stream entry delivered to this worker."""
+
+    stream: str
+    entry_id: str
+    fields: RawFields
+    deliveries: int = 1
+    reclaimed: bool = False
+
+
+@dataclass
+class Readback:
+    """What `<prefix>:out:<id>` already holds: the truth a resumed job continues from."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    terminal: bool = False
+    first_token_ms: int | None = None
+    consistent: bool = True  # False: indices were not 0..n-1 (only the prefix that was is used)
+
+    @classmethod
+    def parse(cls, entries: Sequence[tuple[Any, dict[bytes, bytes]]]) -> Readback:
+        rb = cls()
+        for entry_id, fields in entries:
+            try:
+                event = parse_event(fields)
+            except ValueError:
+                rb.consistent = False
+                break
+            if isinstance(event, TokenEvent):
+                if event.i != len(rb.token_ids):
+                    rb.consistent = False
+                    break
+                if rb.first_token_ms is None:
+                    rb.first_token_ms = entry_ms(_str(entry_id))
+                rb.token_ids.append(event.token_id)
+                rb.text += event.text
+            else:
+                rb.terminal = True
+                break
+        return rb
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass
+class ActiveJob:
+    """A job taken by this worker: in the engine, or finished with events still to publish."""
+
+    job: Job
+    entry: Entry
+    log: Any
+    t0_ms: int  # first queued (the original entry's time, kept across requeues)
+    started_ms: int  # first taken by any worker
+    next_index: int = 0  # index of the next token to publish
+    text: str = ""  # text shown so far (read back + published deltas)
+    first_token_ms: int | None = None
+    prompt_tokens: int = 0
+    outbox: list[Event] = field(default_factory=list)  # not yet confirmed written
+    finished: bool = False  # a terminal event is in the outbox; the engine has let go
+    requeue: bool = False  # to requeue once the outbox is written; the engine has let go
+
+    @property
+    def job_id(self) -> str:
+        return self.job.id or self.entry.entry_id
+
+    @property
+    def in_engine(self) -> bool:
+        return not (self.finished or self.requeue)
+
+    def add_tokens(self, first_index: int, token_ids: list[int], text: str) -> None:
+        for k, token_id in enumerate(token_ids):
+            delta = text if k == len(token_ids) - 1 else ""
+            self.outbox.append(TokenEvent(i=first_index + k, token_id=token_id, text=delta))
+        if token_ids:
+            self.next_index = first_index + len(token_ids)
+            self.text += text
+            if self.first_token_ms is None:
+                self.first_token_ms = now_ms()
+
+    def finish(self, finish_reason: str, completion_tokens: int) -> DoneEvent:
+        done_ms = now_ms()
+        first = self.first_token_ms if self.first_token_ms is not None else done_ms
+        event = DoneEvent(
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            text=self.text,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion_tokens,
+            queue_ms=max(0, self.started_ms - self.t0_ms),
+            ttft_ms=max(0, first - self.t0_ms),
+            total_ms=max(0, done_ms - self.t0_ms),
+        )
+        self.outbox.append(event)
+        self.finished = True
+        return event

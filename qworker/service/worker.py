@@ -1,0 +1,367 @@
+"""The worker loop: engine.step -> publish (one round trip) -> heartbeat -> reclaim + intake.
+
+Single-threaded: the engine, the in-flight table and the Redis client are touched only here.
+`request_stop()` (from a signal handler or another thread) starts a drain; a second call requeues
+at once. Redis errors (connection lost, restart, failover) back off and retry while the engine
+keeps stepping: events wait in each job's outbox, nothing else is lost since every job stays
+pending in the group until its terminal event or its requeue is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
+from qworker.protocol import INTERNAL, INVALID_REQUEST, DoneEvent, ErrorEvent, Job, Keys, WorkerInfo
+from qworker.service import publisher as pub
+from qworker.service.config import ServiceConfig
+from qworker.service.heartbeat import Heartbeat
+from qworker.service.intake import Intake, Reject, Taken
+from qworker.service.job import ActiveJob, Entry, now_ms
+from qworker.service.logs import get_logger
+from qworker.service.metrics import Metrics
+from qworker.service.publisher import Publisher
+from qworker.service.scripts import Scripts
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+EXIT_GRACE_S = 5.0  # after a drain/requeue deadline, how long to keep retrying Redis writes
+
+
+class EngineLike(Protocol):
+    tokenizer: Any
+    max_model_len: int
+
+    def add(self, request: Request) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[StepOutput]: ...
+    def free_slots(self) -> int: ...
+    def has_unfinished(self) -> bool: ...
+
+
+def connect(config: ServiceConfig) -> redis.Redis:
+    """A client for `redis_url` (redis://, rediss:// with TLS, user:password@ for AUTH/ACL). No
+    retries inside redis-py: the worker loop backs off and retries itself."""
+    return redis.Redis.from_url(
+        config.redis_url, socket_timeout=config.socket_timeout_s, socket_connect_timeout=5.0,
+        retry=Retry(NoBackoff(), 0), client_name=f"qworker:{config.name}"[:100].replace(" ", "_"))
+
+
+@dataclass
+class Backoff:
+    min_s: float
+    max_s: float
+    delay: float = 0.0
+    until: float = 0.0
+
+    def ready(self, now: float) -> bool:
+        return now >= self.until
+
+    def failed(self, now: float) -> float:
+        self.delay = min(self.max_s, max(self.min_s, self.delay * 2))
+        self.until = now + self.delay * (0.5 + random.random() / 2)
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.delay, self.until = 0.0, 0.0
+
+
+def default_seed(job_id: str) -> int:
+    """A job without a seed still samples reproducibly, so a resumed run continues exactly."""
+    return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") >> 1
+
+
+def sampling_params(job: Job, job_id: str) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
+        min_p=job.min_p, seed=job.seed if job.seed is not None else default_seed(job_id),
+        stop=tuple(job.stop), stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
+        min_tokens=job.min_tokens, repetition_penalty=job.repetition_penalty,
+        presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty)
+
+
+class Worker:
+    def __init__(self, engine: EngineLike, config: ServiceConfig,
+                 client: redis.Redis | None = None, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.client = client or connect(config)
+        self.keys = Keys(config.prefix)
+        self.token = f"{config.name}/{uuid.uuid4().hex[:12]}"  # fencing token of this process
+        self.metrics = metrics or Metrics()
+        scripts = Scripts()
+        self.intake = Intake(self.client, self.keys, config, scripts, self.token)
+        self.publisher = Publisher(self.client, self.keys, config, scripts, self.token)
+        self.heartbeat = Heartbeat(self.client, self.keys, config)
+        self.backoff = Backoff(config.backoff_min_s, config.backoff_max_s)
+        self.log = get_logger(worker=config.name)
+        self.active: dict[str, ActiveJob] = {}
+        self.draining = False
+        self.requeue_now = False
+        self._ready = False  # group created and scripts loaded
+        self._drain_deadline = float("inf")
+        self._exit_by = float("inf")
+        self._last_reclaim = float("-inf")
+        self._started_ms = now_ms()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self) -> None:
+        """First call: stop intake and drain. Second: requeue what still runs, at once."""
+        now = time.monotonic()
+        if not self.draining:
+            self.draining = True
+            self._drain_deadline = now + self.config.drain_timeout
+            self._exit_by = self._drain_deadline + EXIT_GRACE_S
+            self.log.info("draining", timeout_s=self.config.drain_timeout, jobs=len(self.active))
+        else:
+            self.requeue_now = True
+            self._exit_by = min(self._exit_by, now + EXIT_GRACE_S)
+            self.log.info("requeueing at once", jobs=len(self.active))
+
+    def run(self) -> int:
+        self.metrics.serve(self.config.metrics_port)
+        self.log.info("worker started", group=self.config.group, prefix=self.config.prefix,
+                      model=self.config.model, token=self.token)
+        while not self._finished():
+            self.iterate()
+        if self.active:
+            self.log.warning("exiting with unpublished jobs; they stay pending for reclaim",
+                             jobs=sorted(self.active))
+        self._guard(self.heartbeat.leave)
+        self.log.info("worker stopped")
+        return 0
+
+    def _finished(self) -> bool:
+        if not self.draining:
+            return False
+        return not self.active or time.monotonic() >= self._exit_by
+
+    def iterate(self) -> None:
+        """One turn of the loop: step, publish what it produced, then heartbeat and intake."""
+        if self.requeue_now or time.monotonic() >= self._drain_deadline:
+            self._requeue_all()
+        stepped = self.engine.has_unfinished()
+        if stepped:
+            self._step()
+        now = time.monotonic()
+        if not self.backoff.ready(now):
+            if not stepped:
+                time.sleep(min(max(self.backoff.until - now, 0.0), 0.1))
+            return
+        if not self._ready and not self._guard(self._setup):
+            return
+        if not self._guard(self._publish) or self._backlog():
+            return
+        self._guard(self._housekeeping)
+
+    def _setup(self) -> None:
+        self.intake.ensure_group()
+        Scripts.load(self.client)
+        self._ready = True
+
+    def _guard(self, fn: Callable[[], Any]) -> bool:
+        """Run one Redis phase; on a connection problem back off (the loop retries later)."""
+        try:
+            fn()
+        except REDIS_DOWN as exc:
+            self.metrics.redis_errors.inc()
+            delay = self.backoff.failed(time.monotonic())
+            self.log.warning("redis unavailable, retrying", error=str(exc)[:200],
+                             retry_in_s=round(delay, 3))
+            return False
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.log.warning("consumer group missing, recreating it")
+            self._ready = False
+            return False
+        self.backoff.succeeded()
+        return True
+
+    # ------------------------------------------------------------------ engine
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        for out in outputs:
+            job = self.active.get(out.request_id)
+            if job is None or not job.in_engine:
+                continue
+            if out.preempted:
+                job.requeue = True
+                self.metrics.preemptions.inc()
+                self.metrics.requeues.labels("preempted").inc()
+                job.log.info("preempted, requeueing", tokens=job.next_index)
+                continue
+            if out.text_delta and not out.new_token_ids:
+                job.log.warning("engine gave text without a token; dropped",
+                                chars=len(out.text_delta))
+            job.add_tokens(out.first_index, out.new_token_ids, out.text_delta)
+            self.metrics.tokens.inc(len(out.new_token_ids))
+            if out.finished:
+                job.prompt_tokens = out.num_prompt_tokens or job.prompt_tokens
+                job.finish(out.finish_reason or "stop", out.first_index + len(out.new_token_ids))
+
+    def _requeue_all(self) -> None:
+        for job in self.active.values():
+            if job.in_engine:
+                self.engine.abort(job.job_id)
+                job.requeue = True
+                self.metrics.requeues.labels("shutdown").inc()
+                job.log.info("requeued at shutdown", tokens=job.next_index)
+        self._drain_deadline = float("inf")
+
+    # ------------------------------------------------------------------ publishing
+
+    def _backlog(self) -> bool:
+        return any(job.outbox or job.requeue for job in self.active.values())
+
+    def _publish(self) -> None:
+        jobs = [job for job in self.active.values() if job.outbox or job.requeue]
+        running = [job.job_id for job in self.active.values() if job.in_engine]
+        result = self.publisher.flush(jobs, running)
+        for job_id, status in result.status.items():
+            self._settle(self.active[job_id], status)
+        for job_id in result.cancelled:
+            job = self.active.get(job_id)
+            if job is not None and job.in_engine:
+                self.engine.abort(job_id)
+                job.finish("cancelled", job.next_index)
+                job.log.info("cancelled", tokens=job.next_index)
+        self.metrics.running.set(len(self.active))
+
+    def _settle(self, job: ActiveJob, status: str) -> None:
+        if status == pub.OK:
+            job.outbox.clear()
+            return
+        if status == pub.DONE:
+            self._record_end(job)
+        elif status == pub.REQUEUED:
+            job.log.info("requeued", tokens=job.next_index)
+        else:
+            if status == pub.LOST:
+                self.metrics.lost.inc()
+            job.log.warning("dropping job", status=status)
+        if job.in_engine:
+            self.engine.abort(job.job_id)
+        del self.active[job.job_id]
+
+    def _record_end(self, job: ActiveJob) -> None:
+        last = job.outbox[-1]
+        if isinstance(last, DoneEvent):
+            self.metrics.jobs_finished.labels(last.finish_reason).inc()
+            self.metrics.queue_seconds.observe(last.queue_ms / 1000)
+            self.metrics.ttft_seconds.observe(last.ttft_ms / 1000)
+            self.metrics.total_seconds.observe(last.total_ms / 1000)
+            job.log.info("done", finish_reason=last.finish_reason,
+                         completion_tokens=last.completion_tokens, total_ms=last.total_ms)
+        elif isinstance(last, ErrorEvent):
+            self.metrics.jobs_failed.labels(last.code).inc()
+            job.log.info("failed", code=last.code)
+
+    # ------------------------------------------------------------------ intake
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if self.heartbeat.due(now):
+            self.heartbeat.beat(now, self.active.values(), self._info())
+        if self.draining:
+            return
+        free = self.engine.free_slots()
+        self.metrics.free_slots.set(free)
+        if free <= 0:
+            return
+        entries: list[Entry] = []
+        if now - self._last_reclaim >= self.config.reclaim_s:
+            own = {job.entry.entry_id for job in self.active.values()}
+            entries = self.intake.reclaim(free, own)
+            self._last_reclaim = now
+            self.metrics.reclaimed.inc(len(entries))
+        idle = not self.active and not self.engine.has_unfinished()
+        block = self.config.block_ms if idle and not entries else None
+        entries += self.intake.read(free - len(entries), block)
+        if entries:
+            self._admit(entries)
+
+    def _admit(self, entries: list[Entry]) -> None:
+        good, rejects = self.intake.screen(entries, set(self.active))
+        taken = self.intake.take(good) if good else []
+        finished_before: list[Entry] = []
+        for t in taken:
+            if t.readback.terminal:
+                finished_before.append(t.entry)
+                continue
+            reject = self._start(t)
+            if reject is not None:
+                rejects.append(reject)
+        if finished_before:
+            self.intake.ack(finished_before)
+        for r in rejects:
+            self.metrics.dead_letters.labels(r.code).inc()
+            if r.job_id:
+                self.metrics.jobs_failed.labels(r.code).inc()
+            self.log.info("dead-lettered", job_id=r.job_id, entry=r.entry.entry_id, code=r.code,
+                          reason=r.message[:200])
+        self.intake.dead_letter(rejects)
+        self.metrics.running.set(len(self.active))
+
+    def _start(self, t: Taken) -> Reject | None:
+        """Put a taken job into the engine (continuing after what it already showed)."""
+        job_id = t.job.id or t.entry.entry_id
+        log = self.log.bind(job_id=job_id)
+        job = ActiveJob(t.job, t.entry, log, t0_ms=t.t0_ms, started_ms=t.started_ms,
+                        next_index=len(t.readback.token_ids), text=t.readback.text,
+                        first_token_ms=t.readback.first_token_ms)
+        if not t.readback.consistent:
+            log.warning("output stream is not a clean 0..n-1 token prefix; continuing after it",
+                        tokens=job.next_index)
+        if t.cancelled or job.next_index >= t.job.max_tokens:
+            self.active[job_id] = job
+            job.finish("cancelled" if t.cancelled else "length", job.next_index)
+            return None
+        try:
+            prompt = self._prompt_ids(t.job)
+            job.prompt_tokens = len(prompt)
+            self.engine.add(Request(job_id, prompt, sampling_params(t.job, job_id),
+                                    output_token_ids=list(t.readback.token_ids),
+                                    priority=t.job.priority))
+        except RequestRejectedError as exc:
+            return Reject(t.entry, exc.code, str(exc), job_id, drop_owner=True)
+        except Exception as exc:  # a tokenizer / template failure must not stop the worker
+            log.exception("could not start job")
+            code = INVALID_REQUEST if isinstance(exc, (ValueError, KeyError)) else INTERNAL
+            return Reject(t.entry, code, f"could not start: {exc}", job_id, drop_owner=True)
+        self.active[job_id] = job
+        source = "reclaimed" if t.entry.reclaimed else (
+            "requeue" if t.entry.stream == self.keys.requeue else "jobs")
+        self.metrics.jobs_started.labels(source).inc()
+        log.info("started", source=source, resume_at=job.next_index, prompt_tokens=len(prompt),
+                 deliveries=t.entry.deliveries)
+        return None
+
+    def _prompt_ids(self, job: Job) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if job.prompt_token_ids is not None:
+            return list(job.prompt_token_ids)
+        if job.messages is not None:
+            return list(tokenizer.encode_chat([m.model_dump() for m in job.messages]))
+        return list(tokenizer.encode(job.prompt or "", add_special_tokens=True))
+
+    def _info(self) -> WorkerInfo:
+        return WorkerInfo(name=self.config.name, host=socket.gethostname(), pid=os.getpid(),
+                          model=self.config.model, group=self.config.group,
+                          started_ms=self._started_ms, running=len(self.active),
+                          free_slots=self.engine.free_slots(), draining=self.draining)

@@ -1,0 +1,166 @@
+"""Helpers of the service tests: submit jobs, read their streams, run workers (threads or
+processes) on the simulated engine, and compute what an uninterrupted run would print."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from qworker.engine.config import EngineConfig
+from qworker.engine.request import Request
+from qworker.engine.simulated import SimulatedEngine, run_offline
+from qworker.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, parse_event, parse_job_fields
+from qworker.service.config import ServiceConfig
+from qworker.service.worker import Worker, sampling_params
+
+KEYS = Keys("qw")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02,
+             what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def submit(client: redis.Redis, job_id: str, **fields: Any) -> str:
+    wire = {"id": job_id}
+    for k, v in fields.items():
+        wire[k] = v if isinstance(v, str) else (str(v).lower() if isinstance(v, bool) else str(v))
+    client.xadd(KEYS.jobs, wire)
+    return job_id
+
+
+def events(client: redis.Redis, job_id: str) -> list[TokenEvent | DoneEvent | ErrorEvent]:
+    return [parse_event(f) for _, f in client.xrange(KEYS.out(job_id))]
+
+
+def terminal(client: redis.Redis, job_id: str) -> DoneEvent | ErrorEvent | None:
+    last = client.xrevrange(KEYS.out(job_id), count=1)
+    if not last:
+        return None
+    ev = parse_event(last[0][1])
+    return None if isinstance(ev, TokenEvent) else ev
+
+
+def wait_terminal(client: redis.Redis, ids: Iterable[str], timeout: float = 60.0
+                  ) -> dict[str, DoneEvent | ErrorEvent]:
+    ids = list(ids)
+
+    def all_done() -> dict[str, DoneEvent | ErrorEvent] | None:
+        got = {i: terminal(client, i) for i in ids}
+        return got if all(v is not None for v in got.values()) else None
+
+    return wait_for(all_done, timeout, what=f"{len(ids)} jobs to finish")
+
+
+def check_stream(client: redis.Redis, job_id: str) -> DoneEvent:
+    """Indices 0..n-1 exactly once, one terminal `done` last, joined texts == final text."""
+    evs = events(client, job_id)
+    assert evs and isinstance(evs[-1], DoneEvent), (job_id, evs[-3:])
+    tokens = evs[:-1]
+    assert all(isinstance(e, TokenEvent) for e in tokens), job_id
+    assert [e.i for e in tokens] == list(range(len(tokens))), (job_id, [e.i for e in tokens])
+    done = evs[-1]
+    assert "".join(e.text for e in tokens) == done.text, job_id
+    assert done.completion_tokens == len(tokens), job_id
+    return done
+
+
+def expected(jobs: dict[str, dict[str, Any]], model: str = "sim:step_ms=0"
+             ) -> dict[str, tuple[str, str | None]]:
+    """(text, finish_reason) of each job in an uninterrupted run with a roomy KV cache."""
+    engine = SimulatedEngine.from_config(EngineConfig(model=model, num_blocks=100_000))
+    requests = []
+    for job_id, fields in jobs.items():
+        wire = {k: v if isinstance(v, str) else str(v) for k, v in {"id": job_id, **fields}.items()}
+        job = parse_job_fields(wire, "0-1")
+        prompt = engine.tokenizer.encode(job.prompt or "")
+        requests.append(Request(job_id, prompt, sampling_params(job, job_id)))
+    return {k: (r.text, r.finish_reason) for k, r in run_offline(engine, requests).items()}
+
+
+def sim_engine(model: str = "sim:step_ms=2", **config: Any) -> SimulatedEngine:
+    return SimulatedEngine.from_config(EngineConfig(model=model, requeue_preempted=True, **config))
+
+
+@dataclass
+class ThreadWorker:
+    worker: Worker
+    thread: threading.Thread
+    result: list[int]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.worker.request_stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "worker thread did not stop"
+        return self.result[0]
+
+
+@contextmanager
+def thread_worker(url: str, name: str, engine: SimulatedEngine | None = None,
+                  **config: Any) -> Iterator[ThreadWorker]:
+    """A worker in a thread of this process; stopped (drained) on exit."""
+    cfg = ServiceConfig(redis_url=url, name=name, model="sim", **config)
+    worker = Worker(engine or sim_engine(), cfg)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(worker.run()), name=name, daemon=True)
+    thread.start()
+    tw = ThreadWorker(worker, thread, result)
+    try:
+        yield tw
+    finally:
+        if thread.is_alive():
+            worker.request_stop()
+            worker.request_stop()
+            thread.join(30)
+
+
+def spawn_worker(url: str, name: str, *args: str, log_path: Path | None = None
+                 ) -> subprocess.Popen[bytes]:
+    """`qworker serve` in a subprocess on the simulated engine."""
+    cmd = [sys.executable, "-m", "qworker.commands.serve", "--redis-url", url, "--name", name,
+           *args]
+    out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=ROOT, env=env)
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        proc.wait(30)
+
+
+def group_pending(client: redis.Redis) -> int:
+    total = 0
+    for stream in KEYS.streams:
+        try:
+            total += client.xpending(stream, "workers")["pending"]
+        except redis.ResponseError:
+            pass
+    return total
+
+
+def owners_by_job(client: redis.Redis, ids: Iterable[str]) -> dict[str, str]:
+    return {i: (client.hget(KEYS.owner(i), "worker") or b"").decode() for i in ids}
+
+
+__all__ = ["KEYS", "replace"]

@@ -1,0 +1,59 @@
+"""The worker against a real redis-server, in threads, on the simulated engine."""
+
+from __future__ import annotations
+
+import redis
+
+from tests.service_harness import (
+    KEYS,
+    check_stream,
+    expected,
+    group_pending,
+    sim_engine,
+    submit,
+    thread_worker,
+    wait_terminal,
+)
+
+
+def _jobs(n: int, max_tokens: int = 24) -> dict[str, dict[str, object]]:
+    return {f"job-{k}": {"prompt": f"prompt number {k}", "max_tokens": max_tokens + k % 5}
+            for k in range(n)}
+
+
+def test_one_worker_runs_jobs_to_the_expected_text(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    jobs = _jobs(12)
+    want = expected(jobs)
+    with thread_worker(redis_url, "w1", claim_idle_ms=2000) as w:
+        for job_id, fields in jobs.items():
+            submit(client, job_id, **fields)
+        wait_terminal(client, jobs)
+        assert w.stop() == 0
+    for job_id in jobs:
+        done = check_stream(client, job_id)
+        assert (done.text, done.finish_reason) == want[job_id]
+        assert done.prompt_tokens == len(jobs[job_id]["prompt"])
+        assert done.total_ms >= done.ttft_ms >= done.queue_ms >= 0
+    assert group_pending(client) == 0
+    assert not client.exists(*[KEYS.owner(j) for j in jobs])
+    assert 0 < client.ttl(KEYS.out("job-0")) <= 3600
+
+
+def test_two_workers_share_the_work_and_none_runs_twice(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    jobs = _jobs(24, max_tokens=30)
+    want = expected(jobs)
+    with thread_worker(redis_url, "a", sim_engine(max_num_seqs=4)) as a, \
+            thread_worker(redis_url, "b", sim_engine(max_num_seqs=4)) as b:
+        for job_id, fields in jobs.items():
+            submit(client, job_id, **fields)
+        wait_terminal(client, jobs)
+        started = {name: w.worker.metrics.jobs_started.labels("jobs")._value.get()
+                   for name, w in (("a", a), ("b", b))}
+        assert a.stop() == 0 and b.stop() == 0
+    assert started["a"] > 0 and started["b"] > 0, started
+    assert started["a"] + started["b"] == len(jobs), started
+    for job_id in jobs:
+        assert check_stream(client, job_id).text == want[job_id][0]
+    assert group_pending(client) == 0
