@@ -47,6 +47,7 @@ GGUF_PRE_TOKENIZER_SPLITS = {
 }
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
 _SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
+_GGUF_SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -127,27 +128,22 @@ class Tokenizer:
                 f"{path}: tokenizer.ggml.model is {kind!r}; "
                 "only byte-level BPE ('gpt2') is supported"
             )
-        tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
+        tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens") or []
         types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
         merges: list[str] = gguf_value(reader, "tokenizer.ggml.merges") or []
-        if len(types) != len(tokens):
+        if not tokens or len(types) != len(tokens):
             raise TokenizerError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
         backend = _byte_level_bpe(tokens, merges, gguf_value(reader, "tokenizer.ggml.pre"))
         _add_gguf_special_tokens(backend, tokens, types)
-
-        special = {}
-        for name in _SPECIAL_NAMES:
-            key = "unknown" if name == "unk" else "padding" if name == "pad" else name
-            token_id = gguf_value(reader, f"tokenizer.ggml.{key}_token_id")
-            if token_id is not None and 0 <= token_id < len(tokens):
-                special[f"{name}_token"] = tokens[token_id]
+        special = {
+            f"{name}_token": tokens[token_id]
+            for name, key in _GGUF_SPECIAL_KEYS.items()
+            if (token_id := gguf_value(reader, f"tokenizer.ggml.{key}_token_id")) is not None
+            and 0 <= token_id < len(tokens)
+        }
+        bos_id = gguf_value(reader, "tokenizer.ggml.bos_token_id")
         if gguf_value(reader, "tokenizer.ggml.add_bos_token", False) and "bos_token" in special:
-            bos = special["bos_token"]
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A",
-                pair=f"{bos} $A {bos} $B",
-                special_tokens=[(bos, tokens.index(bos))],
-            )
+            backend.post_processor = _prepend_bos(special["bos_token"], bos_id)
         template = gguf_value(reader, "tokenizer.chat_template")
         return cls(backend, template, special, gguf_eos_token_ids(reader), str(path))
 
@@ -249,6 +245,12 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> to
         )
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _prepend_bos(bos: str, bos_id: int) -> processors.TemplateProcessing:
+    return processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
 
 
 def _add_gguf_special_tokens(
