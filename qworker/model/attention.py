@@ -79,9 +79,9 @@ def _prefill(
     query_pos = torch.arange(chunk.num_cached, total, device=q.device)
     visible = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [n, T]
     grouped_q = q.view(num, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kvh, g, n, d]
-    out = F.scaled_dot_product_attention(
-        grouped_q.reshape(kv_heads, group * num, head_dim), keys, values,
-        attn_mask=visible.repeat(group, 1), scale=scale,
-    )  # [kvh, g * n, d]
+    out = F.scaled_dot_product_attention(  # 4-D, so CPU takes its fused flash kernel
+        grouped_q.reshape(1, kv_heads, group * num, head_dim), keys[None], values[None],
+        attn_mask=visible.repeat(group, 1)[None, None], scale=scale,
+    )  # [1, kvh, g * n, d]
     return out.view(kv_heads, group, num, head_dim).permute(2, 0, 1, 3).reshape(num, heads,
                                                                               head_dim)
