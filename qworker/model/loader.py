@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 
 
 class LoaderError(Exception):
@@ -263,7 +263,8 @@ def gguf_eos_token_ids(reader: Any) -> tuple[int, ...]:
     ids = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     tokens = gguf_value(reader, "tokenizer.ggml.tokens", [])
     types = gguf_value(reader, "tokenizer.ggml.token_type", [])
-    ids += [i for i, t in enumerate(tokens) if t in _EOG_TOKEN_TEXTS and types[i] == _CONTROL_TOKEN]
+    pairs = enumerate(zip(tokens, types, strict=False))
+    ids += [i for i, (text, kind) in pairs if text in _EOG_TOKEN_TEXTS and kind == _CONTROL_TOKEN]
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -283,17 +284,23 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     arch = gguf_value(reader, "general.architecture")
     if arch is None:
         raise LoaderError(f"{path}: no general.architecture in the GGUF metadata")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path}: unsupported architecture {arch!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
 
-    def need(key: str) -> Any:
-        value = gguf_value(reader, f"{arch}.{key}")
-        if value is None:
-            raise LoaderError(f"{path}: no {arch}.{key} in the GGUF metadata")
+    def get(key: str, default: Any = None) -> Any:
+        value = gguf_value(reader, f"{arch}.{key}", default)
         if isinstance(value, list):
             raise UnsupportedArchitectureError(f"{path}: per-layer {arch}.{key} is not supported")
         return value
 
-    def get(key: str, default: Any) -> Any:
-        return gguf_value(reader, f"{arch}.{key}", default)
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise LoaderError(f"{path}: no {arch}.{key} in the GGUF metadata")
+        return value
 
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
