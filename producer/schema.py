@@ -1,62 +1,80 @@
-"""The protocol's JSON Schemas as checked-in files: `python -m producer.schema [DIR]` writes them
-(default `docs/schema/`), `python -m producer.schema --check [DIR]` exits 1 when they drifted.
+"""The protocol's JSON Schemas as checked-in files, generated from the pydantic models
+(`qworker.protocol.json_schemas`): one `docs/schema/<name>.json` per schema, and the generated
+blocks (field tables, embedded schemas) of `docs/protocol.md`.
 
-The schemas come from the pydantic models (`qworker.protocol.json_schemas`), one file per name.
+`python -m producer.schema` rewrites them; `python -m producer.schema --check` exits 1 when any
+of them differs from the models.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from producer.schema_doc import block_names, render_blocks, schema_text
 from qworker.protocol import json_schemas
 
-DEFAULT_DIR = Path(__file__).resolve().parents[1] / "docs" / "schema"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+DEFAULT_DIR = DOCS / "schema"
+DEFAULT_DOC = DOCS / "protocol.md"
 
 
 def rendered() -> dict[str, str]:
     """File name -> file text, for every schema."""
-    return {
-        f"{name}.json": json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-        for name, schema in json_schemas().items()
-    }
+    return {f"{name}.json": schema_text(schema) for name, schema in json_schemas().items()}
 
 
-def write(directory: Path) -> list[Path]:
+def rendered_doc(doc: Path) -> str:
+    return render_blocks(doc.read_text(encoding="utf-8"), json_schemas())
+
+
+def write(directory: Path = DEFAULT_DIR, doc: Path = DEFAULT_DOC) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, text in rendered().items():
         path = directory / name
         path.write_text(text, encoding="utf-8")
         paths.append(path)
+    if doc.exists():
+        doc.write_text(rendered_doc(doc), encoding="utf-8")
+        paths.append(doc)
     return paths
 
 
-def drifted(directory: Path) -> list[str]:
-    """Names of schema files that are missing, differ from the models, or are left over."""
+def drifted(directory: Path = DEFAULT_DIR, doc: Path = DEFAULT_DOC) -> list[Path]:
+    """Files that are missing, differ from the models, or are left over from a removed schema."""
     expected = rendered()
     stale = [
-        name for name, text in expected.items()
+        directory / name for name, text in expected.items()
         if not (directory / name).is_file()
         or (directory / name).read_text(encoding="utf-8") != text
     ]
-    extra = sorted(p.name for p in directory.glob("*.json") if p.name not in expected)
-    return stale + extra
+    stale += sorted(p for p in directory.glob("*.json") if p.name not in expected)
+    if not _doc_current(doc):
+        stale.append(doc)
+    return stale
+
+
+def _doc_current(doc: Path) -> bool:
+    if not doc.is_file():
+        return False
+    text = doc.read_text(encoding="utf-8")
+    return bool(block_names(text)) and rendered_doc(doc) == text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producer.schema", description=__doc__)
-    parser.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR)
-    parser.add_argument("--check", action="store_true", help="exit 1 when the files drifted")
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="schema files' folder")
+    parser.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="protocol document")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a file drifted")
     args = parser.parse_args(argv)
     if args.check:
-        names = drifted(args.directory)
-        for name in names:
-            print(f"{args.directory / name}: out of date (run python -m producer.schema)")
-        return 1 if names else 0
-    for path in write(args.directory):
+        stale = drifted(args.dir, args.doc)
+        for path in stale:
+            print(f"{path}: out of date (run python -m producer.schema)")
+        return 1 if stale else 0
+    for path in write(args.dir, args.doc):
         print(path)
     return 0
 
