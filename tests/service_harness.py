@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -152,10 +152,8 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> No
 def group_pending(client: redis.Redis) -> int:
     total = 0
     for stream in KEYS.streams:
-        try:
+        with suppress(redis.ResponseError):
             total += client.xpending(stream, "workers")["pending"]
-        except redis.ResponseError:
-            pass
     return total
 
 

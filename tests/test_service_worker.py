@@ -57,3 +57,24 @@ def test_two_workers_share_the_work_and_none_runs_twice(redis_url: str) -> None:
     for job_id in jobs:
         assert check_stream(client, job_id).text == want[job_id][0]
     assert group_pending(client) == 0
+
+
+def test_tiny_kv_cache_preempts_and_requeues_without_changing_texts(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    jobs = _jobs(10, max_tokens=40)
+    want = expected(jobs)
+    engine = sim_engine("sim:step_ms=1", num_blocks=36, block_size=4, max_num_seqs=8)
+    with thread_worker(redis_url, "tiny", engine) as w:
+        for job_id, fields in jobs.items():
+            submit(client, job_id, **fields)
+        wait_terminal(client, jobs)
+        requeued = w.worker.metrics.requeues.labels("preempted")._value.get()
+        assert w.stop() == 0
+    assert engine.num_preemptions > 0 and requeued == engine.num_preemptions
+    assert client.xinfo_stream(KEYS.requeue)["entries-added"] == requeued
+    assert client.xlen(KEYS.requeue) == 0  # every requeue entry was taken, finished and deleted
+    for job_id in jobs:
+        done = check_stream(client, job_id)
+        assert (done.text, done.finish_reason) == want[job_id], job_id
+    assert engine.num_free_blocks == 36
+    assert group_pending(client) == 0

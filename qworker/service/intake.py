@@ -209,6 +209,7 @@ class Intake:
         pipe = self.client.pipeline(transaction=False)
         for e in entries:
             pipe.xack(e.stream, self.config.group, e.entry_id)
+            pipe.xdel(e.stream, e.entry_id)
         pipe.execute()
 
     # ------------------------------------------------------------------ dead letters

@@ -10,6 +10,10 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
 - `dead_letter`: XACK the entry and, only if it was still pending (so a retry does nothing twice),
   XADD `<prefix>:dead` and the job's `error` event (unless its stream is already terminal).
 
+An entry is deleted from its stream (XDEL) when it is acked, so `<prefix>:jobs` and
+`<prefix>:requeue` hold only work not yet finished (delivered entries only: the group's lag stays
+exact).
+
 All are called by SHA inside pipelines (one round trip); `NoScriptError` (after a Redis restart)
 is answered by `load` and a retry of the whole, idempotent, pipeline.
 """
@@ -46,7 +50,7 @@ local out, owner, src = KEYS[1], KEYS[2], KEYS[3]
 local token, ttl, group, entry = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local last, terminal = last_state(out)
 if terminal then
-  redis.call('XACK', src, group, entry)
+  if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
   return {'terminal', last}
 end
 if redis.call('HGET', owner, 'worker') ~= token then return {'lost', last} end
@@ -74,7 +78,7 @@ while pos <= #ARGV do
   else
     redis.call('XADD', out, '*', unpack(fields))
     redis.call('EXPIRE', out, ttl)
-    redis.call('XACK', src, group, entry)
+    if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
     redis.call('DEL', owner)
     return {'done', last}
   end
@@ -87,6 +91,7 @@ return {'ok', last}
 REQUEUE = """
 if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 'lost' end
 if redis.call('XACK', KEYS[2], ARGV[2], ARGV[3]) == 1 then
+  redis.call('XDEL', KEYS[2], ARGV[3])
   redis.call('XADD', KEYS[3], '*', unpack(ARGV, 4))
 end
 redis.call('HSET', KEYS[1], 'worker', '')
@@ -97,6 +102,7 @@ return 'ok'
 # fields), dead fields..., then the error event's fields (when KEYS[3] is given).
 DEAD_LETTER = _LAST_STATE + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
 local n = tonumber(ARGV[4])
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5, 4 + n))
 if KEYS[3] then
