@@ -37,10 +37,6 @@ class Backoff:
         self.failures += 1
         return random.uniform(0, min(self.cap_s, self.base_s * 2 ** (self.failures - 1)))
 
-    def succeeded(self) -> None:
-        self.failures = 0
-        self._first_failure = None
-
 
 def capped(delay: float, deadline: float | None) -> float:
     """`delay`, cut short so a sleep does not run past `deadline` (a `time.monotonic()` value)."""

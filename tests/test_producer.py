@@ -402,3 +402,35 @@ def test_events_are_typed(prod: Producer, redis_url: str) -> None:
     first, last = list(job.stream(timeout=5))
     assert isinstance(first, TokenEvent) and (first.i, first.token_id, first.text) == (0, 100, "a")
     assert isinstance(last, DoneEvent)
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+def test_stats_of_an_empty_redis(prod: Producer) -> None:
+    stats = prod.stats()
+    assert (stats.jobs.length, stats.jobs.lag, stats.jobs.group_exists) == (0, 0, False)
+    assert (stats.dead_letters, stats.live_workers, stats.backlog) == (0, 0, 0)
+
+
+def test_stats_without_a_group_and_with_an_odd_worker_key(
+    prod: Producer, client: redis.Redis
+) -> None:
+    prod.submit_many([{"prompt": "x"}] * 4)
+    client.set("qw:worker:odd", "not json", ex=30)
+    client.set("qw:worker:gone", "{}", px=1)
+    time.sleep(0.01)
+    stats = prod.stats()
+    assert (stats.jobs.length, stats.jobs.lag, stats.jobs.pending) == (4, 4, 0)
+    assert stats.backlog == 4
+    assert stats.workers == [{"name": "odd"}]
+
+
+def test_backoff_grows_and_gives_up() -> None:
+    backoff = Backoff(base_s=0.1, cap_s=0.4, give_up_s=0.05)
+    error = redis.ConnectionError("down")
+    delays = [backoff.failed(error) for _ in range(5)]
+    assert all(0 <= d <= 0.4 for d in delays)
+    time.sleep(0.06)
+    with pytest.raises(redis.ConnectionError, match="down"):
+        backoff.failed(error)
