@@ -101,8 +101,11 @@ class OutputState:
 
 
 def stream_entries(response: object) -> list[tuple[str, dict[str, str]]]:
-    """The entries of an XREAD reply on one stream (RESP2 list or RESP3 dict form)."""
+    """The entries of an XREAD reply: RESP2 `[[key, entries]]` or RESP3 `{key: [entries]}`."""
     if not response:
         return []
-    groups = response.values() if isinstance(response, dict) else [r[1] for r in response]
-    return [(entry_id, fields) for entries in groups for entry_id, fields in entries]
+    if isinstance(response, dict):
+        batches = [entries for value in response.values() for entries in value]
+    else:
+        batches = [entries for _key, entries in response]
+    return [(entry_id, fields) for entries in batches for entry_id, fields in entries]

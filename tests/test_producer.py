@@ -434,3 +434,14 @@ def test_backoff_grows_and_gives_up() -> None:
     time.sleep(0.06)
     with pytest.raises(redis.ConnectionError, match="down"):
         backoff.failed(error)
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_reads_over_resp2_and_resp3(redis_url: str, protocol: int) -> None:
+    with Producer(f"{redis_url}?protocol={protocol}") as prod:
+        job = prod.submit("hi")
+        FakeWorker(redis_url, job.id, completion(TEXTS), delay_s=0).run()
+        assert list(job.stream(timeout=5)) == completion(TEXTS)
+        prod.redis.xgroup_create("qw:jobs", "workers", id="0")
+        jobs = prod.stats().jobs
+        assert (jobs.length, jobs.group_exists, jobs.lag, jobs.pending) == (1, True, 1, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -227,3 +228,25 @@ def test_stats(redis_url: str, client: redis.Redis) -> None:
     assert "dead letters: 1" in lines
     assert "live workers: 1" in lines
     assert "  w1 host=h pid=1 model=sim running=1 free_slots=7" in lines
+
+
+def test_ctrl_c_cancels_the_submitted_job(redis_url: str, client: redis.Redis) -> None:
+    release = threading.Event()
+    worker = FakeWorker(redis_url, "int", completion(TEXTS), pause_at=1,
+                        pause=lambda: release.wait(30))
+    worker.start()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "producer", "submit", "hi", "--id", "int", "--stream",
+         "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+    )
+    try:
+        assert os.read(proc.stdout.fileno(), 64) == TEXTS[0].encode()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        release.set()
+        proc.kill()
+    worker.finish()
+    assert proc.returncode == 130
+    assert err.decode() == "qworker: job int: cancelled\n"
+    assert client.exists("qw:cancel:int") == 1
