@@ -29,6 +29,8 @@ class Metrics:
                                  registry=r)
         self.lost = Counter("qworker_jobs_lost", "Jobs dropped because another worker owns them",
                             registry=r)
+        self.resumed_tokens = Counter("qworker_resumed_tokens", "Already streamed tokens read "
+                                      "back (and recomputed) to resume a job", registry=r)
         self.tokens = Counter("qworker_generated_tokens", "Tokens published", registry=r)
         self.redis_errors = Counter("qworker_redis_errors", "Failed Redis round trips",
                                     registry=r)

@@ -348,6 +348,7 @@ class Worker:
         source = "reclaimed" if t.entry.reclaimed else (
             "requeue" if t.entry.stream == self.keys.requeue else "jobs")
         self.metrics.jobs_started.labels(source).inc()
+        self.metrics.resumed_tokens.inc(job.next_index)
         log.info("started", source=source, resume_at=job.next_index, prompt_tokens=len(prompt),
                  deliveries=t.entry.deliveries)
         return None
