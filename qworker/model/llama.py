@@ -87,16 +87,20 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", init_weights: bool = True,
     ) -> None:
+        """With init_weights=False the parameters are left uninitialised (to be loaded)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        with torch.device(self.device if init_weights else "meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not init_weights:
+            self.to_empty(device=self.device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryTable(
@@ -154,6 +158,6 @@ def load_model(
     from qworker.model.loader import load_checkpoint
 
     config, weights = load_checkpoint(resolve_model(str(name_or_path)))
-    model = LlamaModel(config, dtype=dtype, device=device)
+    model = LlamaModel(config, dtype=dtype, device=device, init_weights=False)
     model.load_hf_weights(weights)
     return model
