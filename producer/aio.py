@@ -20,7 +20,9 @@ from producer.connect import (
 from producer.fields import JobInput, job_fields
 from producer.result import START_ID, JobTimeoutError, OutputState, Result, stream_entries
 from producer.retry import TRANSIENT_ERRORS, Backoff, capped
+from producer.stats import Stats, collect_stats_async
 from qworker.protocol import (
+    DEFAULT_GROUP,
     DEFAULT_PREFIX,
     ID_PATTERN,
     DoneEvent,
@@ -82,6 +84,9 @@ class AsyncProducer:
 
     async def cancel(self, job_id: str, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
         await self.redis.set(self.keys.cancel(job_id), "1", ex=ttl_s)
+
+    async def stats(self, group: str = DEFAULT_GROUP) -> Stats:
+        return await collect_stats_async(self.redis, self.keys, group)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
+import redis.asyncio
 from pydantic import ValidationError
 
 from qworker.protocol import DEFAULT_GROUP, Keys, WorkerInfo
@@ -58,11 +59,46 @@ def collect_stats(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -
     )
 
 
+async def collect_stats_async(
+    client: redis.asyncio.Redis, keys: Keys, group: str = DEFAULT_GROUP
+) -> Stats:
+    """`collect_stats` over `redis.asyncio`."""
+
+    async def stream(key: str) -> StreamStats:
+        length = int(await client.xlen(key))
+        exists = length > 0 or bool(await client.exists(key))
+        return _stream_stats(key, length, await client.xinfo_groups(key) if exists else None,
+                             group)
+
+    names = sorted([n async for n in client.scan_iter(match=keys.worker_pattern,
+                                                      count=SCAN_COUNT)])
+    values = await client.mget(names) if names else []
+    return Stats(
+        jobs=await stream(keys.jobs),
+        requeue=await stream(keys.requeue),
+        dead_letters=int(await client.xlen(keys.dead)),
+        workers=_workers(keys, names, values),
+    )
+
+
 def stream_stats(client: redis.Redis, key: str, group: str) -> StreamStats:
     length = int(client.xlen(key))
-    if length == 0 and not client.exists(key):
+    exists = length > 0 or bool(client.exists(key))
+    return _stream_stats(key, length, client.xinfo_groups(key) if exists else None, group)
+
+
+def live_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    names = sorted(client.scan_iter(match=keys.worker_pattern, count=SCAN_COUNT))
+    return _workers(keys, names, client.mget(names) if names else [])
+
+
+def _stream_stats(
+    key: str, length: int, groups: list[dict[str, Any]] | None, group: str
+) -> StreamStats:
+    """From XLEN and XINFO GROUPS (None: the stream does not exist)."""
+    if groups is None:
         return StreamStats(key)
-    info = next((g for g in client.xinfo_groups(key) if g["name"] == group), None)
+    info = next((g for g in groups if g["name"] == group), None)
     if info is None:
         return StreamStats(key, length=length, lag=length)
     return StreamStats(
@@ -76,15 +112,12 @@ def stream_stats(client: redis.Redis, key: str, group: str) -> StreamStats:
     )
 
 
-def live_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+def _workers(keys: Keys, names: list[str], values: list[str | None]) -> list[dict[str, Any]]:
     """Every worker whose liveness key has not expired, as its `WorkerInfo` (sorted by name).
 
     A key whose value does not parse is still a live worker: it is listed with its name only."""
-    names = sorted(client.scan_iter(match=keys.worker_pattern, count=SCAN_COUNT))
-    if not names:
-        return []
     workers = []
-    for name, raw in zip(names, client.mget(names), strict=True):
+    for name, raw in zip(names, values, strict=True):
         if raw is None:  # expired between SCAN and MGET
             continue
         workers.append(_worker_info(name.removeprefix(keys.worker("")), raw))

@@ -134,3 +134,22 @@ def test_stream_resumes_after_client_kill(
     assert events == completion(texts)
     if not library_retries:
         assert failures, "the producer's own resume path did not run"
+
+
+def test_stats(redis_url: str) -> None:
+    async def scenario() -> tuple:
+        async with AsyncProducer(redis_url) as prod:
+            empty = await prod.stats()
+            await prod.submit_many([{"prompt": "x"}] * 3)
+            await prod.redis.xgroup_create("qw:jobs", "workers", id="0")
+            await prod.redis.xreadgroup("workers", "w1", {"qw:jobs": ">"}, count=1)
+            await prod.redis.xadd("qw:dead", {"reason": "r"})
+            await prod.redis.set("qw:worker:w1", "{}", ex=30)
+            return empty, await prod.stats()
+
+    empty, stats = asyncio.run(scenario())
+    assert (empty.jobs.length, empty.dead_letters, empty.live_workers) == (0, 0, 0)
+    assert (stats.jobs.length, stats.jobs.lag, stats.jobs.pending, stats.jobs.consumers) == (
+        3, 2, 1, 1)
+    assert not stats.requeue.group_exists
+    assert (stats.dead_letters, stats.workers) == (1, [{"name": "w1"}])

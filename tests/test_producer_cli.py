@@ -75,11 +75,11 @@ def test_submit_stream_prints_tokens_as_they_come(redis_url: str, client: redis.
     )
     try:
         head = b""
-        while len(head) < len("Hello"):  # the first 3 tokens, before the worker writes more
+        while len(head) < len("Hello "):  # the first 3 tokens, before the worker writes more
             chunk = os.read(proc.stdout.fileno(), 64)
             assert chunk, "submit --stream ended early"
             head += chunk
-        assert head == b"Hello"
+        assert head == b"Hello "
         seen_first_tokens.set()
         rest, err = proc.communicate(timeout=30)
     finally:
