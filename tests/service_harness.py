@@ -136,7 +136,7 @@ def thread_worker(url: str, name: str, engine: SimulatedEngine | None = None,
 def spawn_worker(url: str, name: str, *args: str, log_path: Path | None = None
                  ) -> subprocess.Popen[bytes]:
     """`qworker serve` in a subprocess on the simulated engine."""
-    cmd = [sys.executable, "-m", "qworker.commands.serve", "--redis-url", url, "--name", name,
+    cmd = [sys.executable, "-m", "qworker.cli", "serve", "--redis-url", url, "--name", name,
            *args]
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

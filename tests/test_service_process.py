@@ -145,3 +145,37 @@ def test_redis_restart_under_a_running_worker(redis_server: RedisServer, redis_u
         done = check_stream(client, job_id)
         assert (done.text, done.finish_reason) == want[job_id], job_id
     assert group_pending(client) == 0
+
+
+def test_stalled_worker_is_fenced_out_after_its_jobs_are_reclaimed(
+        redis_url: str, tmp_path: Path) -> None:
+    client = redis.Redis.from_url(redis_url)
+    jobs = _jobs(8, max_tokens=200)
+    want = expected(jobs)
+    log = tmp_path / "zombie.log"
+    zombie = spawn_worker(redis_url, "zombie", *SIM, log_path=log)
+    try:
+        wait_for(lambda: _alive(client, "zombie"), 30, what="zombie up")
+        for job_id, fields in jobs.items():
+            submit(client, job_id, **fields)
+        stalled = wait_for(lambda: _mid_run(client, jobs, "zombie"), 30, what="zombie mid-run")
+        zombie.send_signal(signal.SIGSTOP)
+        with thread_worker(redis_url, "heir", sim_engine("sim:step_ms=5", max_num_seqs=8),
+                           claim_idle_ms=1000) as heir:
+            wait_for(lambda: all(o.startswith("heir/") or terminal(client, j)
+                                 for j, o in owners_by_job(client, stalled).items()),
+                     30, what="heir owns the stalled jobs")
+            zombie.send_signal(signal.SIGCONT)
+            wait_terminal(client, jobs, timeout=60)
+            assert heir.stop() == 0
+        wait_for(lambda: b'"status": "lost"' in log.read_bytes(), 10, what="zombie drops a job")
+        zombie.send_signal(signal.SIGTERM)
+        assert zombie.wait(10) == 0
+    finally:
+        if zombie.poll() is None:
+            zombie.send_signal(signal.SIGCONT)
+        stop_process(zombie)
+    for job_id in jobs:
+        done = check_stream(client, job_id)
+        assert (done.text, done.finish_reason) == want[job_id], job_id
+    assert group_pending(client) == 0

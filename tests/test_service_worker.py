@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
+from qworker.protocol import WorkerInfo
 from tests.service_harness import (
     KEYS,
     check_stream,
@@ -11,6 +14,7 @@ from tests.service_harness import (
     group_pending,
     sim_engine,
     submit,
+    terminal,
     thread_worker,
     wait_terminal,
 )
@@ -29,7 +33,11 @@ def test_one_worker_runs_jobs_to_the_expected_text(redis_url: str) -> None:
         for job_id, fields in jobs.items():
             submit(client, job_id, **fields)
         wait_terminal(client, jobs)
+        info = WorkerInfo.model_validate_json(client.get(KEYS.worker("w1")))
+        assert info.name == "w1" and info.group == "workers" and not info.draining
+        assert 0 < client.pttl(KEYS.worker("w1")) <= 2000
         assert w.stop() == 0
+    assert not client.exists(KEYS.worker("w1"))  # a clean exit removes it at once
     for job_id in jobs:
         done = check_stream(client, job_id)
         assert (done.text, done.finish_reason) == want[job_id]
@@ -78,3 +86,20 @@ def test_tiny_kv_cache_preempts_and_requeues_without_changing_texts(redis_url: s
         assert (done.text, done.finish_reason) == want[job_id], job_id
     assert engine.num_free_blocks == 36
     assert group_pending(client) == 0
+
+
+def test_a_busy_worker_never_holds_more_jobs_than_it_can_start(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    jobs = _jobs(12, max_tokens=40)
+    held: dict[str, int] = {}
+    with thread_worker(redis_url, "small", sim_engine(max_num_seqs=2)) as a, \
+            thread_worker(redis_url, "big", sim_engine(max_num_seqs=3)) as b:
+        for job_id, fields in jobs.items():
+            submit(client, job_id, **fields)
+        while any(terminal(client, j) is None for j in jobs):
+            for c in client.xinfo_consumers(KEYS.jobs, "workers"):
+                name = c["name"].decode()
+                held[name] = max(held.get(name, 0), c["pending"])
+            time.sleep(0.005)
+        assert a.stop() == 0 and b.stop() == 0
+    assert 1 <= held["small"] <= 2 and 1 <= held["big"] <= 3, held

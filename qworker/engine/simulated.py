@@ -237,7 +237,8 @@ class SimulatedEngine:
             seq = self._waiting[0]
             work = self._work(seq, budget)
             need = self._blocks_for(seq.computed + work) - seq.blocks
-            if need > self._free_blocks - self._watermark_blocks:
+            watermark = self._watermark_blocks if self._running else 0
+            if need > self._free_blocks - watermark:
                 break
             self._waiting.pop(0)
             self._running.append(seq)

@@ -1,0 +1,120 @@
+"""The server-side scripts against a real Redis: a worker that lost a job cannot write to it, a
+retried write is not doubled, requeue and dead-letter happen once."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from qworker.protocol import DoneEvent, ErrorEvent, Job, Keys, TokenEvent, parse_event
+from qworker.service import publisher as pub
+from qworker.service.config import ServiceConfig
+from qworker.service.intake import Intake, Reject
+from qworker.service.job import ActiveJob
+from qworker.service.publisher import Publisher
+from qworker.service.scripts import Scripts
+
+KEYS = Keys()
+
+
+@pytest.fixture
+def client(redis_url: str) -> redis.Redis:
+    c = redis.Redis.from_url(redis_url)
+    c.xgroup_create(KEYS.jobs, "workers", id="0", mkstream=True)
+    c.xgroup_create(KEYS.requeue, "workers", id="0", mkstream=True)
+    return c
+
+
+def _take(client: redis.Redis, name: str) -> tuple[Intake, Publisher]:
+    config = ServiceConfig(redis_url="-", name=name)
+    token = f"{name}/1"
+    return (Intake(client, KEYS, config, Scripts(), token),
+            Publisher(client, KEYS, config, Scripts(), token))
+
+
+def _job(client: redis.Redis, intake: Intake) -> ActiveJob:
+    entry = intake.read(1, None)[0]
+    taken = intake.take([(entry, Job(id="j", prompt="p"))])[0]
+    return ActiveJob(taken.job, entry, log=None, t0_ms=taken.t0_ms, started_ms=taken.started_ms,
+                     next_index=len(taken.readback.token_ids), text=taken.readback.text)
+
+
+def _tokens(client: redis.Redis) -> list[int]:
+    return [e.i for _, f in client.xrange(KEYS.out("j"))
+            if isinstance(e := parse_event(f), TokenEvent)]
+
+
+def test_zombie_cannot_write_and_retries_are_not_doubled(client: redis.Redis) -> None:
+    Scripts.load(client)
+    client.xadd(KEYS.jobs, {"id": "j", "prompt": "p"})
+    zombie_intake, zombie = _take(client, "zombie")
+    zjob = _job(client, zombie_intake)
+    zjob.add_tokens(0, [65, 66], "AB")
+    assert zombie.flush([zjob], []).status == {"j": pub.OK}
+    assert zombie.flush([zjob], []).status == {"j": pub.OK}  # a retry: skipped, not doubled
+    assert _tokens(client) == [0, 1]
+
+    # another worker takes the job over (as after XAUTOCLAIM) and continues after token 1
+    client.xclaim(KEYS.jobs, "workers", "heir", 0, [zjob.entry.entry_id])
+    heir_intake, heir = _take(client, "heir")
+    taken = heir_intake.take([(zjob.entry, zjob.job)])[0]
+    assert taken.readback.token_ids == [65, 66] and taken.readback.text == "AB"
+    hjob = ActiveJob(taken.job, zjob.entry, None, 0, 0, next_index=2, text="AB")
+
+    zjob.outbox.clear()
+    zjob.add_tokens(2, [67], "C")
+    assert zombie.flush([zjob], []).status == {"j": pub.LOST}
+    hjob.add_tokens(3, [68], "D")
+    assert heir.flush([hjob], []).status == {"j": pub.GAP}  # index 2 is missing
+    hjob = ActiveJob(taken.job, zjob.entry, None, 0, 0, next_index=2, text="AB")  # as retaken
+    hjob.add_tokens(2, [67, 68], "CD")
+    hjob.finish("length", 4)
+    assert heir.flush([hjob], []).status == {"j": pub.DONE}
+    assert heir.flush([hjob], []).status == {"j": pub.TERMINAL}
+    assert _tokens(client) == [0, 1, 2, 3]
+    last = parse_event(client.xrange(KEYS.out("j"))[-1][1])
+    assert isinstance(last, DoneEvent) and last.text == "ABCD"
+    assert client.xpending(KEYS.jobs, "workers")["pending"] == 0
+    assert not client.exists(KEYS.owner("j")) and client.xlen(KEYS.jobs) == 0
+    assert client.ttl(KEYS.out("j")) > 0
+
+
+def test_requeue_happens_once_and_only_for_the_owner(client: redis.Redis) -> None:
+    Scripts.load(client)
+    client.xadd(KEYS.jobs, {"prompt": "p", "max_tokens": "3"})
+    intake, publisher = _take(client, "w")
+    entry = intake.read(1, None)[0]
+    job_id = entry.entry_id
+    intake.take([(entry, Job(id=job_id, prompt="p", max_tokens=3))])
+    job = ActiveJob(Job(id=job_id, prompt="p"), entry, None, 0, 0, requeue=True)
+    _, other = _take(client, "other")
+    assert other.flush([job], []).status == {job_id: pub.REQUEUED}  # lost: nothing written
+    assert client.xlen(KEYS.requeue) == 0
+    assert publisher.flush([job], []).status == {job_id: pub.REQUEUED}
+    assert publisher.flush([job], []).status == {job_id: pub.REQUEUED}  # a retry
+    requeued = client.xrange(KEYS.requeue)
+    assert len(requeued) == 1
+    assert requeued[0][1] == {b"prompt": b"p", b"max_tokens": b"3", b"id": job_id.encode()}
+    assert client.xpending(KEYS.jobs, "workers")["pending"] == 0
+
+
+def test_dead_letter_happens_once(client: redis.Redis) -> None:
+    Scripts.load(client)
+    client.xadd(KEYS.jobs, {"id": "j", "prompt": "p", "top_p": "7"})
+    intake, _ = _take(client, "w")
+    entry = intake.read(1, None)[0]
+    reject = Reject(entry, "invalid_request", "top_p too big", "j")
+    intake.dead_letter([reject])
+    intake.dead_letter([reject])  # a retry after a lost reply
+    assert client.xlen(KEYS.dead) == 1 and client.xlen(KEYS.out("j")) == 1
+    event = parse_event(client.xrange(KEYS.out("j"))[0][1])
+    assert isinstance(event, ErrorEvent) and event.message == "top_p too big"
+
+
+def test_scripts_reload_after_the_cache_is_flushed(client: redis.Redis) -> None:
+    client.xadd(KEYS.jobs, {"id": "j", "prompt": "p"})
+    intake, publisher = _take(client, "w")
+    job = _job(client, intake)
+    client.script_flush()
+    job.add_tokens(0, [70], "F")
+    assert publisher.flush([job], []).status == {"j": pub.OK}
