@@ -1,8 +1,9 @@
 """Paged attention: write a step's K/V into cache slots, then attend each token to its sequence.
 
-Decodes (one new token per sequence) are attended in one batched call over their gathered blocks;
-prefill chunks one sequence at a time, causal within the chunk and full over what was cached.
-Grouped-query attention is folded into the query-length axis, so K/V are never repeated.
+The cache of one layer is `[kv_heads, blocks, block_size, head_dim]`. Decodes (one new token per
+sequence) are attended in one batched call over their gathered blocks; prefill chunks one sequence
+at a time, causal within the chunk and full over what was cached. Grouped-query attention is folded
+into the query-length axis, so K/V are never repeated.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ def write_kv(
     cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k, v: [N, kv_heads, head_dim] into the flat slots of a [blocks, block_size, ...] cache."""
-    kv_heads, head_dim = cache_k.shape[2:]
-    cache_k.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    cache_v.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """k, v: [N, kv_heads, head_dim] into the flat slots (block * block_size + offset)."""
+    kv_heads, _, _, head_dim = cache_k.shape
+    cache_k.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    cache_v.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(
@@ -32,20 +33,19 @@ def paged_attention(
         return _decode(q, cache_k, cache_v, batch.decode, scale)
     out = torch.empty_like(q)
     if batch.decode is not None:
-        out[batch.decode.token_index] = _decode(
-            q[batch.decode.token_index], cache_k, cache_v, batch.decode, scale
-        )
+        rows = batch.decode.token_index
+        out[rows] = _decode(q[rows], cache_k, cache_v, batch.decode, scale)
     for chunk in batch.prefills:
         out[chunk.start : chunk.end] = _prefill(q[chunk.start : chunk.end], cache_k, cache_v,
                                                 chunk, scale)
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim]."""
-    blocks = cache[block_table]  # [..., nb, bs, kvh, d]
-    *lead, nb, bs, kvh, d = blocks.shape
-    return blocks.reshape(*lead, nb * bs, kvh, d).transpose(-3, -2)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks of a [kv_heads, blocks, block_size, d] cache -> [kv_heads, len * block_size, d]."""
+    kv_heads, _, block_size, head_dim = cache.shape
+    picked = cache.index_select(1, block_ids)
+    return picked.view(kv_heads, block_ids.numel() * block_size, head_dim)
 
 
 def _decode(
@@ -53,16 +53,16 @@ def _decode(
     scale: float,
 ) -> torch.Tensor:
     num, heads, head_dim = q.shape
-    kv_heads = cache_k.shape[2]
-    keys = _gather(cache_k, group.block_tables)  # [D, kvh, L, d]
-    values = _gather(cache_v, group.block_tables)
+    kv_heads = cache_k.shape[0]
+    keys = _gather(cache_k, group.block_tables.flatten()).view(kv_heads, num, -1, head_dim)
+    values = _gather(cache_v, group.block_tables.flatten()).view(kv_heads, num, -1, head_dim)
     length = keys.shape[2]
     visible = torch.arange(length, device=q.device)[None, :] < group.context_lens[:, None]
-    grouped_q = q.view(num, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        grouped_q, keys, values, attn_mask=visible[:, None, None, :], scale=scale
+    grouped_q = q.view(num, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
+    out = F.scaled_dot_product_attention(  # [kvh, D, g, d]: each sequence's g queries, its keys
+        grouped_q, keys, values, attn_mask=visible[None, :, None, :], scale=scale
     )
-    return out.reshape(num, heads, head_dim)
+    return out.transpose(0, 1).reshape(num, heads, head_dim)
 
 
 def _prefill(
@@ -70,7 +70,7 @@ def _prefill(
     scale: float,
 ) -> torch.Tensor:
     num, heads, head_dim = q.shape
-    kv_heads = cache_k.shape[2]
+    kv_heads = cache_k.shape[0]
     group = heads // kv_heads
     total = chunk.num_cached + num
     keys = _gather(cache_k, chunk.block_table)[:, :total]  # [kvh, T, d]

@@ -1,6 +1,8 @@
-"""The paged KV cache: per layer, K and V tensors of `num_blocks x block_size x kv_heads x head_dim`.
+"""The paged KV cache: per layer, K and V tensors of `kv_heads x num_blocks x block_size x head_dim`.
 
 A block id names the same slot range in every layer, so one block table serves the whole model.
+Heads lead so that gathering a sequence's blocks yields `[kv_heads, tokens, head_dim]` directly,
+the layout attention consumes, with no transposing copy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.keys[0].shape[0])
+        return int(self.keys[0].shape[1])
 
     @classmethod
     def allocate(
@@ -31,7 +33,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         return cls(keys, values, block_size)
