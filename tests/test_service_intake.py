@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import replace
 
 import fakeredis
@@ -199,3 +200,25 @@ def test_sampling_params_map_every_job_field() -> None:
                             "min_tokens": "1", "presence_penalty": "0.5"}, "1-0")
     p = sampling_params(job, "1-0")
     assert (p.stop, p.top_k, p.seed, p.min_tokens, p.presence_penalty) == (("a",), 5, 9, 1, 0.5)
+
+
+def test_worker_backs_off_on_transient_errors_and_raises_on_bugs() -> None:
+    import redis
+
+    from qworker.service.worker import Worker
+
+    config = ServiceConfig(redis_url="redis://fake")
+    worker = Worker(_engine(), config, client=fakeredis.FakeRedis())
+
+    def fail(exc: Exception) -> None:
+        raise exc
+
+    for exc in (redis.exceptions.OutOfMemoryError("full"), redis.ReadOnlyError("replica"),
+                redis.ConnectionError("gone"), redis.ResponseError("MISCONF no disk")):
+        assert worker._guard(lambda e=exc: fail(e)) is False
+        assert not worker.backoff.ready(time.monotonic())
+        worker.backoff.succeeded()
+    assert worker._guard(lambda: fail(redis.ResponseError("NOGROUP no group"))) is False
+    assert not worker._ready
+    with pytest.raises(redis.ResponseError):
+        worker._guard(lambda: fail(redis.ResponseError("WRONGTYPE Operation")))

@@ -179,3 +179,18 @@ def test_stalled_worker_is_fenced_out_after_its_jobs_are_reclaimed(
         done = check_stream(client, job_id)
         assert (done.text, done.finish_reason) == want[job_id], job_id
     assert group_pending(client) == 0
+
+
+def test_worker_started_before_redis_waits_for_it(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path)
+    with thread_worker(server.url, "early", backoff_max_s=0.2) as w:
+        wait_for(lambda: w.worker.metrics.redis_errors._value.get() >= 2, 10, what="retries")
+        server.start()
+        try:
+            client = redis.Redis.from_url(server.url)
+            submit(client, "late", prompt="finally", max_tokens=5)
+            wait_terminal(client, ["late"], timeout=20)
+            assert w.stop() == 0
+            check_stream(client, "late")
+        finally:
+            server.stop()

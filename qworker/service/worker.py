@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import socket
 import time
 import uuid
@@ -35,7 +36,12 @@ from qworker.service.metrics import Metrics
 from qworker.service.publisher import Publisher
 from qworker.service.scripts import Scripts
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+_E = redis.exceptions
+# Failures that mean "not now": connection lost or refused, loading after a restart (a
+# ConnectionError), failover, out of memory; the loop backs off and retries.
+REDIS_DOWN = (_E.ConnectionError, _E.TimeoutError, _E.ReadOnlyError, _E.OutOfMemoryError,
+              _E.TryAgainError, _E.MasterDownError, _E.ClusterDownError)
+TRANSIENT_REPLIES = ("MISCONF", "NOREPLICAS", "BUSY ")  # error replies without their own class
 EXIT_GRACE_S = 5.0  # after a drain/requeue deadline, how long to keep retrying Redis writes
 
 
@@ -55,7 +61,7 @@ def connect(config: ServiceConfig) -> redis.Redis:
     retries inside redis-py: the worker loop backs off and retries itself."""
     return redis.Redis.from_url(
         config.redis_url, socket_timeout=config.socket_timeout_s, socket_connect_timeout=5.0,
-        retry=Retry(NoBackoff(), 0), client_name=f"qworker:{config.name}"[:100].replace(" ", "_"))
+        retry=Retry(NoBackoff(), 0), client_name=re.sub(r"[^!-~]", "_", f"qworker:{config.name}"))
 
 
 @dataclass
@@ -176,19 +182,25 @@ class Worker:
         try:
             fn()
         except REDIS_DOWN as exc:
-            self.metrics.redis_errors.inc()
-            delay = self.backoff.failed(time.monotonic())
-            self.log.warning("redis unavailable, retrying", error=str(exc)[:200],
-                             retry_in_s=round(delay, 3))
+            self._backing_off(exc)
             return False
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if "NOGROUP" in str(exc):
+                self.log.warning("consumer group missing, recreating it")
+                self._ready = False
+                return False
+            if not str(exc).startswith(TRANSIENT_REPLIES):
                 raise
-            self.log.warning("consumer group missing, recreating it")
-            self._ready = False
+            self._backing_off(exc)
             return False
         self.backoff.succeeded()
         return True
+
+    def _backing_off(self, exc: Exception) -> None:
+        self.metrics.redis_errors.inc()
+        delay = self.backoff.failed(time.monotonic())
+        self.log.warning("redis unavailable, retrying", error=str(exc)[:200],
+                         retry_in_s=round(delay, 3))
 
     # ------------------------------------------------------------------ engine
 
@@ -359,7 +371,7 @@ class Worker:
             return list(job.prompt_token_ids)
         if job.messages is not None:
             return list(tokenizer.encode_chat([m.model_dump() for m in job.messages]))
-        return list(tokenizer.encode(job.prompt or "", add_special_tokens=True))
+        return list(tokenizer.encode(job.prompt or "", add_special_tokens=False))
 
     def _info(self) -> WorkerInfo:
         return WorkerInfo(name=self.config.name, host=socket.gethostname(), pid=os.getpid(),
