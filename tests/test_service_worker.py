@@ -16,6 +16,7 @@ from tests.service_harness import (
     submit,
     terminal,
     thread_worker,
+    wait_for,
     wait_terminal,
 )
 
@@ -103,3 +104,21 @@ def test_a_busy_worker_never_holds_more_jobs_than_it_can_start(redis_url: str) -
             time.sleep(0.005)
         assert a.stop() == 0 and b.stop() == 0
     assert 1 <= held["small"] <= 2 and 1 <= held["big"] <= 3, held
+
+
+def test_heartbeat_keeps_long_jobs_owned_while_the_worker_lives(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    jobs = {f"long-{k}": {"prompt": f"long {k}", "max_tokens": 300} for k in range(2)}
+    holder = sim_engine("sim:step_ms=5", max_num_seqs=2)  # full: it never reclaims its own
+    with thread_worker(redis_url, "holder", holder, claim_idle_ms=400) as a:
+        for job_id, fields in jobs.items():
+            submit(client, job_id, **fields)
+        wait_for(lambda: all(client.xlen(KEYS.out(j)) for j in jobs), what="holder started")
+        with thread_worker(redis_url, "thief", claim_idle_ms=400) as b:
+            wait_terminal(client, jobs, timeout=30)  # > 1.5 s: several claim_idle periods
+            assert b.worker.metrics.reclaimed._value.get() == 0
+            assert b.stop() == 0
+        assert a.worker.metrics.lost._value.get() == 0
+        assert a.stop() == 0
+    for job_id in jobs:
+        assert check_stream(client, job_id).completion_tokens == 300
