@@ -9,6 +9,7 @@ from pathlib import Path
 
 import redis
 
+from qworker.protocol import WorkerInfo
 from tests.conftest import RedisServer
 from tests.service_harness import (
     KEYS,
@@ -118,7 +119,8 @@ def test_second_signal_requeues_at_once(redis_url: str, tmp_path: Path) -> None:
         wait_for(lambda: len(_mid_run(client, jobs, "impatient")) == 2, 30, what="running")
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_for(lambda: WorkerInfo.model_validate_json(
+            client.get(KEYS.worker("impatient"))).draining, 10, what="draining")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 0
         assert time.monotonic() - sent < 5
