@@ -1,17 +1,62 @@
 """Paged attention: write a step's K/V into cache slots, then attend each token to its sequence.
 
-The cache of one layer is `[kv_heads, blocks, block_size, head_dim]`. Decodes (one new token per
-sequence) are attended in one batched call over their gathered blocks; prefill chunks one sequence
-at a time, causal within the chunk and full over what was cached. Grouped-query attention is folded
-into the query-length axis, so K/V are never repeated.
+The cache of one layer is `[kv_heads, blocks, block_size, head_dim]`, read as rows of whole blocks
+(`[kv_heads * blocks, block_size * head_dim]`): a sequence's keys are one `index_select` of rows,
+already in the `[kv_heads, tokens, head_dim]` layout attention consumes. Decodes (one new token per
+sequence) are attended together in two batched matmuls; prefill chunks one sequence at a time with
+the fused SDPA kernel. Grouped-query attention is folded into the query axis: K/V are never
+repeated.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from qworker.model.batch import DecodeGroup, ForwardBatch, PrefillChunk
+from qworker.model.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What every layer's attention needs from a batch, computed once per forward."""
+
+    batch: ForwardBatch
+    decode_rows: torch.Tensor | None  # block rows of all decodes, heads-major
+    decode_bias: torch.Tensor | None  # [1, D, 1, L] 0 where visible, -inf past each context
+    prefill_rows: tuple[torch.Tensor, ...]
+    prefill_masks: tuple[torch.Tensor, ...]  # [1, 1, group * n, T] per chunk
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, cache_k: torch.Tensor, group: int) -> AttentionPlan:
+        kv_heads, num_blocks, block_size, _ = cache_k.shape
+        heads = torch.arange(kv_heads, device=cache_k.device)[:, None] * num_blocks
+
+        def rows(block_ids: torch.Tensor) -> torch.Tensor:
+            return (heads + block_ids.flatten()[None, :]).flatten()
+
+        decode_rows = decode_bias = None
+        if batch.decode is not None:
+            decode_rows = rows(batch.decode.block_tables)
+            width = batch.decode.block_tables.shape[1] * block_size
+            hidden = torch.arange(width, device=cache_k.device)[None, :] >= \
+                batch.decode.context_lens[:, None]
+            bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype),
+                               device=cache_k.device)
+            decode_bias = bias.masked_fill_(hidden, float("-inf"))[None, :, None, :]
+        masks = []
+        for chunk in batch.prefills:
+            total = chunk.num_cached + chunk.end - chunk.start
+            query_pos = torch.arange(chunk.num_cached, total, device=cache_k.device)
+            visible = torch.arange(total, device=cache_k.device)[None, :] <= query_pos[:, None]
+            masks.append(visible.repeat(group, 1)[None, None])
+        return cls(batch, decode_rows, decode_bias,
+                   tuple(rows(c.block_table) for c in batch.prefills), tuple(masks))
+
+
+def _score_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def write_kv(
@@ -25,63 +70,62 @@ def write_kv(
 
 
 def paged_attention(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, batch: ForwardBatch,
+    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
     """q: [N, heads, head_dim] (positions already rotated) -> [N, heads, head_dim]."""
+    batch = plan.batch
     if batch.decode is not None and not batch.prefills:
-        return _decode(q, cache_k, cache_v, batch.decode, scale)
+        return _decode(q, cache_k, cache_v, plan, scale)
     out = torch.empty_like(q)
     if batch.decode is not None:
         rows = batch.decode.token_index
-        out[rows] = _decode(q[rows], cache_k, cache_v, batch.decode, scale)
-    for chunk in batch.prefills:
+        out[rows] = _decode(q[rows], cache_k, cache_v, plan, scale)
+    for chunk, block_rows, mask in zip(batch.prefills, plan.prefill_rows, plan.prefill_masks,
+                                       strict=True):
         out[chunk.start : chunk.end] = _prefill(q[chunk.start : chunk.end], cache_k, cache_v,
-                                                chunk, scale)
+                                                block_rows, mask, chunk.num_cached, scale)
     return out
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks of a [kv_heads, blocks, block_size, d] cache -> [kv_heads, len * block_size, d]."""
-    kv_heads, _, block_size, head_dim = cache.shape
-    picked = cache.index_select(1, block_ids)
-    return picked.view(kv_heads, block_ids.numel() * block_size, head_dim)
+def _gather(cache: torch.Tensor, block_rows: torch.Tensor) -> torch.Tensor:
+    """Block rows of a [kv_heads, blocks, block_size, d] cache -> [kv_heads, tokens, d]."""
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    picked = cache.view(kv_heads * num_blocks, block_size * head_dim).index_select(0, block_rows)
+    return picked.view(kv_heads, -1, head_dim)
 
 
 def _decode(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, group: DecodeGroup,
+    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
+    assert plan.decode_rows is not None and plan.decode_bias is not None
     num, heads, head_dim = q.shape
     kv_heads = cache_k.shape[0]
-    keys = _gather(cache_k, group.block_tables.flatten()).view(kv_heads, num, -1, head_dim)
-    values = _gather(cache_v, group.block_tables.flatten()).view(kv_heads, num, -1, head_dim)
-    length = keys.shape[2]
-    visible = torch.arange(length, device=q.device)[None, :] < group.context_lens[:, None]
-    grouped_q = q.view(num, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)
-    out = F.scaled_dot_product_attention(  # [kvh, D, g, d]: each sequence's g queries, its keys
-        grouped_q, keys, values, attn_mask=visible[None, :, None, :], scale=scale
-    )
+    keys = _gather(cache_k, plan.decode_rows).view(kv_heads, num, -1, head_dim)
+    values = _gather(cache_v, plan.decode_rows).view(kv_heads, num, -1, head_dim)
+    grouped_q = q.view(num, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [kvh,D,g,d]
+    # a handful of queries per sequence: two batched matmuls beat the fused kernel here
+    scores = torch.matmul(grouped_q, keys.transpose(-1, -2)).to(plan.decode_bias.dtype)
+    weights = torch.softmax(scores * scale + plan.decode_bias, dim=-1).to(q.dtype)
+    out = torch.matmul(weights, values)  # [kvh, D, g, d]
     return out.transpose(0, 1).reshape(num, heads, head_dim)
 
 
 def _prefill(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, chunk: PrefillChunk,
-    scale: float,
+    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_rows: torch.Tensor,
+    mask: torch.Tensor, num_cached: int, scale: float,
 ) -> torch.Tensor:
     num, heads, head_dim = q.shape
     kv_heads = cache_k.shape[0]
     group = heads // kv_heads
-    total = chunk.num_cached + num
-    keys = _gather(cache_k, chunk.block_table)[:, :total]  # [kvh, T, d]
-    values = _gather(cache_v, chunk.block_table)[:, :total]
-    # query i of the chunk sits at position num_cached + i and sees keys 0..num_cached + i
-    query_pos = torch.arange(chunk.num_cached, total, device=q.device)
-    visible = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]  # [n, T]
+    total = num_cached + num
+    keys = _gather(cache_k, block_rows)[:, :total]  # [kvh, T, d]
+    values = _gather(cache_v, block_rows)[:, :total]
     grouped_q = q.view(num, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kvh, g, n, d]
     out = F.scaled_dot_product_attention(  # 4-D, so CPU takes its fused flash kernel
         grouped_q.reshape(1, kv_heads, group * num, head_dim), keys[None], values[None],
-        attn_mask=visible.repeat(group, 1)[None, None], scale=scale,
+        attn_mask=mask, scale=scale,
     )  # [1, kvh, g * n, d]
     return out.view(kv_heads, group, num, head_dim).permute(2, 0, 1, 3).reshape(num, heads,
                                                                               head_dim)

@@ -1,4 +1,4 @@
-"""The paged KV cache: per layer, K and V tensors of `kv_heads x num_blocks x block_size x head_dim`.
+"""The paged KV cache: per layer, K and V of `kv_heads x num_blocks x block_size x head_dim`.
 
 A block id names the same slot range in every layer, so one block table serves the whole model.
 Heads lead so that gathering a sequence's blocks yields `[kv_heads, tokens, head_dim]` directly,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.model.attention import paged_attention, write_kv
+from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
 from qworker.model.kv_cache import KVCache
@@ -45,15 +45,15 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryTable,
+        self, x: torch.Tensor, plan: AttentionPlan, rope: RotaryTable,
         cache_k: torch.Tensor, cache_v: torch.Tensor,
     ) -> torch.Tensor:
-        n = x.shape[0]
+        n, batch = x.shape[0], plan.batch
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = rope.apply(q.view(n, self.heads, self.head_dim), batch.positions)
         k = rope.apply(k.view(n, self.kv_heads, self.head_dim), batch.positions)
         write_kv(cache_k, cache_v, k, v.view(n, self.kv_heads, self.head_dim), batch.slot_mapping)
-        out = paged_attention(q, cache_k, cache_v, batch, self.scale)
+        out = paged_attention(q, cache_k, cache_v, plan, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -77,10 +77,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryTable,
+        self, x: torch.Tensor, plan: AttentionPlan, rope: RotaryTable,
         cache_k: torch.Tensor, cache_v: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, cache_k, cache_v)
+        x = x + self.self_attn(self.input_layernorm(x), plan, rope, cache_k, cache_v)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,8 +114,10 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] (float32, float64 for a float64 model)."""
         x = self.embed_tokens(batch.input_ids)
+        plan = AttentionPlan.build(batch, cache.keys[0], self.config.num_heads //
+                                   self.config.num_kv_heads)
         for layer, cache_k, cache_v in zip(self.layers, cache.keys, cache.values, strict=True):
-            x = layer(x, batch, self.rope, cache_k, cache_v)
+            x = layer(x, plan, self.rope, cache_k, cache_v)
         x = self.norm(x[batch.logits_indices])
         logits = self.lm_head(x)
         return logits if logits.dtype == torch.float64 else logits.float()
@@ -129,7 +131,7 @@ class LlamaModel(nn.Module):
         assert not missing, f"weights missing: {sorted(missing)[:5]}"
         for name, tensor in given.items():
             if name in own:
-                assert own[name].shape == tensor.shape, f"{name}: {own[name].shape} vs {tensor.shape}"
+                assert own[name].shape == tensor.shape, f"{name}: {tensor.shape} for {own[name].shape}"
                 own[name].copy_(tensor)
 
 
