@@ -2,9 +2,9 @@
 
     .venv/bin/python -m benchmarks.engine_throughput [--dtype bfloat16 float32] [--no-baseline]
 
-Prints one JSON line per (engine, dtype): useful output tokens/s (each request counts exactly the
-tokens it asked for), total tokens/s, steps, mean batch size, preemptions, and the share of wall time
-spent outside the model forward.
+Prints one JSON line per (engine, dtype): useful output tokens/s (each request counts exactly
+the tokens it asked for), total tokens/s, steps, mean batch size, preemptions, and the share of
+wall time spent outside the model forward.
 """
 
 from __future__ import annotations

@@ -52,9 +52,10 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path
 
 
-def reference_logits(path: Path, sequences: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+def reference_logits(path: Path, sequences: list[list[int]],
+                     dtype: torch.dtype) -> list[torch.Tensor]:
     config = transformers.AutoConfig.from_pretrained(path)
-    hf = _hf_model_class(config).from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
+    hf = _hf_model_class(config).from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     with torch.no_grad():
         return [hf(torch.tensor([s])).logits[0] for s in sequences]
 

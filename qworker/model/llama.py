@@ -131,7 +131,8 @@ class LlamaModel(nn.Module):
         assert not missing, f"weights missing: {sorted(missing)[:5]}"
         for name, tensor in given.items():
             if name in own:
-                assert own[name].shape == tensor.shape, f"{name}: {tensor.shape} for {own[name].shape}"
+                expected = own[name].shape
+                assert expected == tensor.shape, f"{name}: {tensor.shape} for {expected}"
                 own[name].copy_(tensor)
 
 
