@@ -61,6 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _flag(p, "--result-ttl", type=int, default=3600,
           help="seconds an output stream lives after its last event")
     _flag(p, "--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    _flag(p, "--on-done-rq-queue", help="RQ queue to enqueue each finished job's result on")
+    _flag(p, "--on-done-rq-func", help="dotted path of the RQ function given that result")
     _flag(p, "--log-level", default="info", help="debug | info | warning | error")
     p.set_defaults(func=run)
 
@@ -85,6 +87,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from qworker.service.config import ServiceConfig, default_worker_name
     from qworker.service.logs import configure_logging, get_logger
+    from qworker.service.on_done import OnDone
     from qworker.service.worker import Worker
 
     configure_logging(args.log_level)
@@ -96,7 +99,12 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port)
     log = get_logger(worker=config.name)
     log.info("loading engine", model=args.model, device=args.device)
-    worker = Worker(build_engine(args), config)
+    try:
+        on_done = OnDone.from_flags(args.on_done_rq_queue, args.on_done_rq_func, args.prefix)
+    except (ValueError, ImportError) as exc:
+        log.error("bad --on-done-rq-* flags", error=str(exc))
+        return 2
+    worker = Worker(build_engine(args), config, on_done=on_done)
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal", signal=signal.Signals(signum).name)

@@ -33,6 +33,7 @@ from qworker.service.intake import Intake, Reject, Taken
 from qworker.service.job import ActiveJob, Entry, now_ms
 from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics
+from qworker.service.on_done import OnDone
 from qworker.service.publisher import Publisher
 from qworker.service.scripts import Scripts
 
@@ -99,8 +100,10 @@ def sampling_params(job: Job, job_id: str) -> SamplingParams:
 
 class Worker:
     def __init__(self, engine: EngineLike, config: ServiceConfig,
-                 client: redis.Redis | None = None, metrics: Metrics | None = None) -> None:
+                 client: redis.Redis | None = None, metrics: Metrics | None = None,
+                 on_done: OnDone | None = None) -> None:
         self.engine = engine
+        self.on_done = on_done  # RQ callback of finished jobs (--on-done-rq-*)
         self.config = config
         self.client = client or connect(config)
         self.keys = Keys(config.prefix)
@@ -259,6 +262,8 @@ class Worker:
         if status == pub.OK:
             job.outbox.clear()
             return
+        if self.on_done is not None and status in (pub.DONE, pub.TERMINAL):
+            self.on_done.notify(self.client, job)
         if status == pub.DONE:
             self._record_end(job)
         elif status == pub.REQUEUED:
