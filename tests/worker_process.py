@@ -46,9 +46,11 @@ def stop_gracefully(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int
 
 
 def rq_burst(url: str, *queues: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """An RQ SimpleWorker (no fork) with the JSON serializer: runs what is queued, then exits."""
+    """An RQ SimpleWorker (no fork) with the JSON serializer: runs what is queued, then exits.
+    Without REDIS_URL / QWORKER_REDIS_URL, so `producer.rq` uses the RQ worker's connection."""
     cmd = [sys.executable, "-m", "rq.cli", "worker", "--burst", "--url", url,
            "--serializer", RQ_SERIALIZER, "--worker-class", "rq.SimpleWorker", *queues]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "QWORKER_REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
