@@ -11,16 +11,22 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq import Queue
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
 from producer import Producer
 from producer.rq import GENERATE, json_queue
+from qworker.protocol import DoneEvent
+from qworker.service.on_done import OnDone, OnDoneTarget, callback_payload
+from tests.conftest import free_port
 from tests.service_harness import ROOT, wait_for
 from tests.worker_process import rq_burst, sim_worker
 
@@ -153,6 +159,23 @@ def test_on_done_enqueues_the_configured_callback(redis_url: str, conn: redis.Re
                            "completion_tokens": r.usage.completion_tokens}}
         for job_id, r in results.items()}
     assert_json_only(conn)
+
+
+def test_on_done_keeps_a_callback_while_redis_is_down_and_enqueues_it_once(
+    conn: redis.Redis,
+) -> None:
+    hook = OnDone(OnDoneTarget("done", CALLBACK), prefix="qw")
+    done = DoneEvent(finish_reason="stop", text="hi", prompt_tokens=2, completion_tokens=1)
+    job = SimpleNamespace(job_id="j-1", t0_ms=1234, outbox=[done])
+    down = redis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))  # as the worker's client
+    hook.notify(down, job)  # type: ignore[arg-type]
+    assert len(hook.pending) == 1
+    hook.notify(conn, job)  # type: ignore[arg-type]  # reported twice (e.g. a zombie's publish)
+    hook.notify(conn, job)  # type: ignore[arg-type]
+    queue = json_queue("done", conn)
+    assert not hook.pending and queue.count == 1
+    rq_job = fetch(conn, queue.get_job_ids()[0])
+    assert (rq_job.func_name, rq_job.args) == (CALLBACK, [callback_payload("j-1", done)])
 
 
 def test_the_service_imports_rq_only_when_asked(redis_url: str) -> None:

@@ -82,9 +82,11 @@ class OnDone:
 
     def __post_init__(self) -> None:
         import rq.exceptions  # fails at startup when rq is missing
+        from rq import Queue
         from rq.serializers import JSONSerializer
 
         self._serializer = JSONSerializer
+        self._unique = "unique" in inspect.signature(Queue.enqueue_job).parameters  # rq >= 3
         self._duplicate: Any = getattr(rq.exceptions, "DuplicateJobError", ())  # rq >= 3
         self.log = get_logger(on_done_queue=self.target.queue)
 
@@ -125,11 +127,8 @@ class OnDone:
         queue = Queue(self.target.queue, connection=client, serializer=self._serializer)
         kwargs: dict[str, Any] = {"job_id": rq_id, "result_ttl": RESULT_TTL_S,
                                   "description": f"qworker on-done {payload['id']}"}
-        if _supports_unique(queue):
+        if self._unique:
             kwargs["unique"] = True
         with contextlib.suppress(self._duplicate):  # already enqueued for this job
             queue.enqueue(self.target.func, payload, **kwargs)
 
-
-def _supports_unique(queue: Any) -> bool:
-    return "unique" in inspect.signature(queue.enqueue_job).parameters
