@@ -37,9 +37,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="run a worker on a Redis job stream",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    _flag(p, "--redis-url", required=True,
+    add_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
+              default_model: str | None = None) -> None:
+    """The worker's flags (`qworker up` takes them too, with a Redis of its own)."""
+    _flag(p, "--redis-url", required=redis_required,
           help="redis://[user:password@]host:port/db, rediss:// for TLS")
-    _flag(p, "--model", required=True, help=SIM_HELP)
+    _flag(p, "--model", required=default_model is None, default=default_model, help=SIM_HELP)
     _flag(p, "--prefix", default="qw", help="key prefix; nothing is written outside it")
     _flag(p, "--group", default="workers", help="consumer group")
     _flag(p, "--name", help="consumer name (default: host-pid)")
@@ -60,11 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
           help="seconds to finish running jobs after SIGTERM before requeueing them")
     _flag(p, "--result-ttl", type=int, default=3600,
           help="seconds an output stream lives after its last event")
-    _flag(p, "--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    _flag(p, "--metrics-port", type=int, default=0,
+          help="port of /metrics (Prometheus), /healthz and /livez (0: off)")
+    _flag(p, "--stall-timeout", type=float, default=60.0,
+          help="seconds without a finished loop turn before /healthz and /livez fail")
     _flag(p, "--on-done-rq-queue", help="RQ queue to enqueue each finished job's result on")
     _flag(p, "--on-done-rq-func", help="dotted path of the RQ function given that result")
     _flag(p, "--log-level", default="info", help="debug | info | warning | error")
-    p.set_defaults(func=run)
 
 
 def build_engine(args: argparse.Namespace) -> Any:
@@ -87,6 +96,7 @@ def build_engine(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from qworker.service.config import ServiceConfig, default_worker_name
     from qworker.service.logs import configure_logging, get_logger
+    from qworker.service.metrics import Metrics
     from qworker.service.on_done import OnDone
     from qworker.service.worker import Worker
 
@@ -104,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:
         log.error("bad --on-done-rq-* flags", error=str(exc))
         return 2
-    worker = Worker(build_engine(args), config, on_done=on_done)
+    worker = Worker(build_engine(args), config, on_done=on_done,
+                    metrics=Metrics(stall_s=args.stall_timeout))
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal", signal=signal.Signals(signum).name)

@@ -203,6 +203,14 @@ class SimulatedEngine:
     def num_free_blocks(self) -> int:
         return self._free_blocks
 
+    def stats(self) -> dict[str, int]:
+        """Gauges for the service's metrics (the real engine's `stats()` has the same keys).
+        `batch_seqs` is the running batch: every running sequence takes part in a step unless
+        the step's prefill budget ran out."""
+        return {"running": len(self._running), "waiting": len(self._waiting),
+                "blocks_free": self._free_blocks, "blocks_total": self.num_blocks,
+                "batch_seqs": len(self._running)}
+
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         scheduled = self._schedule(outputs)

@@ -1,19 +1,65 @@
-"""Prometheus metrics of one worker (own registry, so several workers can share a process)."""
+"""Prometheus metrics of one worker (own registry, so several workers can share a process).
+
+Engine gauges come from `engine.stats()` when the engine has it (a plain dict of ints, see
+`ENGINE_STATS`), else from the real engine's attributes; the service never imports torch.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from qworker.engine.request import StepOutput
+from qworker.service import health as health_http
+from qworker.service.health import DEFAULT_STALL_S, Health
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+# Keys of `engine.stats()`; each optional.
+ENGINE_STATS = ("running", "waiting", "blocks_free", "blocks_total", "batch_seqs", "batch_tokens")
+
+
+def engine_stats(engine: Any) -> dict[str, int]:
+    """The engine's gauges: `engine.stats()`, or read from the real engine's parts."""
+    stats = getattr(engine, "stats", None)
+    if callable(stats):
+        return {k: int(v) for k, v in stats().items() if k in ENGINE_STATS}
+    out: dict[str, int] = {}
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is not None:
+        out["running"] = len(getattr(scheduler, "running", ()))
+        out["waiting"] = len(getattr(scheduler, "waiting", ()))
+    blocks = getattr(engine, "blocks", None)
+    if blocks is not None and hasattr(blocks, "num_free") and hasattr(blocks, "num_blocks"):
+        out["blocks_free"], out["blocks_total"] = int(blocks.num_free), int(blocks.num_blocks)
+    work = getattr(getattr(engine, "last_schedule", None), "work", None)
+    if work is not None:
+        out["batch_seqs"], out["batch_tokens"] = len(work), sum(int(n) for _, n in work)
+    return out
 
 
 @dataclass
 class Metrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    stall_s: float = DEFAULT_STALL_S  # /healthz fails when the loop is stuck this long
 
     def __post_init__(self) -> None:
+        self.health = Health(self.stall_s)
+        self._server: ThreadingHTTPServer | None = None
+        self._last_token: dict[str, float] = {}  # job id -> when its last token came out
+        self._jobs()
+        self._engine()
+        self._latency()
+
+    def _jobs(self) -> None:
         r = self.registry
         self.jobs_started = Counter("qworker_jobs_started", "Jobs taken and started (incl. "
                                     "resumed)", ["source"], registry=r)
@@ -32,20 +78,101 @@ class Metrics:
         self.resumed_tokens = Counter("qworker_resumed_tokens", "Already streamed tokens read "
                                       "back (and recomputed) to resume a job", registry=r)
         self.tokens = Counter("qworker_generated_tokens", "Tokens published", registry=r)
+        self.prompt_tokens = Counter("qworker_prompt_tokens", "Prompt tokens of jobs started "
+                                     "(a resumed job's counted again)", registry=r)
         self.redis_errors = Counter("qworker_redis_errors", "Failed Redis round trips",
                                     registry=r)
         self.running = Gauge("qworker_jobs_in_flight", "Jobs this worker holds", registry=r)
         self.free_slots = Gauge("qworker_free_slots", "More jobs the engine would admit now",
                                 registry=r)
+
+    def _engine(self) -> None:
+        r = self.registry
+        self.requests_running = Gauge("qworker_requests_running", "Sequences in the engine's "
+                                      "running batch", registry=r)
+        self.requests_waiting = Gauge("qworker_requests_waiting", "Sequences waiting in the "
+                                      "engine for admission", registry=r)
+        self.kv_blocks_free = Gauge("qworker_kv_blocks_free", "Free KV cache blocks", registry=r)
+        self.kv_blocks_used = Gauge("qworker_kv_blocks_used", "KV cache blocks held by "
+                                    "sequences", registry=r)
+        self.batch_size = Histogram("qworker_batch_size", "Sequences per engine step",
+                                    registry=r, buckets=_BATCH_BUCKETS)
+        self.batch_tokens = Histogram("qworker_batch_tokens", "Tokens computed per engine step "
+                                      "(prefill chunks + decodes)", registry=r,
+                                      buckets=_TOKEN_BUCKETS)
         self.step_seconds = Histogram("qworker_step_seconds", "Engine step time", registry=r,
                                       buckets=_LATENCY_BUCKETS)
+
+    def _latency(self) -> None:
+        r = self.registry
         self.queue_seconds = Histogram("qworker_queue_seconds", "Queued until first taken",
                                        registry=r, buckets=_LATENCY_BUCKETS)
         self.ttft_seconds = Histogram("qworker_ttft_seconds", "Queued until first token",
                                       registry=r, buckets=_LATENCY_BUCKETS)
+        self.inter_token_seconds = Histogram("qworker_inter_token_seconds", "Time between two "
+                                             "tokens of a job", registry=r, buckets=_ITL_BUCKETS)
         self.total_seconds = Histogram("qworker_job_seconds", "Queued until done", registry=r,
                                        buckets=_LATENCY_BUCKETS)
 
+    # ------------------------------------------------------------------ hooks of the loop
+
+    def tick(self, engine: Any) -> None:
+        """Once per loop iteration: the loop is alive; refresh the engine's gauges."""
+        self.health.tick()
+        self._set_gauges(engine_stats(engine))
+
+    def _set_gauges(self, stats: dict[str, int]) -> None:
+        if "running" in stats:
+            self.requests_running.set(stats["running"])
+        if "waiting" in stats:
+            self.requests_waiting.set(stats["waiting"])
+        if "blocks_free" in stats and "blocks_total" in stats:
+            self.kv_blocks_free.set(stats["blocks_free"])
+            self.kv_blocks_used.set(stats["blocks_total"] - stats["blocks_free"])
+
+    def observe_step(self, engine: Any, outputs: Iterable[StepOutput], seconds: float,
+                     active: Container[str]) -> None:
+        """After an engine step: its time, batch size and each job's inter-token latency."""
+        self.step_seconds.observe(seconds)
+        now = time.monotonic()
+        outputs = list(outputs)
+        stats = engine_stats(engine)
+        self._set_gauges(stats)
+        with_tokens = [out for out in outputs if out.new_token_ids]
+        seqs = stats.get("batch_seqs", len(with_tokens))
+        if seqs:
+            self.batch_size.observe(seqs)
+        if stats.get("batch_tokens"):
+            self.batch_tokens.observe(stats["batch_tokens"])
+        for out in with_tokens:
+            last = self._last_token.get(out.request_id)
+            if last is not None:
+                gap = (now - last) / len(out.new_token_ids)
+                for _ in out.new_token_ids:
+                    self.inter_token_seconds.observe(gap)
+            self._last_token[out.request_id] = now
+        for out in outputs:
+            if out.finished or out.preempted:
+                self._last_token.pop(out.request_id, None)
+        for job_id in [j for j in self._last_token if j not in active]:
+            del self._last_token[job_id]  # cancelled, requeued at shutdown, lost
+
+    def redis_succeeded(self) -> None:
+        self.health.redis_succeeded()
+
+    def redis_failed(self, exc: BaseException) -> None:
+        self.redis_errors.inc()
+        self.health.redis_failed(f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ endpoint
+
     def serve(self, port: int) -> None:
-        if port:
-            start_http_server(port, registry=self.registry)
+        """/metrics, /healthz and /livez on `port` (0: none)."""
+        if port and self._server is None:
+            self._server = health_http.serve(port, self.registry, self.health)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -149,6 +149,7 @@ class Worker:
             self.log.warning("exiting with unpublished jobs; they stay pending for reclaim",
                              jobs=sorted(self.active))
         self._guard(self.heartbeat.leave)
+        self.metrics.close()
         self.log.info("worker stopped")
         return 0
 
@@ -159,6 +160,7 @@ class Worker:
 
     def iterate(self) -> None:
         """One turn of the loop: step, publish what it produced, then heartbeat and intake."""
+        self.metrics.tick(self.engine)  # health: the loop turns; engine gauges
         if self.requeue_now or time.monotonic() >= self._drain_deadline:
             self._requeue_all()
         stepped = self.engine.has_unfinished()
@@ -197,10 +199,11 @@ class Worker:
             self._backing_off(exc)
             return False
         self.backoff.succeeded()
+        self.metrics.redis_succeeded()
         return True
 
     def _backing_off(self, exc: Exception) -> None:
-        self.metrics.redis_errors.inc()
+        self.metrics.redis_failed(exc)
         delay = self.backoff.failed(time.monotonic())
         self.log.warning("redis unavailable, retrying", error=str(exc)[:200],
                          retry_in_s=round(delay, 3))
@@ -210,7 +213,7 @@ class Worker:
     def _step(self) -> None:
         started = time.perf_counter()
         outputs = self.engine.step()
-        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        self.metrics.observe_step(self.engine, outputs, time.perf_counter() - started, self.active)
         for out in outputs:
             job = self.active.get(out.request_id)
             if job is None or not job.in_engine:
@@ -366,6 +369,7 @@ class Worker:
             "requeue" if t.entry.stream == self.keys.requeue else "jobs")
         self.metrics.jobs_started.labels(source).inc()
         self.metrics.resumed_tokens.inc(job.next_index)
+        self.metrics.prompt_tokens.inc(len(prompt))
         log.info("started", source=source, resume_at=job.next_index, prompt_tokens=len(prompt),
                  deliveries=t.entry.deliveries)
         return None
