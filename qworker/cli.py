@@ -13,6 +13,7 @@ COMMAND_MODULES = (
     "qworker.commands.tail",
     "qworker.commands.stats",
     "qworker.commands.serve",
+    "qworker.commands.up",
     "qworker.commands.batch",
 )
 

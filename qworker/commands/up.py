@@ -1,0 +1,263 @@
+"""`qworker up`: a worker and, unless given --redis-url, a Redis of its own, on this machine.
+
+Without --redis-url (or $QWORKER_REDIS_URL) it starts `redis-server` from PATH on a free port of
+127.0.0.1, with AOF (appendfsync everysec) in --data-dir (default $QWORKER_HOME/redis); only
+where there is none, fakeredis' in-process TCP server, with a warning: nothing is durable. It
+prints the URL to give producers, then runs the worker in this process: every `qworker serve`
+flag applies (--model defaults to smollm2). Ctrl-C or SIGTERM drains the worker, then stops the
+Redis it started (and never one it did not start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import fcntl
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import redis
+
+from qworker.commands import serve
+
+DEFAULT_MODEL = "smollm2"
+EXIT_NO_REDIS = 2
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisProcessError(RuntimeError):
+    """The local Redis could not be started."""
+
+
+class OwnRedis(Protocol):
+    url: str
+    description: str
+
+    def start(self) -> str: ...
+    def stop(self) -> None: ...
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when our process dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def wait_until_up(url: str, timeout: float, alive: Any = lambda: True) -> None:
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:  # refused, or still loading its AOF
+                if not alive() or time.monotonic() > deadline:
+                    raise RedisProcessError(f"no Redis answered at {url}") from None
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
+@dataclass
+class LocalRedis:
+    """A `redis-server` child on 127.0.0.1 with AOF in `data_dir` (one user of it at a time)."""
+
+    binary: str
+    data_dir: Path
+    port: int = 0  # 0: a free one
+    start_timeout: float = 60.0
+    proc: subprocess.Popen[bytes] | None = None
+    url: str = ""
+    _lock: IO[str] | None = field(default=None, repr=False)
+
+    @property
+    def description(self) -> str:
+        pid = self.proc.pid if self.proc else "-"
+        return f"redis-server (pid {pid}, AOF in {self.data_dir})"
+
+    def start(self) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        try:
+            for _ in range(3 if self.port == 0 else 1):  # a free port can be taken meanwhile
+                if self._try_start(self.port or free_port()):
+                    return self.url
+            raise RedisProcessError(f"redis-server did not start; see {self.log_path}")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def _take_lock(self) -> None:
+        self._lock = open(self.data_dir / "qworker-up.lock", "w")  # noqa: SIM115 (held open)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            self._lock = None
+            raise RedisProcessError(f"another qworker up uses {self.data_dir}; pass another "
+                                    "--data-dir, or its URL as --redis-url") from None
+
+    def _try_start(self, port: int) -> bool:
+        cmd = [self.binary, "--port", str(port), "--bind", "127.0.0.1",
+               "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "everysec",
+               "--save", "", "--maxmemory-policy", "noeviction", "--daemonize", "no",
+               "--logfile", str(self.log_path)]
+        # own session: the terminal's Ctrl-C must not stop Redis before the worker has drained
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        self.url = f"redis://127.0.0.1:{port}/0"
+        proc = self.proc
+        try:
+            wait_until_up(self.url, self.start_timeout, alive=lambda: proc.poll() is None)
+            return True
+        except RedisProcessError:
+            self._stop_process()
+            return False
+
+    def _stop_process(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()  # redis-server's SIGTERM: fsync the AOF, then exit
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        self._stop_process()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+@dataclass
+class EmbeddedRedis:
+    """fakeredis' TCP server in a thread of this process: for trying things out, not durable."""
+
+    port: int = 0
+    url: str = ""
+    description: str = "embedded fakeredis server (in memory: NOTHING IS DURABLE)"
+    _server: Any = field(default=None, repr=False)
+
+    def start(self) -> str:
+        try:
+            from fakeredis import TcpFakeServer
+        except ImportError as exc:
+            raise RedisProcessError(f"fakeredis is not installed ({exc})") from None
+        try:
+            import lupa  # noqa: F401  (fakeredis runs the worker's Lua scripts with it)
+        except ImportError:
+            raise RedisProcessError("the embedded server needs Lua: pip install "
+                                    "'fakeredis[lua]'") from None
+        port = self.port or free_port()
+        self._server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="fakeredis", daemon=True).start()
+        self.url = f"redis://127.0.0.1:{port}/0"
+        wait_until_up(self.url, 10)
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+NOT_DURABLE = """\
+************************************************************************************
+  qworker up: {why}: using an EMBEDDED in-process Redis (fakeredis).
+  NOTHING IS DURABLE: queued jobs and results are gone when this process stops.
+  For real use install Redis (apt-get install redis-server) or pass --redis-url.
+************************************************************************************"""
+
+NO_REDIS = """qworker up: no Redis to be had: {error}
+  Install one (apt-get install redis-server; `make install` does it), pass --redis-url,
+  or pip install 'fakeredis[lua]' for an embedded, non-durable one."""
+
+
+def default_data_dir() -> Path:
+    from qworker.model.hub import qworker_home  # stdlib only
+
+    return qworker_home() / "redis"
+
+
+def choose_redis(args: argparse.Namespace) -> tuple[OwnRedis, str | None]:
+    """The Redis to start, and why it is the embedded one (None: a real redis-server)."""
+    binary = None if args.embedded else shutil.which("redis-server")
+    if binary:
+        return LocalRedis(binary, args.data_dir or default_data_dir(), args.redis_port), None
+    why = "--embedded" if args.embedded else "no redis-server on PATH"
+    return EmbeddedRedis(args.redis_port), why
+
+
+def announce(url: str, description: str) -> None:
+    print(f"qworker up: Redis at {url} ({description})\n"
+          f"qworker up: give producers REDIS_URL={url}\n"
+          f"qworker up:   e.g. qworker submit --redis-url {url} --stream \"Hello\"",
+          flush=True)
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.redis_url:  # someone else's Redis: nothing of ours to start or stop
+        announce(args.redis_url, "given")
+        return serve.run(args)
+    own, embedded_why = choose_redis(args)
+    # until the worker installs its own handlers (after loading the model), SIGTERM stops us
+    # like Ctrl-C does, through the `finally` that stops Redis
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        try:
+            args.redis_url = own.start()
+        except RedisProcessError as exc:
+            print(NO_REDIS.format(error=exc), file=sys.stderr, flush=True)
+            return EXIT_NO_REDIS
+        if embedded_why:
+            print(NOT_DURABLE.format(why=embedded_why), file=sys.stderr, flush=True)
+        announce(args.redis_url, own.description)
+        return serve.run(args)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        own.stop()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("up", help="run a worker with a local Redis of its own",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_flags(p, redis_required=False, default_model=DEFAULT_MODEL)
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="redis-server's folder, AOF included (default $QWORKER_HOME/redis)")
+    p.add_argument("--redis-port", type=int, default=0, help="port of the local Redis (0: free)")
+    p.add_argument("--embedded", action="store_true",
+                   help="use the embedded, non-durable server even where redis-server exists")
+    p.set_defaults(func=run)
