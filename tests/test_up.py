@@ -1,0 +1,139 @@
+"""`qworker up`: starts its own Redis (or the embedded one), a worker, and stops only those."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from producer import Producer
+from tests.service_harness import ROOT, wait_for
+
+URL_LINE = re.compile(r"qworker up: Redis at (redis://\S+) \((.*)\)$")
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[str]
+    url: str
+    description: str
+    stderr: queue.Queue[str]
+
+    @property
+    def redis_pid(self) -> int:
+        found = re.search(r"pid (\d+)", self.description)
+        assert found, self.description
+        return int(found.group(1))
+
+    def stderr_text(self) -> str:
+        lines = []
+        while not self.stderr.empty():
+            lines.append(self.stderr.get())
+        return "".join(lines)
+
+
+def _pump(stream: object, into: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        into.put(line)
+
+
+def start_up(*args: str, timeout: float = 60) -> Up:
+    cmd = [sys.executable, "-m", "qworker.cli", "up", "--model", "sim:step_ms=2", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out: queue.Queue[str] = queue.Queue()
+    err: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True).start()
+    threading.Thread(target=_pump, args=(proc.stderr, err), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = out.get(timeout=0.2)
+        except queue.Empty:
+            assert proc.poll() is None, f"qworker up exited: {''.join(err.queue)}"
+            continue
+        if m := URL_LINE.match(line.rstrip("\n")):
+            return Up(proc, m.group(1), m.group(2), err)
+    proc.kill()
+    raise AssertionError("qworker up printed no URL")
+
+
+def finish(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@contextmanager
+def running_up(*args: str) -> Iterator[Up]:
+    up = start_up(*args)
+    try:
+        yield up
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+            up.proc.wait()
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in state  # a zombie whose new parent has not reaped it yet
+
+
+def run_one_job(url: str) -> None:
+    with Producer(url) as producer:
+        result = producer.submit("hello up", max_tokens=8, temperature=0).result(timeout=60)
+    assert (result.finish_reason, result.usage.completion_tokens) == ("length", 8)
+
+
+def test_up_starts_redis_with_aof_and_stops_it_on_sigterm(tmp_path: Path) -> None:
+    data = tmp_path / "redis"
+    with running_up("--data-dir", str(data), "--name", "up-test-1") as up:
+        assert up.description.startswith("redis-server")
+        run_one_job(up.url)
+        assert list((data / "appendonlydir").glob("*.aof*")), "AOF files in the data dir"
+        second = subprocess.run(
+            [sys.executable, "-m", "qworker.cli", "up", "--model", "sim", "--data-dir",
+             str(data)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert second.returncode == 2 and "another qworker up uses" in second.stderr
+        assert finish(up.proc) == 0
+        wait_for(lambda: process_gone(up.redis_pid), 10, what="redis-server to stop")
+
+
+def test_up_redis_dies_with_a_killed_up(tmp_path: Path) -> None:
+    with running_up("--data-dir", str(tmp_path / "redis"), "--name", "up-test-2") as up:
+        finish(up.proc, signal.SIGKILL)
+        wait_for(lambda: process_gone(up.redis_pid), 10, what="redis-server to follow its parent")
+
+
+def test_up_embedded_server_warns_and_runs_jobs() -> None:
+    with running_up("--embedded", "--name", "up-test-3") as up:
+        assert "NOTHING IS DURABLE" in up.description
+        run_one_job(up.url)
+        assert finish(up.proc) == 0
+        assert "EMBEDDED in-process Redis" in up.stderr_text()
+
+
+def test_up_with_a_given_redis_leaves_it_running(redis_url: str) -> None:
+    with running_up("--redis-url", redis_url, "--name", "up-test-4") as up:
+        assert (up.url, up.description) == (redis_url, "given")
+        run_one_job(up.url)
+        assert finish(up.proc) == 0
+    assert redis.Redis.from_url(redis_url).ping()
