@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Cancel a qworker job (docs/protocol.md, "Cancelling"): a running job ends with finish_reason
+# cancelled within one engine step.   ./cancel.sh JOB_ID     Env: REDIS_URL, QW_PREFIX.
+set -euo pipefail
+redis-cli -u "${REDIS_URL:-redis://127.0.0.1:6379/0}" SET "${QW_PREFIX:-qw}:cancel:${1:?usage: cancel.sh JOB_ID}" 1 EX 86400 >/dev/null
