@@ -1,0 +1,145 @@
+"""Standard workload v1 through Redis: submitted as jobs, served by one worker, read back live
+by a separate consumer process; beside it, the same workload in-process in the same run.
+
+    .venv/bin/python -m benchmarks.service_throughput [--dtype bfloat16]
+
+Prints one JSON line: useful output tokens/s end to end and in-process, their ratio, Redis round
+trips per engine step (and commands per generated token), and TTFT / inter-token latency p50 and
+p99 as the consumer saw them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from typing import Any
+
+import redis
+import torch
+from redis.connection import Connection
+
+from benchmarks.engine_throughput import run_qworker
+from benchmarks.local_redis import local_redis
+from benchmarks.workload import WorkItem, fingerprint, standard_workload
+from producer import Producer
+from qworker.engine.config import EngineConfig
+from qworker.engine.engine import Engine
+from qworker.model.dtypes import resolve_dtype
+from qworker.model.hub import resolve_model
+from qworker.model.llama import load_model
+from qworker.model.tokenizer import Tokenizer
+from qworker.protocol import Keys
+from qworker.service.config import ServiceConfig
+from qworker.service.worker import Worker
+
+
+class CountingConnection(Connection):
+    """Counts round trips: one packed send (a command or a whole pipeline) each."""
+
+    sends = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sends += 1
+        super().send_packed_command(command, check_health)
+
+
+def read_streams(url: str, ids: list[str], started: Any, out: Any) -> None:
+    """Consumer process: follow every job's output stream, note when each token arrives."""
+    client = redis.Redis.from_url(url, socket_timeout=30)
+    keys = Keys()
+    last = {keys.out(i): "0-0" for i in ids}
+    arrivals: dict[str, list[float]] = {i: [] for i in ids}
+    started.set()
+    while last:
+        reply = client.xread(last, block=5000, count=1000)
+        now = time.time()
+        for stream, entries in reply or []:
+            stream = stream.decode()
+            job = stream.removeprefix(keys.out(""))
+            for entry_id, fields in entries:
+                last[stream] = entry_id
+                kind = fields[b"type"]
+                if kind == b"token":
+                    arrivals[job].append(now)
+                else:
+                    del last[stream]
+    out.put(arrivals)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 \
+        else values[0]
+
+
+def run_service(url: str, engine: Engine, items: list[WorkItem]) -> dict[str, object]:
+    client = redis.Redis.from_url(url, connection_class=CountingConnection, socket_timeout=30)
+    worker = Worker(engine, ServiceConfig(redis_url=url, name="bench", claim_idle_ms=600_000),
+                    client=client)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    ids = [f"bench-{i}" for i in range(len(items))]
+    ctx = mp.get_context("spawn")
+    started, out = ctx.Event(), ctx.Queue()
+    consumer = ctx.Process(target=read_streams, args=(url, ids, started, out))
+    consumer.start()
+    started.wait(60)
+    steps_before, sends_before = engine.num_steps, CountingConnection.sends
+    commands_before = redis.Redis.from_url(url).info("stats")["total_commands_processed"]
+    submitted = time.time()
+    with Producer(url) as producer:
+        producer.submit_many([
+            dict(id=job_id, prompt_token_ids=item.prompt_ids, max_tokens=item.output_len,
+                 min_tokens=item.output_len, ignore_eos=True, temperature=0.0)
+            for job_id, item in zip(ids, items, strict=True)])
+    arrivals: dict[str, list[float]] = out.get(timeout=3600)
+    wall = max(max(a) for a in arrivals.values()) - submitted
+    steps, sends = engine.num_steps - steps_before, CountingConnection.sends - sends_before
+    commands = redis.Redis.from_url(url).info("stats")["total_commands_processed"] - \
+        commands_before
+    consumer.join(30)
+    worker.request_stop()
+    thread.join(60)
+    useful = sum(item.output_len for item in items)
+    assert sum(len(a) for a in arrivals.values()) == useful, "tokens missing end to end"
+    ttft = [(a[0] - submitted) * 1000 for a in arrivals.values()]
+    itl = [(b - a) * 1000 for times in arrivals.values()
+           for a, b in zip(times, times[1:], strict=False)]
+    return {
+        "useful_out_tok_s": round(useful / wall, 1),
+        "wall_s": round(wall, 2),
+        "engine_steps": steps,
+        "worker_round_trips_per_step": round(sends / max(1, steps), 2),
+        "redis_commands_per_token": round(commands / useful, 2),
+        **{f"{name}_ms_p{q}": round(percentile(values, q), 1)
+           for name, values in (("ttft", ttft), ("itl", itl)) for q in (50, 99)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--requests", type=int, default=64)
+    args = parser.parse_args()
+    items = standard_workload(seed=0)[: args.requests]
+    path = str(resolve_model(args.model))
+    dtype = resolve_dtype(args.dtype, "cpu")
+    config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True)
+    in_process = run_qworker(path, dtype, items, config)
+    engine = Engine(load_model(path, dtype=dtype), Tokenizer.load(path), config)
+    with local_redis() as url:
+        service = run_service(url, engine, items)
+    ratio = service["useful_out_tok_s"] / in_process["useful_out_tok_s"]  # type: ignore[operator]
+    print(json.dumps({"workload": "v1", "fingerprint": fingerprint(items), "dtype": str(dtype),
+                      "threads": torch.get_num_threads(),
+                      "in_process_useful_out_tok_s": in_process["useful_out_tok_s"],
+                      "end_to_end_useful_out_tok_s": service["useful_out_tok_s"],
+                      "ratio": round(ratio, 3), **service}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
