@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -9,6 +10,9 @@ import torch
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.kv_cache import KVCache
 from qworker.model.llama import LlamaModel
+
+# the suite runs on the CPU; QWORKER_TEST_DEVICE=cuda runs the model and engine tests on a GPU
+TEST_DEVICE = os.environ.get("QWORKER_TEST_DEVICE", "cpu")
 
 Step = list[tuple[int, int]]  # (sequence index, number of new tokens) per scheduled sequence
 
@@ -34,7 +38,7 @@ def run_schedule(
     rng = random.Random(seed)
     lengths = [len(s) for s in sequences]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 7
-    cache = KVCache.allocate(model.config, num_blocks, block_size, model.dtype)
+    cache = KVCache.allocate(model.config, num_blocks, block_size, model.dtype, model.device)
     tables = disjoint_block_tables(lengths, block_size, num_blocks, rng)
     cached = [0] * len(sequences)
     results = []
@@ -44,7 +48,7 @@ def run_schedule(
             tokens = sequences[seq][cached[seq] : cached[seq] + n]
             assert len(tokens) == n, "schedule runs past the end of a sequence"
             inputs.append(SequenceInput(tokens, cached[seq], tables[seq]))
-        logits = model(build_batch(inputs, block_size), cache)
+        logits = model(build_batch(inputs, block_size, model.device), cache).cpu()
         for row, (seq, n) in enumerate(step):
             cached[seq] += n
             results.append((seq, cached[seq] - 1, logits[row]))

@@ -132,3 +132,25 @@ def test_eos_and_stop_token_ids_end_with_stop(smollm2_tokenizer: Tokenizer,
     tokens, _, reason = finish(engine, Request("s", [1], SamplingParams(
         max_tokens=10, stop_token_ids=(hello[1],))))
     assert (tokens, reason) == (hello[:2], "stop")
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch_mates() -> None:
+    """Top-k / top-p rows in the batch must not change how a plain row is sampled."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 500) * 2
+    plain = SamplingParams(temperature=1.0)
+    mates = [SamplingParams(temperature=0.8, top_k=5), SamplingParams(top_p=0.5, min_p=0.1)]
+    for seed in range(200):
+        alone = sample(logits[:1], [SampleRow(plain, seed, 0, [1], 1, ())])
+        rows = [SampleRow(p, seed, 0, [1], 1, ()) for p in (plain, *mates)]
+        together = sample(logits, rows)
+        assert together[0] == alone[0], seed
+        assert together[1] in logits[1].topk(5).indices.tolist()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([[0.5, 0.05, 0.3, 0.15]])
+    logits = probs.log()
+    row = SamplingParams(temperature=1.0, top_p=0.8)
+    drawn = {sample(logits, [SampleRow(row, seed, 0, [1], 1, ())])[0] for seed in range(300)}
+    assert drawn == {0, 2}  # 0.5 + 0.3 reaches 0.8: 0.15 and 0.05 are cut

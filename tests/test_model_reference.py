@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from qworker.model.llama import load_model
-from tests.model_harness import Step, run_schedule
+from tests.model_harness import TEST_DEVICE, Step, run_schedule
 
 VOCAB = 96
 VARIANTS = {
@@ -56,13 +56,14 @@ def reference_logits(path: Path, sequences: list[list[int]],
                      dtype: torch.dtype) -> list[torch.Tensor]:
     config = transformers.AutoConfig.from_pretrained(path)
     hf = _hf_model_class(config).from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    hf.to(TEST_DEVICE)  # the same device as ours: libm's cos/sin differ between CPU and GPU
     with torch.no_grad():
-        return [hf(torch.tensor([s])).logits[0] for s in sequences]
+        return [hf(torch.tensor([s], device=TEST_DEVICE)).logits[0].cpu() for s in sequences]
 
 
 def check(path: Path, dtype: torch.dtype, sequences: list[list[int]], schedule: list[Step],
           block_size: int) -> None:
-    model = load_model(path, dtype=dtype)
+    model = load_model(path, dtype=dtype, device=TEST_DEVICE)
     reference = reference_logits(path, sequences, dtype)
     results = run_schedule(model, sequences, schedule, block_size)
     assert results, "schedule produced no logits"

@@ -13,7 +13,7 @@ from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
 from qworker.model.llama import LlamaModel, load_model
 from qworker.model.tokenizer import Tokenizer
-from tests.model_harness import run_schedule
+from tests.model_harness import TEST_DEVICE, run_schedule
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -27,7 +27,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def ours(smollm2_path: Path) -> LlamaModel:
-    return load_model(smollm2_path, dtype=torch.float32)
+    return load_model(smollm2_path, dtype=torch.float32, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -44,49 +44,57 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     chosen = logits.argmax(dim=-1)
     random_rows = [r for r, row in enumerate(rows) if not row.params.greedy]
     if random_rows:
-        chosen[random_rows] = _sample_random(logits[random_rows], [rows[r] for r in random_rows])
+        index = torch.tensor(random_rows, device=logits.device)
+        chosen[index] = _sample_random(logits[index], [rows[r] for r in random_rows])
     return chosen.tolist()
 
 
 def _penalize(logits: torch.Tensor, row: SampleRow) -> None:
     p = row.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / p.repetition_penalty,
                                    values * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and len(row.token_ids) > row.num_prompt_tokens:
-        output = torch.tensor(row.token_ids[row.num_prompt_tokens :], dtype=torch.long)
+        output = torch.tensor(row.token_ids[row.num_prompt_tokens :], dtype=torch.long,
+                              device=logits.device)
         counts = torch.bincount(output, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    temperature = torch.tensor([[row.params.temperature] for row in rows])
+    """Inverse-CDF sampling in vocabulary order: a row's draw depends on its own logits and its
+    uniform alone, never on which other rows share the batch."""
+    device = logits.device
+    temperature = torch.tensor([[row.params.temperature] for row in rows], device=device)
     probs = torch.softmax(logits / temperature, dim=-1, dtype=torch.float64)
-    if any(_filters(row.params) for row in rows):
-        probs, order = probs.sort(dim=-1, descending=True)
-        probs = _filter_sorted(probs, rows)
-    else:
-        order = None
+    filtered = [r for r, row in enumerate(rows) if _filters(row.params)]
+    if filtered:
+        index = torch.tensor(filtered, device=device)
+        probs[index] = _filter(probs[index], [rows[r] for r in filtered])
     cdf = probs.cumsum(dim=-1)
-    u = torch.tensor([[uniform(row.seed, row.index)] for row in rows], dtype=torch.float64)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
-    return picked.squeeze(1) if order is None else order.gather(1, picked).squeeze(1)
+    u = torch.tensor([[uniform(row.seed, row.index)] for row in rows], dtype=torch.float64,
+                     device=device)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return picked.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
 def _filters(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
 
-def _filter_sorted(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Zero out, per row, what top-k, top-p and min-p exclude (probs sorted descending)."""
-    vocab = probs.shape[1]
-    rank = torch.arange(vocab)[None, :]
-    top_k = torch.tensor([[row.params.top_k or vocab] for row in rows])
-    top_p = torch.tensor([[row.params.top_p] for row in rows], dtype=torch.float64)
-    min_p = torch.tensor([[row.params.min_p] for row in rows], dtype=torch.float64)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (rank >= top_k) | (mass_before >= top_p) | (probs < min_p * probs[:, :1])
-    drop[:, 0] = False  # the most likely token always stays
-    return probs.masked_fill(drop, 0.0)
+def _filter(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Zero out, per row, what top-k, top-p and min-p exclude; ties with the last kept
+    probability stay in."""
+    vocab, device = probs.shape[1], probs.device
+    ranked = probs.sort(dim=-1, descending=True).values
+    rank = torch.arange(vocab, device=device)[None, :]
+    top_k = torch.tensor([[row.params.top_k or vocab] for row in rows], device=device)
+    top_p = torch.tensor([[row.params.top_p] for row in rows], dtype=torch.float64, device=device)
+    min_p = torch.tensor([[row.params.min_p] for row in rows], dtype=torch.float64, device=device)
+    mass_before = ranked.cumsum(dim=-1) - ranked
+    keep = (rank < top_k) & (mass_before < top_p) & (ranked >= min_p * ranked[:, :1])
+    keep[:, 0] = True  # the most likely token always stays
+    threshold = ranked.gather(1, keep.sum(dim=-1, keepdim=True) - 1)  # each condition keeps a
+    return probs.masked_fill(probs < threshold, 0.0)  # prefix of the ranking: its last member

@@ -42,11 +42,13 @@ class RotaryTable:
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
         dtype: torch.dtype, device: torch.device | str,
     ) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        # on the target device, as the reference does: CPU and GPU cos/sin differ in the last bit
+        inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+        positions = torch.arange(max_positions, dtype=torch.float, device=device)
+        freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(dtype=dtype, device=device)
-        self.sin = angles.sin().to(dtype=dtype, device=device)
+        self.cos = angles.cos().to(dtype)
+        self.sin = angles.sin().to(dtype)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [N, heads, head_dim] rotated to its tokens' positions."""
