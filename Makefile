@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install redis test lint clean
+.PHONY: install redis test lint clean demo
 
 install: $(STAMP) redis
 
@@ -26,6 +26,10 @@ redis:
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# a local Redis, a worker on the default model, a few chat jobs streamed live; then all stopped
+demo: install
+	$(BIN)/qworker demo
 
 lint: install
 	$(BIN)/ruff check .

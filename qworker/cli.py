@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "qworker.commands.stats",
     "qworker.commands.serve",
     "qworker.commands.up",
+    "qworker.commands.demo",
     "qworker.commands.batch",
 )
 
