@@ -201,3 +201,10 @@ def test_unknown_path_is_404(redis_url: str) -> None:
         except urllib.error.HTTPError as err:
             assert err.code == 404
 
+
+
+def test_every_metric_is_documented() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operating.md").read_text()
+    for family in Metrics().registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert f"| `{name}` | {family.type} |" in doc, name

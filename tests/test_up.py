@@ -137,3 +137,23 @@ def test_up_with_a_given_redis_leaves_it_running(redis_url: str) -> None:
         run_one_job(up.url)
         assert finish(up.proc) == 0
     assert redis.Redis.from_url(redis_url).ping()
+
+
+def test_demo_streams_jobs_side_by_side_and_leaves_nothing_running() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "qworker.cli", "demo", "--model", "sim:step_ms=10",
+         "--max-tokens", "12", "--stagger", "0.02"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "REDIS_URL"})
+    assert result.returncode == 0, result.stderr
+    tagged = [line.split("]")[0] for line in result.stdout.splitlines() if line.startswith("[")]
+    assert {"[haiku", "[paris", "[lists", "[robot"} <= set(tagged)
+    first_robot = tagged.index("[robot")
+    last_haiku = len(tagged) - 1 - tagged[::-1].index("[haiku")
+    assert first_robot < last_haiku, "the jobs' tokens interleave"
+    assert "4 jobs, 48 tokens" in result.stdout
+    assert "stopping the worker and the Redis it started" in result.stderr
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)", result.stderr)]
+    assert len(pids) == 2, result.stderr  # its redis-server and its worker
+    for pid in pids:
+        assert process_gone(pid), pid
