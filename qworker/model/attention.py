@@ -3,9 +3,9 @@
 The cache of one layer is `[kv_heads, blocks, block_size, head_dim]`, read as rows of whole blocks
 (`[kv_heads * blocks, block_size * head_dim]`): a sequence's keys are one `index_select` of rows,
 already in the `[kv_heads, tokens, head_dim]` layout attention consumes. Decodes (one new token per
-sequence) are attended together in two batched matmuls; prefill chunks one sequence at a time with
-the fused SDPA kernel. Grouped-query attention is folded into the query axis: K/V are never
-repeated.
+sequence) are attended in two batched matmuls per group of similar lengths; prefill chunks one at a
+time with the fused SDPA kernel. Grouped-query attention is folded into the query axis: K/V are
+never repeated.
 """
 
 from __future__ import annotations
@@ -19,40 +19,45 @@ from qworker.model.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
+class DecodePlan:
+    token_index: torch.Tensor  # [D] rows of the packed batch
+    block_rows: torch.Tensor  # block rows of the group's sequences, heads-major
+    bias: torch.Tensor  # [1, D, 1, L]: 0 where visible, -inf past each sequence's context
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """What every layer's attention needs from a batch, computed once per forward."""
 
     batch: ForwardBatch
-    decode_rows: torch.Tensor | None  # block rows of all decodes, heads-major
-    decode_bias: torch.Tensor | None  # [1, D, 1, L] 0 where visible, -inf past each context
+    decodes: tuple[DecodePlan, ...]
     prefill_rows: tuple[torch.Tensor, ...]
     prefill_masks: tuple[torch.Tensor, ...]  # [1, 1, group * n, T] per chunk
 
     @classmethod
     def build(cls, batch: ForwardBatch, cache_k: torch.Tensor, group: int) -> AttentionPlan:
         kv_heads, num_blocks, block_size, _ = cache_k.shape
-        heads = torch.arange(kv_heads, device=cache_k.device)[:, None] * num_blocks
+        device = cache_k.device
+        heads = torch.arange(kv_heads, device=device)[:, None] * num_blocks
 
         def rows(block_ids: torch.Tensor) -> torch.Tensor:
             return (heads + block_ids.flatten()[None, :]).flatten()
 
-        decode_rows = decode_bias = None
-        if batch.decode is not None:
-            decode_rows = rows(batch.decode.block_tables)
-            width = batch.decode.block_tables.shape[1] * block_size
-            hidden = torch.arange(width, device=cache_k.device)[None, :] >= \
-                batch.decode.context_lens[:, None]
-            bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype),
-                               device=cache_k.device)
-            decode_bias = bias.masked_fill_(hidden, float("-inf"))[None, :, None, :]
+        decodes = []
+        for d in batch.decodes:
+            width = d.block_tables.shape[1] * block_size
+            hidden = torch.arange(width, device=device)[None, :] >= d.context_lens[:, None]
+            bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype), device=device)
+            bias.masked_fill_(hidden, float("-inf"))
+            decodes.append(DecodePlan(d.token_index, rows(d.block_tables), bias[None, :, None]))
         masks = []
         for chunk in batch.prefills:
             total = chunk.num_cached + chunk.end - chunk.start
-            query_pos = torch.arange(chunk.num_cached, total, device=cache_k.device)
-            visible = torch.arange(total, device=cache_k.device)[None, :] <= query_pos[:, None]
+            query_pos = torch.arange(chunk.num_cached, total, device=device)
+            visible = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
             masks.append(visible.repeat(group, 1)[None, None])
-        return cls(batch, decode_rows, decode_bias,
-                   tuple(rows(c.block_table) for c in batch.prefills), tuple(masks))
+        return cls(batch, tuple(decodes), tuple(rows(c.block_table) for c in batch.prefills),
+                   tuple(masks))
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,15 +79,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [N, heads, head_dim] (positions already rotated) -> [N, heads, head_dim]."""
-    batch = plan.batch
-    if batch.decode is not None and not batch.prefills:
-        return _decode(q, cache_k, cache_v, plan, scale)
     out = torch.empty_like(q)
-    if batch.decode is not None:
-        rows = batch.decode.token_index
-        out[rows] = _decode(q[rows], cache_k, cache_v, plan, scale)
-    for chunk, block_rows, mask in zip(batch.prefills, plan.prefill_rows, plan.prefill_masks,
-                                       strict=True):
+    for d in plan.decodes:
+        out[d.token_index] = _decode(q[d.token_index], cache_k, cache_v, d, scale)
+    for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
+                                       plan.prefill_masks, strict=True):
         out[chunk.start : chunk.end] = _prefill(q[chunk.start : chunk.end], cache_k, cache_v,
                                                 block_rows, mask, chunk.num_cached, scale)
     return out
@@ -96,18 +97,17 @@ def _gather(cache: torch.Tensor, block_rows: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: AttentionPlan,
+    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: DecodePlan,
     scale: float,
 ) -> torch.Tensor:
-    assert plan.decode_rows is not None and plan.decode_bias is not None
     num, heads, head_dim = q.shape
     kv_heads = cache_k.shape[0]
-    keys = _gather(cache_k, plan.decode_rows).view(kv_heads, num, -1, head_dim)
-    values = _gather(cache_v, plan.decode_rows).view(kv_heads, num, -1, head_dim)
+    keys = _gather(cache_k, plan.block_rows).view(kv_heads, num, -1, head_dim)
+    values = _gather(cache_v, plan.block_rows).view(kv_heads, num, -1, head_dim)
     grouped_q = q.view(num, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [kvh,D,g,d]
     # a handful of queries per sequence: two batched matmuls beat the fused kernel here
-    scores = torch.matmul(grouped_q, keys.transpose(-1, -2)).to(plan.decode_bias.dtype)
-    weights = torch.softmax(scores * scale + plan.decode_bias, dim=-1).to(q.dtype)
+    scores = torch.matmul(grouped_q, keys.transpose(-1, -2)).to(plan.bias.dtype)
+    weights = torch.softmax(scores * scale + plan.bias, dim=-1).to(q.dtype)
     out = torch.matmul(weights, values)  # [kvh, D, g, d]
     return out.transpose(0, 1).reshape(num, heads, head_dim)
 

@@ -1,7 +1,7 @@
 """A packed (ragged) forward batch: the new tokens of several sequences, concatenated.
 
 Dense layers run once over all packed tokens; attention splits them back per sequence: single-token
-decodes are attended together in one call, prefill chunks one sequence at a time.
+decodes are attended in a few batched calls (grouped by length), prefill chunks one at a time.
 """
 
 from __future__ import annotations
@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# decode groups: a group takes sequences up to GROUP_SPREAD times its shortest (in blocks), and
+# at least MIN_GROUP of them, so that a few calls cover any mix of lengths
+GROUP_SPREAD = 1.5
+MIN_GROUP = 8
 
 
 @dataclass(frozen=True)
@@ -23,12 +28,11 @@ class SequenceInput:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """All single-token sequences of the step, attended in one batched call."""
+    """Single-token sequences of similar context length, attended in one batched call."""
 
     token_index: torch.Tensor  # [D] their rows in the packed batch
     block_tables: torch.Tensor  # [D, max_blocks], padded with block 0
     context_lens: torch.Tensor  # [D] tokens each attends to (cached + the new one)
-    contiguous_from: int | None  # when token_index is a range start..start+D, its start
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [N] absolute positions
     slot_mapping: torch.Tensor  # [N] flat cache slot (block * block_size + offset) per token
     logits_indices: torch.Tensor  # [S_out] packed rows whose logits are returned, in input order
-    decode: DecodeGroup | None
+    decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
     block_size: int
 
@@ -94,23 +98,35 @@ def build_batch(
         positions=as_tensor(positions),
         slot_mapping=as_tensor(slots),
         logits_indices=as_tensor(logits_rows),
-        decode=_decode_group(decode_rows, decode_tables, decode_lens, device),
+        decodes=_decode_groups(decode_rows, decode_tables, decode_lens, device),
         prefills=tuple(prefills),
         block_size=block_size,
     )
 
 
+def _decode_groups(
+    rows: list[int], tables: list[list[int]], lens: list[int], device: torch.device | str
+) -> tuple[DecodeGroup, ...]:
+    """Groups decodes of similar length, so padding every table to the longest wastes little."""
+    order = sorted(range(len(rows)), key=lambda i: len(tables[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) < MIN_GROUP or
+                       len(tables[i]) <= GROUP_SPREAD * len(tables[groups[-1][0]])):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return tuple(_decode_group([rows[i] for i in g], [tables[i] for i in g],
+                               [lens[i] for i in g], device) for g in groups)
+
+
 def _decode_group(
     rows: list[int], tables: list[list[int]], lens: list[int], device: torch.device | str
-) -> DecodeGroup | None:
-    if not rows:
-        return None
+) -> DecodeGroup:
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeGroup(
         token_index=torch.tensor(rows, dtype=torch.long, device=device),
         block_tables=torch.tensor(padded, dtype=torch.long, device=device),
         context_lens=torch.tensor(lens, dtype=torch.long, device=device),
-        contiguous_from=rows[0] if contiguous else None,
     )
