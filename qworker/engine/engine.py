@@ -115,6 +115,9 @@ class Engine:
         queued = len(self.scheduler.running) + len(self.scheduler.waiting)
         return max(0, self.config.max_num_seqs - queued)
 
+    def has_capacity(self) -> bool:
+        return self.free_slots() > 0
+
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._ready)
 
