@@ -51,7 +51,8 @@ def _pump(stream: object, into: queue.Queue[str]) -> None:
 def start_up(*args: str, timeout: float = 60) -> Up:
     cmd = [sys.executable, "-m", "qworker.cli", "up", "--model", "sim:step_ms=2", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                   "PYTHONFAULTHANDLER": "1"})
     out: queue.Queue[str] = queue.Queue()
     err: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True).start()
@@ -69,13 +70,15 @@ def start_up(*args: str, timeout: float = 60) -> Up:
     raise AssertionError("qworker up printed no URL")
 
 
-def finish(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
-    proc.send_signal(sig)
+def finish(up: Up, sig: int = signal.SIGTERM) -> int:
+    up.proc.send_signal(sig)
     try:
-        return proc.wait(30)
+        return up.proc.wait(30)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+        up.proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        time.sleep(2)
+        up.proc.kill()
+        raise AssertionError(f"qworker up did not stop: {up.stderr_text()[-6000:]}") from None
 
 
 @contextmanager
@@ -113,13 +116,13 @@ def test_up_starts_redis_with_aof_and_stops_it_on_sigterm(tmp_path: Path) -> Non
             [sys.executable, "-m", "qworker.cli", "up", "--model", "sim", "--data-dir",
              str(data)], capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert second.returncode == 2 and "another qworker up uses" in second.stderr
-        assert finish(up.proc) == 0
+        assert finish(up) == 0
         wait_for(lambda: process_gone(up.redis_pid), 10, what="redis-server to stop")
 
 
 def test_up_redis_dies_with_a_killed_up(tmp_path: Path) -> None:
     with running_up("--data-dir", str(tmp_path / "redis"), "--name", "up-test-2") as up:
-        finish(up.proc, signal.SIGKILL)
+        finish(up, signal.SIGKILL)
         wait_for(lambda: process_gone(up.redis_pid), 10, what="redis-server to follow its parent")
 
 
@@ -127,7 +130,7 @@ def test_up_embedded_server_warns_and_runs_jobs() -> None:
     with running_up("--embedded", "--name", "up-test-3") as up:
         assert "NOTHING IS DURABLE" in up.description
         run_one_job(up.url)
-        assert finish(up.proc) == 0
+        assert finish(up) == 0
         assert "EMBEDDED in-process Redis" in up.stderr_text()
 
 
@@ -135,7 +138,7 @@ def test_up_with_a_given_redis_leaves_it_running(redis_url: str) -> None:
     with running_up("--redis-url", redis_url, "--name", "up-test-4") as up:
         assert (up.url, up.description) == (redis_url, "given")
         run_one_job(up.url)
-        assert finish(up.proc) == 0
+        assert finish(up) == 0
     assert redis.Redis.from_url(redis_url).ping()
 
 

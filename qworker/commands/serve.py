@@ -117,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(build_engine(args), config, on_done=on_done,
                     metrics=Metrics(stall_s=args.stall_timeout))
 
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal", signal=signal.Signals(signum).name)
-        worker.request_stop()
+    def on_signal(_signum: int, _frame: object) -> None:
+        worker.request_stop()  # nothing more here: logging could deadlock (see request_stop)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -123,11 +123,25 @@ class Worker:
         self._exit_by = float("inf")
         self._last_reclaim = float("-inf")
         self._started_ms = now_ms()
+        self._stop_requests = 0  # request_stop() calls, and how many the loop has acted on
+        self._stops_taken = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     def request_stop(self) -> None:
-        """First call: stop intake and drain. Second: requeue what still runs, at once."""
+        """First call: stop intake and drain. Second: requeue what still runs, at once.
+
+        Only counts the call, so it is safe in a signal handler (which must not log: the
+        handler runs on the loop's thread, maybe inside the logger's lock); the loop acts on it,
+        and logs, at its next turn."""
+        self._stop_requests += 1
+
+    def _take_stop_requests(self) -> None:
+        while self._stops_taken < self._stop_requests:
+            self._stops_taken += 1
+            self._stop()
+
+    def _stop(self) -> None:
         now = time.monotonic()
         if not self.draining:
             self.draining = True
@@ -154,6 +168,7 @@ class Worker:
         return 0
 
     def _finished(self) -> bool:
+        self._take_stop_requests()
         if not self.draining:
             return False
         return not self.active or time.monotonic() >= self._exit_by
@@ -161,6 +176,7 @@ class Worker:
     def iterate(self) -> None:
         """One turn of the loop: step, publish what it produced, then heartbeat and intake."""
         self.metrics.tick(self.engine)  # health: the loop turns; engine gauges
+        self._take_stop_requests()
         if self.requeue_now or time.monotonic() >= self._drain_deadline:
             self._requeue_all()
         stepped = self.engine.has_unfinished()
