@@ -160,3 +160,46 @@ def test_demo_streams_jobs_side_by_side_and_leaves_nothing_running() -> None:
     assert len(pids) == 2, result.stderr  # its redis-server and its worker
     for pid in pids:
         assert process_gone(pid), pid
+
+
+TRIPWIRE = """
+import os, signal, sys
+from qworker.cli import main
+
+class Tripwire:
+    '''stderr that sends SIGTERM to its own process while writing the first "done" log line:
+    the handler then runs inside the logger's write, under its lock.'''
+
+    def __init__(self, stream):
+        self.stream, self.armed = stream, True
+
+    def write(self, text):
+        if self.armed and '"done"' in text:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+sys.stderr = Tripwire(sys.stderr)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_a_log_line_is_written_still_drains(redis_url: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRIPWIRE, "up", "--redis-url", redis_url, "--model",
+         "sim:step_ms=2", "--name", "up-test-5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"})
+    try:
+        client = redis.Redis.from_url(redis_url)
+        wait_for(lambda: client.exists("qw:worker:up-test-5"), 30, what="the worker")
+        run_one_job(redis_url)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=10)
+            raise AssertionError(f"the worker deadlocked:\n{err[-4000:]}")
