@@ -115,6 +115,13 @@ class Engine:
         queued = len(self.scheduler.running) + len(self.scheduler.waiting)
         return max(0, self.config.max_num_seqs - queued)
 
+    def stats(self) -> dict[str, int]:
+        """Plain numbers for the service's metrics."""
+        work = self.last_schedule.work
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_free": self.blocks.num_free, "blocks_total": self.blocks.num_blocks,
+                "batch_seqs": len(work), "batch_tokens": sum(n for _, n in work)}
+
     def has_capacity(self) -> bool:
         return self.free_slots() > 0
 
