@@ -21,7 +21,8 @@ class Runner:
     def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         """Computes `n` new tokens of each sequence; returns the sampled token of those whose
         computed tokens now reach their end."""
-        work = sorted(work, key=lambda item: item[1] > 1)  # decodes first, in one contiguous run
+        # decodes first, shortest first: the model groups them by length in consecutive runs
+        work = sorted(work, key=lambda item: (item[1] > 1, len(item[0].block_table)))
         inputs = [
             SequenceInput(
                 token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],

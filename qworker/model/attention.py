@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from qworker.model.batch import ForwardBatch
+from qworker.model.rope import RotaryTable
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    token_index: torch.Tensor  # [D] rows of the packed batch
+    rows: slice | torch.Tensor  # rows of the packed batch
     block_rows: torch.Tensor  # block rows of the group's sequences, heads-major
     bias: torch.Tensor  # [1, D, 1, L]: 0 where visible, -inf past each sequence's context
 
@@ -30,12 +31,15 @@ class AttentionPlan:
     """What every layer's attention needs from a batch, computed once per forward."""
 
     batch: ForwardBatch
+    cos: torch.Tensor  # [N, 1, head_dim] rotary cos / sin of every token's position
+    sin: torch.Tensor
     decodes: tuple[DecodePlan, ...]
     prefill_rows: tuple[torch.Tensor, ...]
     prefill_masks: tuple[torch.Tensor, ...]  # [1, 1, group * n, T] per chunk
 
     @classmethod
-    def build(cls, batch: ForwardBatch, cache_k: torch.Tensor, group: int) -> AttentionPlan:
+    def build(cls, batch: ForwardBatch, cache_k: torch.Tensor, rope: RotaryTable,
+              group: int) -> AttentionPlan:
         kv_heads, num_blocks, block_size, _ = cache_k.shape
         device = cache_k.device
         heads = torch.arange(kv_heads, device=device)[:, None] * num_blocks
@@ -49,15 +53,15 @@ class AttentionPlan:
             hidden = torch.arange(width, device=device)[None, :] >= d.context_lens[:, None]
             bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype), device=device)
             bias.masked_fill_(hidden, float("-inf"))
-            decodes.append(DecodePlan(d.token_index, rows(d.block_tables), bias[None, :, None]))
+            decodes.append(DecodePlan(d.rows, rows(d.block_tables), bias[None, :, None]))
         masks = []
         for chunk in batch.prefills:
             total = chunk.num_cached + chunk.end - chunk.start
             query_pos = torch.arange(chunk.num_cached, total, device=device)
             visible = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
             masks.append(visible.repeat(group, 1)[None, None])
-        return cls(batch, tuple(decodes), tuple(rows(c.block_table) for c in batch.prefills),
-                   tuple(masks))
+        return cls(batch, *rope.lookup(batch.positions), tuple(decodes),
+                   tuple(rows(c.block_table) for c in batch.prefills), tuple(masks))
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,9 +83,12 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [N, heads, head_dim] (positions already rotated) -> [N, heads, head_dim]."""
+    only = plan.decodes[0] if len(plan.decodes) == 1 and not plan.batch.prefills else None
+    if only is not None and isinstance(only.rows, slice):  # every row, in order
+        return _decode(q, cache_k, cache_v, only, scale)
     out = torch.empty_like(q)
     for d in plan.decodes:
-        out[d.token_index] = _decode(q[d.token_index], cache_k, cache_v, d, scale)
+        out[d.rows] = _decode(q[d.rows], cache_k, cache_v, d, scale)
     for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
                                        plan.prefill_masks, strict=True):
         out[chunk.start : chunk.end] = _prefill(q[chunk.start : chunk.end], cache_k, cache_v,

@@ -30,7 +30,7 @@ class SequenceInput:
 class DecodeGroup:
     """Single-token sequences of similar context length, attended in one batched call."""
 
-    token_index: torch.Tensor  # [D] their rows in the packed batch
+    rows: slice | torch.Tensor  # their rows in the packed batch (a slice when consecutive)
     block_tables: torch.Tensor  # [D, max_blocks], padded with block 0
     context_lens: torch.Tensor  # [D] tokens each attends to (cached + the new one)
 
@@ -107,7 +107,8 @@ def build_batch(
 def _decode_groups(
     rows: list[int], tables: list[list[int]], lens: list[int], device: torch.device | str
 ) -> tuple[DecodeGroup, ...]:
-    """Groups decodes of similar length, so padding every table to the longest wastes little."""
+    """Groups decodes of similar length, so padding every table to the longest wastes little.
+    Decodes given in order of length (as the runner gives them) make groups of consecutive rows."""
     order = sorted(range(len(rows)), key=lambda i: len(tables[i]))
     groups: list[list[int]] = []
     for i in order:
@@ -125,8 +126,10 @@ def _decode_group(
 ) -> DecodeGroup:
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
+    consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeGroup(
-        token_index=torch.tensor(rows, dtype=torch.long, device=device),
+        rows=slice(rows[0], rows[0] + len(rows)) if consecutive
+        else torch.tensor(rows, dtype=torch.long, device=device),
         block_tables=torch.tensor(padded, dtype=torch.long, device=device),
         context_lens=torch.tensor(lens, dtype=torch.long, device=device),
     )

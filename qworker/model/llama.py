@@ -16,7 +16,7 @@ from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
 from qworker.model.kv_cache import KVCache
-from qworker.model.rope import RotaryTable
+from qworker.model.rope import RotaryTable, rotate
 
 
 class RMSNorm(nn.Module):
@@ -27,9 +27,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalised in float32 whatever the model dtype, as the reference implementation does
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -39,20 +38,21 @@ class Attention(nn.Module):
             config.num_heads, config.num_kv_heads, config.head_dim,
         )
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=config.attention_bias)
+        self.split = (q_size + kv_size, kv_size)  # q and k are rotated together
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
+                                  bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, plan: AttentionPlan, rope: RotaryTable,
-        cache_k: torch.Tensor, cache_v: torch.Tensor,
+        self, x: torch.Tensor, plan: AttentionPlan, cache_k: torch.Tensor, cache_v: torch.Tensor,
     ) -> torch.Tensor:
-        n, batch = x.shape[0], plan.batch
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rope.apply(q.view(n, self.heads, self.head_dim), batch.positions)
-        k = rope.apply(k.view(n, self.kv_heads, self.head_dim), batch.positions)
-        write_kv(cache_k, cache_v, k, v.view(n, self.kv_heads, self.head_dim), batch.slot_mapping)
+        n = x.shape[0]
+        qk, v = self.qkv_proj(x).split(self.split, dim=-1)
+        qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim), plan.cos, plan.sin)
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
+        write_kv(cache_k, cache_v, k, v.view(n, self.kv_heads, self.head_dim),
+                 plan.batch.slot_mapping)
         out = paged_attention(q, cache_k, cache_v, plan, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
@@ -77,10 +77,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, plan: AttentionPlan, rope: RotaryTable,
-        cache_k: torch.Tensor, cache_v: torch.Tensor,
+        self, x: torch.Tensor, plan: AttentionPlan, cache_k: torch.Tensor, cache_v: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), plan, rope, cache_k, cache_v)
+        x = x + self.self_attn(self.input_layernorm(x), plan, cache_k, cache_v)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,10 +113,10 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] (float32, float64 for a float64 model)."""
         x = self.embed_tokens(batch.input_ids)
-        plan = AttentionPlan.build(batch, cache.keys[0], self.config.num_heads //
-                                   self.config.num_kv_heads)
+        plan = AttentionPlan.build(batch, cache.keys[0], self.rope,
+                                   self.config.num_heads // self.config.num_kv_heads)
         for layer, cache_k, cache_v in zip(self.layers, cache.keys, cache.values, strict=True):
-            x = layer(x, plan, self.rope, cache_k, cache_v)
+            x = layer(x, plan, cache_k, cache_v)
         x = self.norm(x[batch.logits_indices])
         logits = self.lm_head(x)
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -50,10 +50,13 @@ class RotaryTable:
         self.cos = angles.cos().to(dtype)
         self.sin = angles.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [N, heads, head_dim] rotated to its tokens' positions."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the given positions, shaped [N, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim] rotated by its tokens' (cos, sin) from `RotaryTable.lookup`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
