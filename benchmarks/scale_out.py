@@ -1,0 +1,280 @@
+"""Scale-out: K simulated-engine workers on one Redis against one worker's tokens/s.
+
+    .venv/bin/python -m benchmarks.scale_out [--workers 1 2 4 8] [--step-ms 50] [--quick]
+
+For each K: a fresh DB on one throwaway redis-server of the benchmark's own, K `qworker serve
+--model sim:step_ms=S` processes (fixed step time, no model; `--max-num-seqs` 64 each), then
+`jobs_per_worker * K` identical jobs (16 prompt tokens, `max_tokens` 64, ignore_eos) submitted in
+one MULTI. Nobody reads the token streams during the run, so no reader can be the bottleneck: the
+benchmark only polls the queue (XLEN of the job streams, whose entries are deleted when acked)
+until it is empty, then checks every output stream ends in `done` with all its tokens.
+
+tokens/s = generated tokens / (last `done` entry's time - first job entry's time), both taken from
+the stream entry ids (Redis' own clock, ms). Redis commands per generated token come from
+`INFO stats` `total_commands_processed` deltas (commands run inside Lua scripts included, the
+benchmark's own polling excluded), with the `INFO commandstats` breakdown.
+
+To tell what limits a figure it also prints the CPU seconds the workers, redis-server and the whole
+machine (other users included) spent during the run, and the jobs each worker took (from its log).
+
+Default step 50 ms: a sim worker spends a few ms of CPU per step (64 events published through one
+script call) and Redis about as much, so 8 workers on 2 shared cores stay step-bound only when the
+step is long against that (at 20 ms, 8 workers would want about all of both cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import redis
+
+from benchmarks.local_redis import local_redis
+from producer import Producer
+from qworker.protocol import Keys
+
+KEYS = Keys()
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Settings:
+    step_ms: float
+    max_num_seqs: int
+    jobs_per_worker: int
+    prompt_tokens: int
+    max_tokens: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds so far: per worker, redis-server, and the whole machine (busy, all users)."""
+
+    workers: dict[int, float]
+    redis: float
+    machine: float
+
+
+def stream_ms(entry_id: bytes | str) -> int:
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(raw.split("-")[0])
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def start_workers(url: str, k: int, settings: Settings, logdir: Path) -> list[subprocess.Popen]:
+    procs = []
+    for i in range(k):
+        cmd = [sys.executable, "-m", "qworker.cli", "serve", "--redis-url", url,
+               "--model", f"sim:step_ms={settings.step_ms:g}", "--name", f"w{i}",
+               "--max-num-seqs", str(settings.max_num_seqs), "--claim-idle-ms", "600000"]
+        log = (logdir / f"w{i}.log").open("wb")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # Ctrl-C reaches us, not them
+        log.close()
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
+    """SIGTERM all (they drain; nothing is left to drain here), wait, SIGKILL stragglers."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@contextmanager
+def workers(url: str, k: int, settings: Settings, logdir: Path) -> Iterator[list[subprocess.Popen]]:
+    procs = start_workers(url, k, settings, logdir)
+    try:
+        yield procs
+    finally:
+        stop_workers(procs)
+
+
+def wait_live(client: redis.Redis, procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
+    """Until every worker has written its liveness key (it reached its loop and Redis)."""
+    names = [KEYS.worker(f"w{i}") for i in range(len(procs))]
+    deadline = time.monotonic() + timeout_s
+    while client.exists(*names) < len(names):
+        dead = [f"w{i}" for i, p in enumerate(procs) if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"workers not live (exited: {dead})")
+        time.sleep(0.1)
+
+
+def jobs_taken(logdir: Path, k: int) -> list[int]:
+    counts = []
+    for i in range(k):
+        lines = (logdir / f"w{i}.log").read_text(errors="replace").splitlines()
+        counts.append(sum('"event": "started"' in line for line in lines))
+    return counts
+
+
+# ---------------------------------------------------------------------- measurements
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_sample(client: redis.Redis, procs: list[subprocess.Popen]) -> CpuSample:
+    info = client.info("cpu")
+    return CpuSample({p.pid: proc_cpu_s(p.pid) for p in procs},
+                     info["used_cpu_user"] + info["used_cpu_sys"], machine_busy_s())
+
+
+def commands(client: redis.Redis) -> tuple[int, Counter[str]]:
+    """total_commands_processed (this INFO call included) and calls per command."""
+    total = client.info("stats")["total_commands_processed"]
+    stats = client.info("commandstats")
+    return total, Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
+
+
+# ---------------------------------------------------------------------- one K
+
+
+def submit(url: str, k: int, settings: Settings) -> list[str]:
+    rng = random.Random(0)
+    specs = [dict(id=f"k{k}-{j}", max_tokens=settings.max_tokens, ignore_eos=True,
+                  prompt_token_ids=[rng.randrange(32, 127) for _ in range(settings.prompt_tokens)])
+             for j in range(settings.jobs_per_worker * k)]
+    with Producer(url) as producer:
+        jobs = producer.submit_many(specs)
+    return [job.entry_id for job in jobs]  # type: ignore[misc]
+
+
+def wait_drained(client: redis.Redis, procs: list[subprocess.Popen], timeout_s: float) -> int:
+    """Polls until the job streams are empty (every job acked); returns the polls' commands."""
+    deadline, polls = time.monotonic() + timeout_s, 0
+    while True:
+        pipe = client.pipeline(transaction=False)
+        pipe.xlen(KEYS.jobs)
+        pipe.xlen(KEYS.requeue)
+        polls += 1
+        if sum(pipe.execute()) == 0:
+            return 2 * polls
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError("workers exited or timed out before the queue drained")
+        time.sleep(POLL_S)
+
+
+def last_done_ms(client: redis.Redis, ids: list[str], max_tokens: int) -> int:
+    """Checks every job ended `done` with all its tokens; the latest done entry's time."""
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.xrevrange(KEYS.out(job_id), count=1)
+    latest = 0
+    for job_id, reply in zip(ids, pipe.execute(), strict=True):
+        entry_id, fields = reply[0]
+        if fields.get(b"type") != b"done" or int(fields[b"completion_tokens"]) != max_tokens:
+            raise RuntimeError(f"job {job_id} did not finish with {max_tokens} tokens: {fields}")
+        latest = max(latest, stream_ms(entry_id))
+    return latest
+
+
+def run_k(url: str, k: int, settings: Settings) -> dict[str, object]:
+    client = redis.Redis.from_url(url, socket_timeout=30)
+    client.flushall()
+    with tempfile.TemporaryDirectory() as tmp, \
+            workers(url, k, settings, Path(tmp)) as procs:
+        wait_live(client, procs)
+        cmd0, stats0 = commands(client)
+        cpu0 = cpu_sample(client, procs)
+        entry_ids = submit(url, k, settings)
+        ids = [f"k{k}-{j}" for j in range(len(entry_ids))]
+        polled = wait_drained(client, procs, settings.timeout_s)
+        cpu1 = cpu_sample(client, procs)
+        cmd1, stats1 = commands(client)
+        end_ms = last_done_ms(client, ids, settings.max_tokens)
+        taken = jobs_taken(Path(tmp), k)
+    wall_s = (end_ms - min(stream_ms(e) for e in entry_ids)) / 1000
+    tokens = len(ids) * settings.max_tokens
+    own = polled + 4  # the polls and the INFO calls (stats, commandstats, cpu twice)
+    stats = stats1 - stats0
+    stats.subtract({"xlen": polled, "info": 4})  # the benchmark's own
+    return {"k": k, "jobs": len(ids), "tokens": tokens, "wall_s": round(wall_s, 3),
+            "tok_s": round(tokens / wall_s, 1),
+            "commands_per_token": round((cmd1 - cmd0 - own) / tokens, 3),
+            "commands_per_token_by_name": {name: round(n / tokens, 3)
+                                           for name, n in stats.most_common(6) if n > 0},
+            **cpu_figures(cpu0, cpu1, wall_s), "jobs_per_worker": taken}
+
+
+def cpu_figures(before: CpuSample, after: CpuSample, wall_s: float) -> dict[str, float]:
+    workers_s = sum(after.workers[pid] - t for pid, t in before.workers.items())
+    return {"workers_cpu_cores": round(workers_s / wall_s, 2),
+            "redis_cpu_cores": round((after.redis - before.redis) / wall_s, 2),
+            "machine_busy_cores": round((after.machine - before.machine) / wall_s, 2),
+            "machine_cores": os.cpu_count() or 0, "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
+# ---------------------------------------------------------------------- main
+
+
+def on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through every cleanup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--step-ms", type=float, default=50.0)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--jobs-per-worker", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per K")
+    parser.add_argument("--quick", action="store_true", help="smoke run: K = 1, 2; 64 jobs each")
+    args = parser.parse_args()
+    if args.quick:
+        args.workers, args.jobs_per_worker = [1, 2], 64
+    settings = Settings(args.step_ms, args.max_num_seqs, args.jobs_per_worker, 16,
+                        args.max_tokens, args.timeout)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    base: float | None = None
+    with local_redis() as url:
+        for k in args.workers:
+            row = run_k(url, k, settings)
+            base = base or float(row["tok_s"]) / k  # type: ignore[arg-type]
+            speedup = float(row["tok_s"]) / base  # type: ignore[arg-type]
+            ideal = k * settings.max_num_seqs * 1000 / settings.step_ms
+            print(json.dumps({"step_ms": settings.step_ms, **row,
+                              "speedup": round(speedup, 2), "efficiency": round(speedup / k, 3),
+                              "step_bound_tok_s": round(ideal, 1),
+                              "share_of_step_bound": round(float(row["tok_s"]) / ideal, 3)}),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)  # workers and redis-server already stopped by the cleanups
