@@ -99,7 +99,7 @@ def _mix(h: int) -> int:
     return h ^ (h >> 31)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: compared in list membership every step
 class _Seq:
     request: Request
     arrival: int
