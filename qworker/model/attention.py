@@ -35,7 +35,7 @@ class AttentionPlan:
     sin: torch.Tensor
     decodes: tuple[DecodePlan, ...]
     prefill_rows: tuple[torch.Tensor, ...]
-    prefill_masks: tuple[torch.Tensor, ...]  # [1, 1, group * n, T] per chunk
+    prefill_masks: tuple[torch.Tensor | None, ...]  # [1, 1, group * n, T]; None: nothing cached
 
     @classmethod
     def build(cls, batch: ForwardBatch, cache_k: torch.Tensor, rope: RotaryTable,
@@ -54,8 +54,11 @@ class AttentionPlan:
             bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype), device=device)
             bias.masked_fill_(hidden, float("-inf"))
             decodes.append(DecodePlan(d.rows, rows(d.block_tables), bias[None, :, None]))
-        masks = []
+        masks: list[torch.Tensor | None] = []
         for chunk in batch.prefills:
+            if chunk.num_cached == 0:
+                masks.append(None)
+                continue
             total = chunk.num_cached + chunk.end - chunk.start
             query_pos = torch.arange(chunk.num_cached, total, device=device)
             visible = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
@@ -79,10 +82,11 @@ def write_kv(
 
 
 def paged_attention(
-    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: AttentionPlan,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+    cache_v: torch.Tensor, plan: AttentionPlan, scale: float,
 ) -> torch.Tensor:
-    """q: [N, heads, head_dim] (positions already rotated) -> [N, heads, head_dim]."""
+    """q: [N, heads, head_dim], k / v: [N, kv_heads, head_dim] of the step's tokens (rotated,
+    already written to the cache) -> [N, heads, head_dim]."""
     only = plan.decodes[0] if len(plan.decodes) == 1 and not plan.batch.prefills else None
     if only is not None and isinstance(only.rows, slice):  # every row, in order
         return _decode(q, cache_k, cache_v, only, scale)
@@ -91,8 +95,12 @@ def paged_attention(
         out[d.rows] = _decode(q[d.rows], cache_k, cache_v, d, scale)
     for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
                                        plan.prefill_masks, strict=True):
-        out[chunk.start : chunk.end] = _prefill(q[chunk.start : chunk.end], cache_k, cache_v,
-                                                block_rows, mask, chunk.num_cached, scale)
+        rows = slice(chunk.start, chunk.end)
+        if mask is None:  # a first chunk: its own keys are all there is, causal
+            out[rows] = _causal(q[rows], k[rows], v[rows], scale)
+        else:
+            out[rows] = _prefill(q[rows], cache_k, cache_v, block_rows, mask, chunk.num_cached,
+                                 scale)
     return out
 
 
@@ -117,6 +125,14 @@ def _decode(
     weights = torch.softmax(scores * scale + plan.bias, dim=-1).to(q.dtype)
     out = torch.matmul(weights, values)  # [kvh, D, g, d]
     return out.transpose(0, 1).reshape(num, heads, head_dim)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(  # [1, heads, n, d]
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=scale, enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
 
 
 def _prefill(

@@ -51,9 +51,9 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).split(self.split, dim=-1)
         qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim), plan.cos, plan.sin)
         q, k = qk[:, : self.heads], qk[:, self.heads :]
-        write_kv(cache_k, cache_v, k, v.view(n, self.kv_heads, self.head_dim),
-                 plan.batch.slot_mapping)
-        out = paged_attention(q, cache_k, cache_v, plan, self.scale)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        write_kv(cache_k, cache_v, k, v, plan.batch.slot_mapping)
+        out = paged_attention(q, k, v, cache_k, cache_v, plan, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
 
