@@ -70,17 +70,9 @@ def read_streams(url: str, ids: list[str], started: Any, out: Any) -> None:
     out.put(arrivals)
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 \
-        else values[0]
-
-
-def run_service(url: str, engine: Engine, items: list[WorkItem]) -> dict[str, object]:
-    client = redis.Redis.from_url(url, connection_class=CountingConnection, socket_timeout=30)
-    worker = Worker(engine, ServiceConfig(redis_url=url, name="bench", claim_idle_ms=600_000),
-                    client=client)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
+def drive(url: str, engine: Engine, worker: Worker, items: list[WorkItem],
+          seen: dict[str, Any]) -> None:
+    """Start the consumer, submit the workload, wait for every token, then stop the worker."""
     ids = [f"bench-{i}" for i in range(len(items))]
     ctx = mp.get_context("spawn")
     started, out = ctx.Event(), ctx.Queue()
@@ -88,21 +80,41 @@ def run_service(url: str, engine: Engine, items: list[WorkItem]) -> dict[str, ob
     consumer.start()
     started.wait(60)
     steps_before, sends_before = engine.num_steps, CountingConnection.sends
-    commands_before = redis.Redis.from_url(url).info("stats")["total_commands_processed"]
-    submitted = time.time()
+    info = redis.Redis.from_url(url)
+    commands_before = info.info("stats")["total_commands_processed"]
+    seen["submitted"] = time.time()
     with Producer(url) as producer:
         producer.submit_many([
             dict(id=job_id, prompt_token_ids=item.prompt_ids, max_tokens=item.output_len,
                  min_tokens=item.output_len, ignore_eos=True, temperature=0.0)
             for job_id, item in zip(ids, items, strict=True)])
-    arrivals: dict[str, list[float]] = out.get(timeout=3600)
-    wall = max(max(a) for a in arrivals.values()) - submitted
-    steps, sends = engine.num_steps - steps_before, CountingConnection.sends - sends_before
-    commands = redis.Redis.from_url(url).info("stats")["total_commands_processed"] - \
-        commands_before
+    seen["arrivals"] = out.get(timeout=3600)
+    seen["steps"] = engine.num_steps - steps_before
+    seen["sends"] = CountingConnection.sends - sends_before
+    seen["commands"] = info.info("stats")["total_commands_processed"] - commands_before
     consumer.join(30)
     worker.request_stop()
-    thread.join(60)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 \
+        else values[0]
+
+
+def run_service(url: str, engine: Engine, items: list[WorkItem]) -> dict[str, object]:
+    """The worker loop runs on the main thread, as under `qworker serve` (torch runs ~20% slower
+    when driven from a second thread here); a driver thread submits, reads and stops it."""
+    client = redis.Redis.from_url(url, connection_class=CountingConnection, socket_timeout=30)
+    worker = Worker(engine, ServiceConfig(redis_url=url, name="bench", claim_idle_ms=600_000),
+                    client=client)
+    seen: dict[str, Any] = {}
+    driver = threading.Thread(target=drive, args=(url, engine, worker, items, seen), daemon=True)
+    driver.start()
+    worker.run()
+    driver.join(60)
+    arrivals, submitted = seen["arrivals"], seen["submitted"]
+    wall = max(max(a) for a in arrivals.values()) - submitted
+    steps, sends, commands = seen["steps"], seen["sends"], seen["commands"]
     useful = sum(item.output_len for item in items)
     assert sum(len(a) for a in arrivals.values()) == useful, "tokens missing end to end"
     ttft = [(a[0] - submitted) * 1000 for a in arrivals.values()]

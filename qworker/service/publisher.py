@@ -11,7 +11,7 @@ import redis
 from qworker.protocol import Keys, event_to_fields
 from qworker.service.config import ServiceConfig
 from qworker.service.job import ActiveJob
-from qworker.service.scripts import Scripts, decode_status
+from qworker.service.scripts import JobAppend, Scripts, decode_status
 
 # Outcome of a flush, per job id:
 OK = "ok"  # events written (or already there); the job goes on
@@ -48,39 +48,37 @@ class Publisher:
 
     def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str]) -> FlushResult:
         pipe = self.client.pipeline(transaction=False)
-        ops: list[tuple[str, str]] = []
-        for job in jobs:
-            if job.outbox:
-                self._append(pipe, job)
-                ops.append((job.job_id, "append"))
-            if job.requeue:
-                self._requeue(pipe, job)
-                ops.append((job.job_id, "requeue"))
+        appending = [job for job in jobs if job.outbox]
+        requeueing = [job for job in jobs if job.requeue]
+        if appending:
+            self._append(pipe, appending)
+        for job in requeueing:
+            self._requeue(pipe, job)
         if cancel_check:
             pipe.mget([self.keys.cancel(job_id) for job_id in cancel_check])
         result = FlushResult()
-        if not ops and not cancel_check:
+        if not appending and not requeueing and not cancel_check:
             return result
-        replies = pipe.execute()
-        for (job_id, op), reply in zip(ops, replies[:len(ops)], strict=True):
-            status = decode_status(reply)
-            if op == "requeue":
-                status = REQUEUED  # ok, or lost: either way it is no longer ours
-                if result.status.get(job_id) in (TERMINAL, LOST, GAP, DONE):
-                    continue
-            result.status[job_id] = status
+        replies = iter(pipe.execute())
+        if appending:
+            for job, reply in zip(appending, next(replies), strict=True):
+                result.status[job.job_id] = decode_status(reply)
+        for job in requeueing:
+            next(replies)  # ok, or lost: either way it is no longer ours
+            if result.status.get(job.job_id) not in (TERMINAL, LOST, GAP, DONE):
+                result.status[job.job_id] = REQUEUED
         if cancel_check:
-            flags = replies[len(ops)]
-            pairs = zip(cancel_check, flags, strict=True)
+            pairs = zip(cancel_check, next(replies), strict=True)
             result.cancelled = {job_id for job_id, flag in pairs if flag is not None}
         return result
 
-    def _append(self, pipe: redis.client.Pipeline, job: ActiveJob) -> None:
-        self.scripts.append(pipe, out=self.keys.out(job.job_id), owner=self.keys.owner(job.job_id),
-                            source=job.entry.stream, token=self.token,
-                            ttl_s=self.config.result_ttl, group=self.config.group,
-                            entry_id=job.entry.entry_id,
-                            events=[event_to_fields(e) for e in job.outbox])
+    def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob]) -> None:
+        self.scripts.append(pipe, token=self.token, ttl_s=self.config.result_ttl,
+                            group=self.config.group, jobs=[
+                                JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
+                                          job.entry.stream, job.entry.entry_id,
+                                          [event_to_fields(e) for e in job.outbox])
+                                for job in jobs])
 
     def _requeue(self, pipe: redis.client.Pipeline, job: ActiveJob) -> None:
         fields = dict(job.entry.fields)

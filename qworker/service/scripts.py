@@ -1,9 +1,10 @@
 """Server-side scripts: every write that must be fenced or atomic.
 
 A script runs atomically, like MULTI/EXEC, and can also check a condition first, which MULTI cannot:
-- `append`: appends a job's events only while this worker owns the job (`<prefix>:owner:<id>` field
-  `worker` equals our fencing token) and only token `i` after token `i - 1`: a zombie worker
-  cannot write, and a retried call (reply lost on a dropped connection) skips what is already there.
+- `append`: appends each job's events (all jobs of a step in one call, so a reader wakes once a
+  step) only while this worker owns the job (`<prefix>:owner:<id>` field `worker` equals our
+  fencing token) and only token `i` after token `i - 1`: a zombie worker cannot write, and a
+  retried call (reply lost on a dropped connection) skips what is already there.
   A terminal event also acks the job's entry and drops the owner hash, in the same atomic step.
 - `requeue`: XADD `<prefix>:requeue` + XACK of the entry, only while we own the job; then releases
   ownership, so a retry after a lost reply cannot requeue twice.
@@ -41,50 +42,62 @@ local function last_state(key)
 end
 """
 
-# KEYS: out, owner, source stream. ARGV: token, ttl_s, group, entry id, then per event:
-# 2n, field, value, ... (`type` and, for tokens, `i` among the fields).
-# Returns {status, last index}: status ok | done (terminal event written) | terminal (already
-# finished, entry acked) | lost (not the owner) | gap (token i > last + 1).
+# One call appends the events of every job a step touched, so readers wake once per step.
+# KEYS: per job out, owner, source stream. ARGV: token, ttl_s, group, then per job: entry id,
+# k (how many ARGV items its events take), then per event: 2n, field, value, ... (`type` and, for
+# tokens, `i` among the fields).
+# Returns per job {status, last index}: status ok | done (terminal event written) | terminal
+# (already finished, entry acked) | lost (not the owner) | gap (token i > last + 1).
 APPEND = _LAST_STATE + """
-local out, owner, src = KEYS[1], KEYS[2], KEYS[3]
-local token, ttl, group, entry = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local last, terminal = last_state(out)
-if terminal then
-  if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
-  return {'terminal', last}
-end
-if redis.call('HGET', owner, 'worker') ~= token then return {'lost', last} end
-local pos, appended = 5, 0
-while pos <= #ARGV do
-  local n = tonumber(ARGV[pos])
-  local fields, typ, idx = {}, nil, nil
-  for j = 1, n do fields[j] = ARGV[pos + j] end
-  for j = 1, n, 2 do
-    if fields[j] == 'type' then typ = fields[j + 1] end
-    if fields[j] == 'i' then idx = fields[j + 1] end
-  end
-  pos = pos + n + 1
-  if typ == 'token' then
-    local i = tonumber(idx)
-    if i > last + 1 then
-      if appended > 0 then redis.call('EXPIRE', out, ttl) end
-      return {'gap', last}
-    end
-    if i == last + 1 then
-      redis.call('XADD', out, '*', unpack(fields))
-      last = i
-      appended = appended + 1
-    end
-  else
-    redis.call('XADD', out, '*', unpack(fields))
-    redis.call('EXPIRE', out, ttl)
+local function append_job(out, owner, src, token, ttl, group, entry, pos, stop)
+  local last, terminal = last_state(out)
+  if terminal then
     if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
-    redis.call('DEL', owner)
-    return {'done', last}
+    return {'terminal', last}
   end
+  if redis.call('HGET', owner, 'worker') ~= token then return {'lost', last} end
+  local appended = 0
+  while pos <= stop do
+    local n = tonumber(ARGV[pos])
+    local fields, typ, idx = {}, nil, nil
+    for j = 1, n do fields[j] = ARGV[pos + j] end
+    for j = 1, n, 2 do
+      if fields[j] == 'type' then typ = fields[j + 1] end
+      if fields[j] == 'i' then idx = fields[j + 1] end
+    end
+    pos = pos + n + 1
+    if typ == 'token' then
+      local i = tonumber(idx)
+      if i > last + 1 then
+        if appended > 0 then redis.call('EXPIRE', out, ttl) end
+        return {'gap', last}
+      end
+      if i == last + 1 then
+        redis.call('XADD', out, '*', unpack(fields))
+        last = i
+        appended = appended + 1
+      end
+    else
+      redis.call('XADD', out, '*', unpack(fields))
+      redis.call('EXPIRE', out, ttl)
+      if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
+      redis.call('DEL', owner)
+      return {'done', last}
+    end
+  end
+  if appended > 0 then redis.call('EXPIRE', out, ttl) end
+  return {'ok', last}
 end
-if appended > 0 then redis.call('EXPIRE', out, ttl) end
-return {'ok', last}
+
+local token, ttl, group = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local results, pos = {}, 4
+for j = 1, #KEYS, 3 do
+  local entry, k = ARGV[pos], tonumber(ARGV[pos + 1])
+  results[#results + 1] = append_job(KEYS[j], KEYS[j + 1], KEYS[j + 2], token, ttl, group,
+                                     entry, pos + 2, pos + 1 + k)
+  pos = pos + 2 + k
+end
+return results
 """
 
 # KEYS: owner, source stream, requeue stream. ARGV: token, group, entry id, fields...
@@ -131,6 +144,17 @@ def _flat(fields: Fields) -> list[bytes | str]:
 
 
 @dataclass(frozen=True)
+class JobAppend:
+    """One job's share of an `append` call: its keys, its entry and its new events."""
+
+    out: str
+    owner: str
+    source: str
+    entry_id: str
+    events: Sequence[Mapping[str, str]]
+
+
+@dataclass(frozen=True)
 class Scripts:
     """The scripts' SHAs; `append` / `requeue` / `dead_letter` queue an EVALSHA on a pipeline."""
 
@@ -143,14 +167,19 @@ class Scripts:
         for text in (APPEND, REQUEUE, DEAD_LETTER):
             client.script_load(text)
 
-    def append(self, pipe: redis.client.Pipeline, *, out: str, owner: str, source: str,
-               token: str, ttl_s: int, group: str, entry_id: str,
-               events: Sequence[Mapping[str, str]]) -> None:
-        args: list[bytes | str | int] = [token, ttl_s, group, entry_id]
-        for fields in events:
-            flat = _flat(fields)
-            args += [len(flat), *flat]
-        pipe.evalsha(self.append_sha, 3, out, owner, source, *args)
+    def append(self, pipe: redis.client.Pipeline, *, token: str, ttl_s: int, group: str,
+               jobs: Sequence[JobAppend]) -> None:
+        """One EVALSHA appending the events of all `jobs`; its reply has one status per job."""
+        keys: list[str] = []
+        args: list[bytes | str | int] = [token, ttl_s, group]
+        for job in jobs:
+            keys += [job.out, job.owner, job.source]
+            flat_events: list[bytes | str | int] = []
+            for fields in job.events:
+                flat = _flat(fields)
+                flat_events += [len(flat), *flat]
+            args += [job.entry_id, len(flat_events), *flat_events]
+        pipe.evalsha(self.append_sha, len(keys), *keys, *args)
 
     def requeue(self, pipe: redis.client.Pipeline, *, owner: str, source: str, requeue: str,
                 token: str, group: str, entry_id: str, fields: Fields) -> None:
