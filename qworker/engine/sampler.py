@@ -36,7 +36,9 @@ class SampleRow:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """logits: [len(rows), vocab]; returns one token id per row."""
-    logits = logits.float().clone()
+    logits = logits.float()
+    if any(row.banned or _penalized(row.params) for row in rows):
+        logits = logits.clone()  # edited in place below; the common case copies nothing
     for r, row in enumerate(rows):
         _penalize(logits[r], row)
         if row.banned:
@@ -47,6 +49,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         index = torch.tensor(random_rows, device=logits.device)
         chosen[index] = _sample_random(logits[index], [rows[r] for r in random_rows])
     return chosen.tolist()
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
 def _penalize(logits: torch.Tensor, row: SampleRow) -> None:
