@@ -15,15 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qworker.model.batch import ForwardBatch
+from qworker.model import native
+from qworker.model.batch import DecodeGroup, ForwardBatch
 from qworker.model.rope import RotaryTable
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    rows: slice | torch.Tensor  # rows of the packed batch
-    block_rows: torch.Tensor  # block rows of the group's sequences, heads-major
-    bias: torch.Tensor  # [1, D, 1, L]: 0 where visible, -inf past each sequence's context
+    group: DecodeGroup
+    # for the torch path only (the native kernel reads the cache in place):
+    block_rows: torch.Tensor | None = None  # block rows of the group's sequences, heads-major
+    bias: torch.Tensor | None = None  # [1, D, 1, L]: 0 where visible, -inf past each context
 
 
 @dataclass(frozen=True)
@@ -49,11 +51,14 @@ class AttentionPlan:
 
         decodes = []
         for d in batch.decodes:
+            if native.serves(cache_k):
+                decodes.append(DecodePlan(d))
+                continue
             width = d.block_tables.shape[1] * block_size
             hidden = torch.arange(width, device=device)[None, :] >= d.context_lens[:, None]
             bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype), device=device)
             bias.masked_fill_(hidden, float("-inf"))
-            decodes.append(DecodePlan(d.rows, rows(d.block_tables), bias[None, :, None]))
+            decodes.append(DecodePlan(d, rows(d.block_tables), bias[None, :, None]))
         masks: list[torch.Tensor | None] = []
         for chunk in batch.prefills:
             if chunk.num_cached == 0:
@@ -88,11 +93,11 @@ def paged_attention(
     """q: [N, heads, head_dim], k / v: [N, kv_heads, head_dim] of the step's tokens (rotated,
     already written to the cache) -> [N, heads, head_dim]."""
     only = plan.decodes[0] if len(plan.decodes) == 1 and not plan.batch.prefills else None
-    if only is not None and isinstance(only.rows, slice):  # every row, in order
+    if only is not None and isinstance(only.group.rows, slice):  # every row, in order
         return _decode(q, cache_k, cache_v, only, scale)
     out = torch.empty_like(q)
     for d in plan.decodes:
-        out[d.rows] = _decode(q[d.rows], cache_k, cache_v, d, scale)
+        out[d.group.rows] = _decode(q[d.group.rows], cache_k, cache_v, d, scale)
     for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
                                        plan.prefill_masks, strict=True):
         rows = slice(chunk.start, chunk.end)
@@ -115,6 +120,9 @@ def _decode(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: DecodePlan,
     scale: float,
 ) -> torch.Tensor:
+    if plan.block_rows is None or plan.bias is None:
+        return native.decode_attention(q, cache_k, cache_v, plan.group.block_tables,
+                                       plan.group.context_lens, scale)
     num, heads, head_dim = q.shape
     kv_heads = cache_k.shape[0]
     keys = _gather(cache_k, plan.block_rows).view(kv_heads, num, -1, head_dim)

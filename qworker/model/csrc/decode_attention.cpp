@@ -1,0 +1,256 @@
+// Paged decode attention on the CPU: one new query token per sequence attends to its cached keys,
+// read in place from the block pool (no gather). Built and loaded by qworker/model/native.py.
+//
+// Cache of one layer: [kv_heads, num_blocks, block_size, head_dim]. q: [seqs, heads, head_dim]
+// with a row stride of q_stride elements; out: [seqs, heads, head_dim], contiguous. The `group`
+// query heads that share a KV head are served together, so each key and value row is read once.
+// With AVX-512 the inner loops are vectorised by hand; elsewhere the compiler does what it can.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct bf16 { uint16_t bits; };
+
+inline float load(float x) { return x; }
+inline double load(double x) { return x; }
+inline float load(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(double* p, double x) { *p = x; }
+inline void store(bf16* p, float x) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { p->bits = 0x7fc0; return; }  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  p->bits = static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+// Both passes take `n` consecutive rows (of d elements) of one block and `group` query heads;
+// scores are [group, stride]. First pass: scores[g][j] = q[g] . keys[j] (q already scaled).
+template <typename T, typename A>
+void dots_scalar(const A* q, const T* keys, int64_t n, int64_t d, int64_t group, int64_t stride,
+                 A* scores) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t j = 0; j < n; ++j) {
+      A sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) sum += q[g * d + i] * load(keys[j * d + i]);
+      scores[g * stride + j] = sum;
+    }
+}
+
+// Second pass: acc[g] += sum over j of weights[g][j] * values[j].
+template <typename T, typename A>
+void weigh_scalar(const A* weights, const T* values, int64_t n, int64_t d, int64_t group,
+                  int64_t stride, A* acc) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < group; ++g) {
+      const A p = weights[g * stride + j];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p * load(values[j * d + i]);
+    }
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kMaxHeadDim = 256;
+
+inline bool vectorised(int64_t d) { return d % 32 == 0 && d <= kMaxHeadDim; }
+
+inline __m512 load16(const bf16* p) {  // 16 bf16 -> 16 floats
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// 16 vectors -> one vector of their 16 horizontal sums, by a tree of shuffles
+inline __m512 sum16(const __m512* v) {
+  __m512 h[8], q[4], p[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: two tokens per vector
+    h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lanes: four tokens per vector
+    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    p[i] = _mm512_add_ps(_mm512_unpacklo_ps(q[2 * i], q[2 * i + 1]),
+                         _mm512_unpackhi_ps(q[2 * i], q[2 * i + 1]));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x44),
+                                 _mm512_shuffle_ps(p[0], p[1], 0xEE));
+  // lane k, element j now holds token 4j + k
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// 16 rows at a time: widened to float once, then dotted with every query head of the group
+template <typename T>
+void dots(const float* q, const T* keys, int64_t n, int64_t d, int64_t group, int64_t stride,
+          float* scores) {
+  int64_t j = 0;
+  if (vectorised(d)) {
+    alignas(64) float wide[16 * kMaxHeadDim];
+    for (; j + 16 <= n; j += 16) {
+      for (int64_t i = 0; i < 16 * d; i += 16) _mm512_store_ps(wide + i, load16(keys + j * d + i));
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) {
+          acc[t] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < d; i += 16)
+            acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + i),
+                                     _mm512_load_ps(wide + t * d + i), acc[t]);
+        }
+        _mm512_storeu_ps(scores + g * stride + j, sum16(acc));
+      }
+    }
+  }
+  dots_scalar(q, keys + j * d, n - j, d, group, stride, scores + j);
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 keys and (unscaled) queries: pairs multiplied and summed in float by one instruction
+bool dots_bf16(const bf16* q, const bf16* keys, int64_t n, int64_t d, int64_t group,
+               int64_t stride, float scale, float* scores) {
+  if (n % 16 != 0 || !vectorised(d)) return false;
+  for (int64_t g = 0; g < group; ++g) {
+    __m512bh qv[kMaxHeadDim / 32];
+    for (int64_t k = 0; k < d / 32; ++k) qv[k] = (__m512bh)_mm512_loadu_si512(q + g * d + 32 * k);
+    for (int64_t j = 0; j < n; j += 16) {
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < d / 32; ++k)
+          acc[t] = _mm512_dpbf16_ps(
+              acc[t], qv[k], (__m512bh)_mm512_loadu_si512(keys + (j + t) * d + 32 * k));
+      }
+      _mm512_storeu_ps(scores + g * stride + j, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    }
+  }
+  return true;
+}
+#endif
+
+// one query head at a time, its sums held in registers across the rows
+template <typename T>
+void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t group,
+           int64_t stride, float* acc) {
+  if (!vectorised(d)) return weigh_scalar(weights, values, n, d, group, stride, acc);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t k = 0; k < d; k += 32) {
+      float* out = acc + g * d + k;
+      __m512 lo = _mm512_loadu_ps(out), hi = _mm512_loadu_ps(out + 16);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 p = _mm512_set1_ps(weights[g * stride + j]);
+        lo = _mm512_fmadd_ps(p, load16(values + j * d + k), lo);
+        hi = _mm512_fmadd_ps(p, load16(values + j * d + k + 16), hi);
+      }
+      _mm512_storeu_ps(out, lo);
+      _mm512_storeu_ps(out + 16, hi);
+    }
+}
+#endif
+
+template <typename T, typename A>
+void score_rows(const T* q, const A* qf, const T* keys, int64_t n, int64_t d, int64_t group,
+                int64_t stride, double scale, A* scores) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>)
+    if (dots_bf16(q, keys, n, d, group, stride, float(scale), scores)) return;
+#endif
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<A, double>) return dots(qf, keys, n, d, group, stride, scores);
+#endif
+  dots_scalar(qf, keys, n, d, group, stride, scores);
+}
+
+template <typename T, typename A>
+void weigh_rows(const A* weights, const T* values, int64_t n, int64_t d, int64_t group,
+                int64_t stride, A* acc) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<A, double>) return weigh(weights, values, n, d, group, stride, acc);
+#endif
+  weigh_scalar(weights, values, n, d, group, stride, acc);
+}
+
+struct Shape {
+  int64_t num_seqs, max_blocks, heads, kv_heads, head_dim, num_blocks, block_size, q_stride;
+};
+
+template <typename T>
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t len, int64_t kv_head, T* out, const Shape& s, double scale,
+                std::vector<typename Acc<T>::type>& buf) {
+  using A = typename Acc<T>::type;
+  const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size;
+  buf.assign(group * d + group * len + group * d, A(0));
+  A* qf = buf.data();             // [group, d] queries, scaled
+  A* scores = qf + group * d;     // [group, len]
+  A* acc = scores + group * len;  // [group, d] weighted values
+  for (int64_t i = 0; i < group * d; ++i) qf[i] = load(q[i]) * A(scale);
+  // a block's rows of one head are contiguous: walk the context block by block
+  auto rows = [&](const T* cache, int64_t t) {
+    return cache + ((kv_head * s.num_blocks + table[t / bs]) * bs + t % bs) * d;
+  };
+  for (int64_t t = 0; t < len; t += bs) {
+    score_rows(q, qf, rows(k_cache, t), std::min(bs, len - t), d, group, len, scale, scores + t);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    A* sg = scores + g * len;
+    const A top = *std::max_element(sg, sg + len);
+    A total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) total += (sg[t] = std::exp(sg[t] - top));
+    const A inv = A(1) / total;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  for (int64_t t = 0; t < len; t += bs) {
+    weigh_rows(scores + t, rows(v_cache, t), std::min(bs, len - t), d, group, len, acc);
+  }
+  for (int64_t i = 0; i < group * d; ++i) store(out + i, acc[i]);
+}
+
+template <typename T>
+void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                      const int64_t* lens, T* out, const Shape& s, double scale) {
+  const int64_t group = s.heads / s.kv_heads;
+#pragma omp parallel
+  {
+    std::vector<typename Acc<T>::type> buf;
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t seq = 0; seq < s.num_seqs; ++seq)
+      for (int64_t h = 0; h < s.kv_heads; ++h)
+        attend_one(q + seq * s.q_stride + h * group * s.head_dim, k_cache, v_cache,
+                   tables + seq * s.max_blocks, lens[seq], h,
+                   out + (seq * s.heads + h * group) * s.head_dim, s, scale, buf);
+  }
+}
+
+}  // namespace
+
+#define QW_EXPORT(name, T)                                                                     \
+  extern "C" void name(const void* q, const void* k, const void* v, const int64_t* tables,     \
+                       const int64_t* lens, void* out, const int64_t* shape, double scale) {   \
+    const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6],        \
+                  shape[7]};                                                                   \
+    decode_attention(static_cast<const T*>(q), static_cast<const T*>(k),                      \
+                     static_cast<const T*>(v), tables, lens, static_cast<T*>(out), s, scale); \
+  }
+
+QW_EXPORT(qw_decode_attention_f32, float)
+QW_EXPORT(qw_decode_attention_f64, double)
+QW_EXPORT(qw_decode_attention_bf16, bf16)
