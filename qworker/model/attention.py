@@ -10,6 +10,7 @@ never repeated.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,8 @@ class AttentionPlan:
     """What every layer's attention needs from a batch, computed once per forward."""
 
     batch: ForwardBatch
-    cos: torch.Tensor  # [N, 1, head_dim] rotary cos / sin of every token's position
-    sin: torch.Tensor
+    rope: RotaryTable
+    fused: bool  # native kernels serve this cache: rope + store, norms and activations fused
     decodes: tuple[DecodePlan, ...]
     prefill_rows: tuple[torch.Tensor, ...]
     prefill_masks: tuple[torch.Tensor | None, ...]  # [1, 1, group * n, T]; None: nothing cached
@@ -51,7 +52,7 @@ class AttentionPlan:
 
         decodes = []
         for d in batch.decodes:
-            if native.serves(cache_k):
+            if native.serves(cache_k):  # the kernel reads the cache in place
                 decodes.append(DecodePlan(d))
                 continue
             width = d.block_tables.shape[1] * block_size
@@ -68,8 +69,14 @@ class AttentionPlan:
             query_pos = torch.arange(chunk.num_cached, total, device=device)
             visible = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
             masks.append(visible.repeat(group, 1)[None, None])
-        return cls(batch, *rope.lookup(batch.positions), tuple(decodes),
+        return cls(batch, rope, native.serves(cache_k), tuple(decodes),
                    tuple(rows(c.block_table) for c in batch.prefills), tuple(masks))
+
+
+    @functools.cached_property
+    def rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 1, head_dim] rotary cos / sin of every token's position."""
+        return self.rope.lookup(self.batch.positions)
 
 
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:

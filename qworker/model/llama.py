@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qworker.model import native
 from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
@@ -29,6 +30,15 @@ class RMSNorm(nn.Module):
         # normalised in float32 whatever the model dtype, as the reference implementation does
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm); `fused` updates x in place in one native pass. float64 (a
+        reference-test dtype) keeps torch's float32 norm, bit for bit the reference's."""
+        if fused and x.dtype != torch.float64:
+            return x, native.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x if delta is None else x + delta
+        return x, self(x)
 
 
 class Attention(nn.Module):
@@ -48,11 +58,19 @@ class Attention(nn.Module):
         self, x: torch.Tensor, plan: AttentionPlan, cache_k: torch.Tensor, cache_v: torch.Tensor,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qk, v = self.qkv_proj(x).split(self.split, dim=-1)
-        qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim), plan.cos, plan.sin)
+        qkv = self.qkv_proj(x)
+        if plan.fused:
+            native.rope_store(qkv, plan.rope.cos, plan.rope.sin, plan.batch.positions,
+                              plan.batch.slot_mapping, cache_k, cache_v, self.heads)
+            qk, v = qkv.split(self.split, dim=-1)
+            qk = qk.view(n, self.heads + self.kv_heads, self.head_dim)
+        else:
+            qk, v = qkv.split(self.split, dim=-1)
+            qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim), *plan.rotation)
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = v.view(n, self.kv_heads, self.head_dim)
-        write_kv(cache_k, cache_v, k, v, plan.batch.slot_mapping)
+        if not plan.fused:
+            write_kv(cache_k, cache_v, k, v, plan.batch.slot_mapping)
         out = paged_attention(q, k, v, cache_k, cache_v, plan, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
@@ -63,8 +81,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -77,10 +98,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, plan: AttentionPlan, cache_k: torch.Tensor, cache_v: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), plan, cache_k, cache_v)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, pending: torch.Tensor | None, plan: AttentionPlan,
+        cache_k: torch.Tensor, cache_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; pending: the previous layer's output, not yet added to it (so
+        that the add fuses with this layer's norm). Returns both for the next layer."""
+        x, h = self.input_layernorm.add_and_norm(x, pending, plan.fused)
+        x, h = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(h, plan, cache_k, cache_v), plan.fused)
+        return x, self.mlp(h, plan.fused)
 
 
 class LlamaModel(nn.Module):
@@ -115,9 +141,12 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         plan = AttentionPlan.build(batch, cache.keys[0], self.rope,
                                    self.config.num_heads // self.config.num_kv_heads)
+        pending = None
         for layer, cache_k, cache_v in zip(self.layers, cache.keys, cache.values, strict=True):
-            x = layer(x, plan, cache_k, cache_v)
-        x = self.norm(x[batch.logits_indices])
+            x, pending = layer(x, pending, plan, cache_k, cache_v)
+        rows = batch.logits_indices
+        _, x = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows],
+                                      plan.fused)
         logits = self.lm_head(x)
         return logits if logits.dtype == torch.float64 else logits.float()
 

@@ -1,4 +1,5 @@
-"""Native CPU kernels, compiled from `csrc/` with the system's C++ compiler on first use.
+"""Native CPU kernels (decode attention, fused elementwise ops), compiled from `csrc/` with the
+system's C++ compiler on first use.
 
 The shared library is cached under the qworker home, keyed by source, flags and CPU, and loaded
 with ctypes: no Python headers, no torch headers, a one-second build. It links OpenMP, which
@@ -23,12 +24,15 @@ import torch
 
 from qworker.model.hub import qworker_home
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+SOURCES = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC", "-std=c++17")
-KERNELS = {
-    torch.float32: "qw_decode_attention_f32",
-    torch.float64: "qw_decode_attention_f64",
-    torch.bfloat16: "qw_decode_attention_bf16",
+SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+SIGNATURES = {
+    "qw_decode_attention": [_P] * 7 + [_D],
+    "qw_add_rms_norm": [_P] * 4 + [_I, _I, _D],
+    "qw_rope_store": [_P] * 8,
+    "qw_silu_mul": [_P, _P, _I, _I],
 }
 
 log = structlog.get_logger(__name__)
@@ -42,7 +46,7 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("native_kernels_unavailable", reason="no C++ compiler (set CXX)")
         return None
-    target = qworker_home() / "native" / f"decode_attention-{_build_key(compiler)}.so"
+    target = qworker_home() / "native" / f"qworker-kernels-{_build_key(compiler)}.so"
     if not target.exists():
         try:
             _compile(compiler, target)
@@ -50,16 +54,28 @@ def library() -> ctypes.CDLL | None:
             log.warning("native_kernels_unavailable", reason=str(exc))
             return None
     lib = ctypes.CDLL(str(target))
-    for name in KERNELS.values():
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_double]
+    for name, argtypes in SIGNATURES.items():
+        for suffix in SUFFIXES.values():
+            getattr(lib, f"{name}_{suffix}").argtypes = argtypes
     return lib
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCES.glob("*.cpp"))
+
+
+def _kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    lib = library()
+    assert lib is not None and dtype in SUFFIXES, "call only where serves() is true"
+    return getattr(lib, f"{name}_{SUFFIXES[dtype]}")
 
 
 def _build_key(compiler: str) -> str:
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-             platform.machine().encode(), flags.encode()]
+    sources = [p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.is_file()]
+    parts = [*sources, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
+             flags.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -68,14 +84,15 @@ def _compile(compiler: str, target: Path) -> None:
     # build beside the target, then rename: concurrent workers never load a half-written file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+        sources = [str(p) for p in _sources()]
+        subprocess.run([compiler, *FLAGS, *sources, "-o", str(built)], check=True,
                        capture_output=True, timeout=300)
         os.replace(built, target)
 
 
 def serves(cache: torch.Tensor) -> bool:
     """Whether the native kernels take a cache of this dtype and device."""
-    return cache.device.type == "cpu" and cache.dtype in KERNELS and library() is not None
+    return cache.device.type == "cpu" and cache.dtype in SUFFIXES and library() is not None
 
 
 def decode_attention(
@@ -84,8 +101,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attends each query row to its sequence's cached keys; q: [D, heads, head_dim] (rows may be
     strided) -> [D, heads, head_dim]. Only for caches that `serves` accepts."""
-    lib = library()
-    assert lib is not None and serves(cache_k) and q.dtype == cache_k.dtype
+    assert q.dtype == cache_k.dtype
     num, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = cache_k.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim, "q heads must be packed"
@@ -96,7 +112,44 @@ def decode_attention(
     out = torch.empty((num, heads, head_dim), dtype=q.dtype)
     shape = torch.tensor([num, tables.shape[1], heads, kv_heads, head_dim, num_blocks,
                           block_size, q.stride(0)], dtype=torch.int64)
-    getattr(lib, KERNELS[q.dtype])(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
+    _kernel("qw_decode_attention", q.dtype)(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
                          tables.data_ptr(), lens.data_ptr(), out.data_ptr(), shape.data_ptr(),
                          scale)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x += delta (in place, when given), then returns rms_norm(x) * weight; x: [n, hidden]."""
+    assert x.is_contiguous() and (delta is None or delta.is_contiguous())
+    out = torch.empty_like(x)
+    _kernel("qw_add_rms_norm", x.dtype)(
+        x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), x.shape[0], x.shape[1], eps,
+    )
+    return out
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+               heads: int) -> None:
+    """Rotates the q and k heads of qkv [n, (heads + 2 kv_heads) * d] in place with the
+    [positions, d] cos/sin tables, then stores each token's k and v at its cache slot."""
+    kv_heads, num_blocks, block_size, head_dim = cache_k.shape
+    assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    assert cache_k.is_contiguous() and cache_v.is_contiguous()
+    shape = torch.tensor([qkv.stride(0), qkv.shape[0], heads, kv_heads, head_dim,
+                          num_blocks * block_size], dtype=torch.int64)
+    _kernel("qw_rope_store", qkv.dtype)(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+        cache_k.data_ptr(), cache_v.data_ptr(), shape.data_ptr(),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2 * inter] -> silu(gate) * up, [n, inter]."""
+    assert gate_up.is_contiguous()
+    n, width = gate_up.shape
+    out = torch.empty((n, width // 2), dtype=gate_up.dtype)
+    _kernel("qw_silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n, width // 2)
     return out

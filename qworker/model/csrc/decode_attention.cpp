@@ -7,10 +7,10 @@
 // With AVX-512 the inner loops are vectorised by hand; elsewhere the compiler does what it can.
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "common.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -18,29 +18,10 @@
 
 namespace {
 
-struct bf16 { uint16_t bits; };
-
-inline float load(float x) { return x; }
-inline double load(double x) { return x; }
-inline float load(bf16 x) {
-  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(double* p, double x) { *p = x; }
-inline void store(bf16* p, float x) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) { p->bits = 0x7fc0; return; }  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  p->bits = static_cast<uint16_t>(u >> 16);
-}
-
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
+using qw::Acc;
+using qw::bf16;
+using qw::load;
+using qw::store;
 
 // Both passes take `n` consecutive rows (of d elements) of one block and `group` query heads;
 // scores are [group, stride]. First pass: scores[g][j] = q[g] . keys[j] (q already scaled).
