@@ -17,6 +17,7 @@ from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
 from qworker.model.kv_cache import KVCache
+from qworker.model.linear import Linear
 from qworker.model.rope import RotaryTable, rotate
 
 
@@ -49,9 +50,9 @@ class Attention(nn.Module):
         )
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.split = (q_size + kv_size, kv_size)  # q and k are rotated together
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -78,8 +79,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -123,7 +124,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if not init_weights:
             self.to_empty(device=self.device)
         if config.tie_word_embeddings:
