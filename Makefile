@@ -1,13 +1,13 @@
-# qworker: `make install` sets up .venv (and a redis-server when none is on PATH); `make test` runs
-# the whole suite. Works on a fresh Debian/Ubuntu machine with Python 3.11.
+# qworker: `make install` sets up .venv (and a redis-server and g++ when none is on PATH; g++ builds
+# the native CPU kernels); `make test` runs the whole suite. Works on a fresh Debian/Ubuntu machine with Python 3.11.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install redis test lint clean demo
+.PHONY: install redis compiler test lint clean demo
 
-install: $(STAMP) redis
+install: $(STAMP) redis compiler
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ redis:
 	  echo "installing redis-server from the system's packages"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+compiler:
+	@command -v g++ >/dev/null 2>&1 || { \
+	  echo "installing g++ from the system's packages"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq g++ >/dev/null; }
 
 test: install
 	$(BIN)/ruff check .

@@ -78,6 +78,8 @@ SETTINGS = [
     dict(max_num_seqs=40, max_batched_tokens=512, prefill_chunk=512, block_size=16),
     dict(max_num_seqs=16, max_batched_tokens=16, prefill_chunk=5, block_size=1),
     dict(max_num_seqs=3, max_batched_tokens=7, prefill_chunk=7, block_size=8),
+    # prefill paced beside decodes: budgets follow measured step times
+    dict(max_num_seqs=8, max_batched_tokens=64, prefill_chunk=32, block_size=4, decode_stretch=1.5),
 ]
 
 
@@ -85,7 +87,7 @@ SETTINGS = [
 def test_batched_equals_alone(smollm2_tokenizer: Tokenizer, model: LlamaModel,
                               workload: list[tuple[int, Request]],
                               alone: dict[str, tuple[list[int], str]],
-                              settings: dict[str, int]) -> None:
+                              settings: dict[str, float]) -> None:
     engine = tiny_engine(smollm2_tokenizer, model, **settings)
     assert run(engine, workload) == alone
 

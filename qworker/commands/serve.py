@@ -59,6 +59,9 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
     _flag(p, "--max-batched-tokens", type=int, default=2048, help="prefill tokens per step")
     _flag(p, "--prefill-chunk", type=int, default=512, help="prefill tokens per sequence per step")
     _flag(p, "--max-model-len", type=int, help="context limit (default: the model's)")
+    _flag(p, "--decode-stretch", type=float,
+          help="pace prefill so a step with decodes takes about this many times a decode-only "
+               "step (even inter-token latency while long prompts arrive; default: off)")
     _flag(p, "--claim-idle-ms", type=int, default=30_000,
           help="reclaim entries idle this long (their worker died); must exceed the longest step")
     _flag(p, "--max-deliveries", type=int, default=5,
@@ -85,7 +88,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, prefill_chunk=args.prefill_chunk,
         block_size=args.block_size, max_model_len=args.max_model_len, requeue_preempted=True,
-        **kv)
+        decode_stretch=args.decode_stretch, **kv)
     if is_simulated(args.model):
         return SimulatedEngine.from_config(config)
     from qworker.engine.engine import Engine  # torch: only for a real model

@@ -19,6 +19,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     watermark: float = 0.01  # share of blocks kept free at admission, against preemption storms
     requeue_preempted: bool = False  # True: hand preempted requests back instead of re-waiting
+    # pace prefill beside decodes so that such a step takes about this many times a decode-only
+    # step (keeps inter-token latency even while a long prompt arrives); None: no pacing
+    decode_stretch: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batched_tokens", "prefill_chunk", "block_size"):
@@ -26,5 +29,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if self.decode_stretch is not None and self.decode_stretch <= 1:
+            raise ValueError("decode_stretch must be > 1")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")

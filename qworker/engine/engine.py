@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.config import EngineConfig
+from qworker.engine.pacer import PrefillPacer
 from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
 from qworker.engine.runner import Runner
 from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
@@ -54,6 +56,8 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._ready: list[StepOutput] = []  # outputs decided outside a step (resumed, finished)
         self._arrivals = itertools.count()
+        self.pacer = (PrefillPacer(config.decode_stretch, config.max_batched_tokens)
+                      if config.decode_stretch else None)
         self.num_preemptions = 0
         self.num_steps = 0
         self.last_schedule = ScheduledStep()
@@ -130,13 +134,18 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         outputs, self._ready = self._ready, []
-        step = self.last_schedule = self.scheduler.schedule()
+        budget = self.pacer.budget(self.scheduler.has_decodes()) if self.pacer else None
+        step = self.last_schedule = self.scheduler.schedule(budget)
         self.num_preemptions += len(step.preempted)
         if self.config.requeue_preempted:
             outputs += [self._hand_back(seq) for seq in step.preempted]
         if step.work:
             self.num_steps += 1
+            decodes = sum(1 for seq, _ in step.work if not seq.is_prefill)
+            started = time.perf_counter()
             sampled = self.runner.run(step.work)
+            if self.pacer:
+                self.pacer.observe(decodes, step.prefill_tokens, time.perf_counter() - started)
             for seq, n in step.work:
                 seq.num_computed += n
             outputs += [self._append(seq, token) for seq, token in sampled.items()]

@@ -52,9 +52,14 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self) -> ScheduledStep:
+    def has_decodes(self) -> bool:
+        return any(not seq.is_prefill for seq in self.running)
+
+    def schedule(self, budget: int | None = None) -> ScheduledStep:
+        """budget: prefill tokens this step may take (at most, and by default, the limit's)."""
         step = ScheduledStep()
-        budget = self._schedule_running(step, self.limits.max_batched_tokens)
+        limit = self.limits.max_batched_tokens
+        budget = self._schedule_running(step, limit if budget is None else min(budget, limit))
         if not step.preempted:
             self._admit_waiting(step, budget)
         return step
