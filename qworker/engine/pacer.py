@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class PrefillPacer:
     stretch: float  # a step with decodes may take this many times a decode-only step
     max_tokens: int  # the budget of a step without decodes
-    min_tokens: int = 16  # never paced below this: a long prompt always advances
+    min_tokens: int = 4  # never paced below this: a long prompt always advances
     smoothing: float = 0.5  # weight of the newest measurement
     decode_seconds: float | None = None  # a decode-only step, smoothed
     token_seconds: float | None = None  # extra time per prefill token, smoothed
