@@ -143,6 +143,7 @@ def main() -> None:
     config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True)
     in_process = run_qworker(path, dtype, items, config)
     engine = Engine(load_model(path, dtype=dtype), Tokenizer.load(path), config)
+    engine.runner.warm_up()  # as Engine.from_config does for `qworker serve`
     with local_redis() as url:
         service = run_service(url, engine, items)
     ratio = service["useful_out_tok_s"] / in_process["useful_out_tok_s"]  # type: ignore[operator]

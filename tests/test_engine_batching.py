@@ -120,3 +120,11 @@ def test_resumed_request_continues_exactly(smollm2_tokenizer: Tokenizer, model: 
                 final = out.text
         assert tokens[:cut] + rest == tokens
         assert final == text
+
+
+def test_warm_up_leaves_no_trace(smollm2_tokenizer: Tokenizer, model: LlamaModel,
+                                 workload: list[tuple[int, Request]],
+                                 alone: dict[str, tuple[list[int], str]]) -> None:
+    engine = tiny_engine(smollm2_tokenizer, model, block_size=4)
+    engine.runner.warm_up()  # writes block 0, which requests then own
+    assert run(engine, workload) == alone

@@ -71,7 +71,9 @@ class Engine:
         path = resolve_model(config.model)
         model = load_model(path, dtype=resolve_dtype(config.dtype, config.device),
                            device=config.device)
-        return cls(model, Tokenizer.load(path), config)
+        engine = cls(model, Tokenizer.load(path), config)
+        engine.runner.warm_up()
+        return engine
 
     def add(self, request: Request) -> None:
         if request.request_id in self._seqs:

@@ -42,6 +42,14 @@ class Runner:
         tokens = sample(logits, [self._row(seq) for seq in sampled])
         return dict(zip(sampled, tokens, strict=True))
 
+    def warm_up(self) -> None:
+        """One tiny forward (written to block 0, which any sequence overwrites before reading),
+        so that first-call costs (weight packing, kernel build) fall on no request."""
+        block_size = self.cache.block_size
+        batch = build_batch([SequenceInput([0] * min(2, block_size), 0, [0])], block_size,
+                            self.model.device)
+        self.model(batch, self.cache)
+
     def _row(self, seq: Sequence) -> SampleRow:
         p = seq.params
         banned: tuple[int, ...] = ()
