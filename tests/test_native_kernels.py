@@ -147,3 +147,11 @@ def test_a_model_gives_the_same_logits_with_and_without_the_kernels(
     for (seq, pos, got), (_, _, want) in zip(fused, plain, strict=True):
         tol = 1e-4 if dtype == torch.float32 else 0.15  # bf16 logits: a few roundings apart
         assert (got - want).abs().max() < tol, f"seq {seq} pos {pos}"
+
+
+def test_loading_the_kernels_keeps_subnormal_floats() -> None:
+    # a library linked with -ffast-math would set flush-to-zero for the whole process at load
+    assert native.library() is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
+    assert (tiny * 1.0).item() != 0.0
+    assert float.fromhex("0x1p-1070") * 1.0 != 0.0  # and in Python's own doubles

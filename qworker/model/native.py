@@ -25,7 +25,10 @@ import torch
 from qworker.model.hub import qworker_home
 
 SOURCES = Path(__file__).with_name("csrc")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC", "-std=c++17")
+# -ffast-math for the compile only: linking with it adds crtfastmath, which at load would switch
+# the whole process to flush-to-zero floats (torch and every other library with it)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17")
+LINK_FLAGS = ("-shared", "-fopenmp")
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
@@ -74,8 +77,8 @@ def _build_key(compiler: str) -> str:
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
     sources = [p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.is_file()]
-    parts = [*sources, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
-             flags.encode()]
+    parts = [*sources, " ".join(FLAGS + LINK_FLAGS).encode(), compiler.encode(),
+             platform.machine().encode(), flags.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -84,15 +87,24 @@ def _compile(compiler: str, target: Path) -> None:
     # build beside the target, then rename: concurrent workers never load a half-written file
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        sources = [str(p) for p in _sources()]
-        subprocess.run([compiler, *FLAGS, *sources, "-o", str(built)], check=True,
-                       capture_output=True, timeout=300)
+        objects = []
+        for source in _sources():
+            objects.append(str(Path(tmp) / f"{source.stem}.o"))
+            _run([compiler, *FLAGS, "-c", str(source), "-o", objects[-1]])
+        _run([compiler, *LINK_FLAGS, *objects, "-o", str(built)])
         os.replace(built, target)
+    for old in target.parent.glob("qworker-kernels-*.so"):  # earlier versions' builds
+        if old != target:  # a process still using one keeps its mapping
+            old.unlink(missing_ok=True)
 
 
 def serves(cache: torch.Tensor) -> bool:
     """Whether the native kernels take a cache of this dtype and device."""
     return cache.device.type == "cpu" and cache.dtype in SUFFIXES and library() is not None
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
 
 
 def decode_attention(
