@@ -155,3 +155,31 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
     assert (tiny * 1.0).item() != 0.0
     assert float.fromhex("0x1p-1070") * 1.0 != 0.0  # and in Python's own doubles
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_cached", "num"), [(0, 1), (0, 37), (0, 130), (20, 50), (300, 7)])
+def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, num_cached: int,
+                                                 num: int) -> None:
+    gen = torch.Generator().manual_seed(num_cached + num)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    total = num_cached + num
+    num_blocks = -(-total // block_size) + 3
+    cache_k = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    cache_v = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[: -(-total // block_size)]
+    qk = torch.randn(num, heads + kv_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+
+    got = native.prefill_attention(qk[:, :heads], cache_k, cache_v, table, num_cached, scale)
+
+    # reference: every key of the sequence gathered, repeated per group, masked causally
+    pos = torch.arange(total)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    keys = cache_k.reshape(kv_heads, -1, head_dim)[:, slots].repeat_interleave(3, 0)
+    values = cache_v.reshape(kv_heads, -1, head_dim)[:, slots].repeat_interleave(3, 0)
+    visible = pos[None, :] <= (num_cached + torch.arange(num))[:, None]
+    scores = (qk[:, :heads].transpose(0, 1).double() @ keys.double().transpose(1, 2)) * scale
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    want = (weights @ values.double()).transpose(0, 1)
+    _close(got, want.to(dtype))

@@ -108,7 +108,10 @@ def paged_attention(
     for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
                                        plan.prefill_masks, strict=True):
         rows = slice(chunk.start, chunk.end)
-        if mask is None:  # a first chunk: its own keys are all there is, causal
+        if mask is None and plan.fused:  # a first chunk, read back from the cache just written
+            out[rows] = native.prefill_attention(q[rows], cache_k, cache_v, chunk.block_table,
+                                                 0, scale)
+        elif mask is None:  # a first chunk: its own keys are all there is, causal
             out[rows] = _causal(q[rows], k[rows], v[rows], scale)
         else:
             out[rows] = _prefill(q[rows], cache_k, cache_v, block_rows, mask, chunk.num_cached,

@@ -33,6 +33,7 @@ SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
     "qw_decode_attention": [_P] * 7 + [_D],
+    "qw_prefill_attention": [_P] * 6 + [_I, _I, _D],
     "qw_add_rms_norm": [_P] * 4 + [_I, _I, _D],
     "qw_rope_store": [_P] * 8,
     "qw_silu_mul": [_P, _P, _I, _I],
@@ -127,6 +128,28 @@ def decode_attention(
     _kernel("qw_decode_attention", q.dtype)(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
                          tables.data_ptr(), lens.data_ptr(), out.data_ptr(), shape.data_ptr(),
                          scale)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor,
+    num_cached: int, scale: float,
+) -> torch.Tensor:
+    """A chunk of one sequence, causal after `num_cached` tokens, its own K/V already in the cache;
+    q: [n, heads, head_dim] (rows may be strided) -> [n, heads, head_dim]."""
+    assert q.dtype == cache_k.dtype and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    assert cache_k.is_contiguous() and cache_v.is_contiguous()
+    num, heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size, _ = cache_k.shape
+    table = block_table.contiguous()
+    assert table.dtype == torch.int64 and table.numel() * block_size >= num_cached + num
+    out = torch.empty((num, heads, head_dim), dtype=q.dtype)
+    shape = torch.tensor([1, table.numel(), heads, kv_heads, head_dim, num_blocks, block_size,
+                          q.stride(0)], dtype=torch.int64)
+    _kernel("qw_prefill_attention", q.dtype)(
+        q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), table.data_ptr(), out.data_ptr(),
+        shape.data_ptr(), num_cached, num, scale,
+    )
     return out
 
 

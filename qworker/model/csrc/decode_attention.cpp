@@ -173,51 +173,93 @@ struct Shape {
 };
 
 template <typename T>
-void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                int64_t len, int64_t kv_head, T* out, const Shape& s, double scale,
-                std::vector<typename Acc<T>::type>& buf) {
+struct Scratch {  // one thread's buffers, reused across its tasks
+  std::vector<T> raw;                     // [rows, d] the task's queries as given
+  std::vector<typename Acc<T>::type> work;  // scaled queries, scores, weighted values
+};
+
+// One task: `count` consecutive query tokens of one sequence through one KV head, the i-th
+// attending to the first len0 + i cached tokens (a decode is count 1). Each query token brings
+// `group` heads: count x group query rows share every key and value row read.
+template <typename T>
+void attend(const T* q, int64_t q_stride, int64_t count, int64_t len0, const int64_t* table,
+            int64_t kv_head, T* out, int64_t out_stride, const T* k_cache, const T* v_cache,
+            const Shape& s, double scale, Scratch<T>& buf) {
   using A = typename Acc<T>::type;
   const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size;
-  buf.assign(group * d + group * len + group * d, A(0));
-  A* qf = buf.data();             // [group, d] queries, scaled
-  A* scores = qf + group * d;     // [group, len]
-  A* acc = scores + group * len;  // [group, d] weighted values
-  for (int64_t i = 0; i < group * d; ++i) qf[i] = load(q[i]) * A(scale);
+  const int64_t rows = count * group, len = len0 + count - 1;
+  buf.raw.resize(rows * d);
+  buf.work.assign(rows * d + rows * len + rows * d, A(0));
+  A* qf = buf.work.data();       // [rows, d] queries, scaled
+  A* scores = qf + rows * d;     // [rows, len]
+  A* acc = scores + rows * len;  // [rows, d] weighted values
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(buf.raw.data() + i * group * d, q + i * q_stride, group * d * sizeof(T));
+  }
+  for (int64_t i = 0; i < rows * d; ++i) qf[i] = load(buf.raw[i]) * A(scale);
   // a block's rows of one head are contiguous: walk the context block by block
-  auto rows = [&](const T* cache, int64_t t) {
+  auto block_rows = [&](const T* cache, int64_t t) {
     return cache + ((kv_head * s.num_blocks + table[t / bs]) * bs + t % bs) * d;
   };
   for (int64_t t = 0; t < len; t += bs) {
-    score_rows(q, qf, rows(k_cache, t), std::min(bs, len - t), d, group, len, scale, scores + t);
+    score_rows(buf.raw.data(), qf, block_rows(k_cache, t), std::min(bs, len - t), d, rows, len,
+               scale, scores + t);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    A* sg = scores + g * len;
-    const A top = *std::max_element(sg, sg + len);
+  for (int64_t r = 0; r < rows; ++r) {  // softmax over each row's own context; zero past it
+    A* sr = scores + r * len;
+    const int64_t visible = len0 + r / group;
+    const A top = *std::max_element(sr, sr + visible);
     A total = 0;
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) total += (sg[t] = std::exp(sg[t] - top));
+    for (int64_t t = 0; t < visible; ++t) total += (sr[t] = std::exp(sr[t] - top));
     const A inv = A(1) / total;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    for (int64_t t = 0; t < visible; ++t) sr[t] *= inv;
+    std::fill(sr + visible, sr + len, A(0));
   }
   for (int64_t t = 0; t < len; t += bs) {
-    weigh_rows(scores + t, rows(v_cache, t), std::min(bs, len - t), d, group, len, acc);
+    weigh_rows(scores + t, block_rows(v_cache, t), std::min(bs, len - t), d, rows, len, acc);
   }
-  for (int64_t i = 0; i < group * d; ++i) store(out + i, acc[i]);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t j = 0; j < group * d; ++j) store(out + i * out_stride + j, acc[i * group * d + j]);
 }
 
+// decodes: one query token per sequence, each with its own block table and context length
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                       const int64_t* lens, T* out, const Shape& s, double scale) {
-  const int64_t group = s.heads / s.kv_heads;
+  const int64_t group_width = s.heads / s.kv_heads * s.head_dim;
 #pragma omp parallel
   {
-    std::vector<typename Acc<T>::type> buf;
+    Scratch<T> buf;
 #pragma omp for collapse(2) schedule(dynamic)
     for (int64_t seq = 0; seq < s.num_seqs; ++seq)
       for (int64_t h = 0; h < s.kv_heads; ++h)
-        attend_one(q + seq * s.q_stride + h * group * s.head_dim, k_cache, v_cache,
-                   tables + seq * s.max_blocks, lens[seq], h,
-                   out + (seq * s.heads + h * group) * s.head_dim, s, scale, buf);
+        attend(q + seq * s.q_stride + h * group_width, 0, 1, lens[seq],
+               tables + seq * s.max_blocks, h, out + seq * s.heads * s.head_dim + h * group_width,
+               0, k_cache, v_cache, s, scale, buf);
+  }
+}
+
+// a prefill chunk: `count` query tokens of one sequence after `cached` tokens, causal; queries
+// go in tiles small enough that a tile's scores stay in cache
+template <typename T>
+void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                       T* out, const Shape& s, int64_t cached, int64_t count, double scale) {
+  const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
+  const int64_t tile = std::clamp<int64_t>((64 << 10) / (group * (cached + count)), 1, 16);
+  const int64_t tiles = (count + tile - 1) / tile;
+#pragma omp parallel
+  {
+    Scratch<T> buf;
+#pragma omp for collapse(2) schedule(dynamic)
+    for (int64_t k = 0; k < tiles; ++k)
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        const int64_t first = k * tile;
+        attend(q + first * s.q_stride + h * group_width, s.q_stride,
+               std::min(tile, count - first), cached + first + 1, table, h,
+               out + first * s.heads * s.head_dim + h * group_width, s.heads * s.head_dim,
+               k_cache, v_cache, s, scale, buf);
+      }
   }
 }
 
@@ -232,6 +274,20 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
                      static_cast<const T*>(v), tables, lens, static_cast<T*>(out), s, scale); \
   }
 
+#define QW_EXPORT_PREFILL(name, T)                                                             \
+  extern "C" void name(const void* q, const void* k, const void* v, const int64_t* table,      \
+                       void* out, const int64_t* shape, int64_t cached, int64_t count,          \
+                       double scale) {                                                          \
+    const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6],        \
+                  shape[7]};                                                                   \
+    prefill_attention(static_cast<const T*>(q), static_cast<const T*>(k),                     \
+                      static_cast<const T*>(v), table, static_cast<T*>(out), s, cached, count, \
+                      scale);                                                                  \
+  }
+
 QW_EXPORT(qw_decode_attention_f32, float)
 QW_EXPORT(qw_decode_attention_f64, double)
 QW_EXPORT(qw_decode_attention_bf16, bf16)
+QW_EXPORT_PREFILL(qw_prefill_attention_f32, float)
+QW_EXPORT_PREFILL(qw_prefill_attention_f64, double)
+QW_EXPORT_PREFILL(qw_prefill_attention_bf16, bf16)
