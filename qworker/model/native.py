@@ -61,6 +61,8 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         for suffix in SUFFIXES.values():
             getattr(lib, f"{name}_{suffix}").argtypes = argtypes
+    lib.qw_small_matmul_bf16.argtypes = [_P] * 4 + [_I] * 3
+    lib.qw_small_matmul_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -151,6 +153,26 @@ def prefill_attention(
         shape.data_ptr(), num_cached, num, scale,
     )
     return out
+
+
+SMALL_MATMUL_ROWS = 8  # up to this many rows, a bfloat16 matmul is bound by reading the weight
+
+
+def small_matmul(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight.T + bias for at most SMALL_MATMUL_ROWS rows of bfloat16, streaming the weight
+    once; None where the kernel does not serve (then use F.linear)."""
+    rows, width = x.shape
+    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or rows > SMALL_MATMUL_ROWS
+            or width % 32 or (lib := library()) is None):
+        return None
+    x = x.contiguous()
+    assert weight.is_contiguous() and weight.dtype == x.dtype
+    out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+    done = lib.qw_small_matmul_bf16(x.data_ptr(), weight.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                    rows, weight.shape[0], width)
+    return out if done else None
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
