@@ -32,10 +32,10 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
-    "qw_decode_attention": [_P] * 7 + [_D],
-    "qw_prefill_attention": [_P] * 6 + [_I, _I, _D],
+    "qw_decode_attention": [_P] * 6 + [_I] * 8 + [_D],
+    "qw_prefill_attention": [_P] * 5 + [_I] * 8 + [_I, _I, _D],
     "qw_add_rms_norm": [_P] * 4 + [_I, _I, _D],
-    "qw_rope_store": [_P] * 8,
+    "qw_rope_store": [_P] * 7 + [_I] * 6,
     "qw_silu_mul": [_P, _P, _I, _I],
 }
 
@@ -125,11 +125,11 @@ def decode_attention(
     lens = context_lens.contiguous()
     assert tables.dtype == lens.dtype == torch.int64
     out = torch.empty((num, heads, head_dim), dtype=q.dtype)
-    shape = torch.tensor([num, tables.shape[1], heads, kv_heads, head_dim, num_blocks,
-                          block_size, q.stride(0)], dtype=torch.int64)
-    _kernel("qw_decode_attention", q.dtype)(q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
-                         tables.data_ptr(), lens.data_ptr(), out.data_ptr(), shape.data_ptr(),
-                         scale)
+    _kernel("qw_decode_attention", q.dtype)(
+        q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), num, tables.shape[1], heads, kv_heads, head_dim, num_blocks, block_size,
+        q.stride(0), scale,
+    )
     return out
 
 
@@ -146,11 +146,10 @@ def prefill_attention(
     table = block_table.contiguous()
     assert table.dtype == torch.int64 and table.numel() * block_size >= num_cached + num
     out = torch.empty((num, heads, head_dim), dtype=q.dtype)
-    shape = torch.tensor([1, table.numel(), heads, kv_heads, head_dim, num_blocks, block_size,
-                          q.stride(0)], dtype=torch.int64)
     _kernel("qw_prefill_attention", q.dtype)(
         q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), table.data_ptr(), out.data_ptr(),
-        shape.data_ptr(), num_cached, num, scale,
+        1, table.numel(), heads, kv_heads, head_dim, num_blocks, block_size, q.stride(0),
+        num_cached, num, scale,
     )
     return out
 
@@ -195,11 +194,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     kv_heads, num_blocks, block_size, head_dim = cache_k.shape
     assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     assert cache_k.is_contiguous() and cache_v.is_contiguous()
-    shape = torch.tensor([qkv.stride(0), qkv.shape[0], heads, kv_heads, head_dim,
-                          num_blocks * block_size], dtype=torch.int64)
     _kernel("qw_rope_store", qkv.dtype)(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-        cache_k.data_ptr(), cache_v.data_ptr(), shape.data_ptr(),
+        cache_k.data_ptr(), cache_v.data_ptr(), qkv.stride(0), qkv.shape[0], heads, kv_heads,
+        head_dim, num_blocks * block_size,
     )
 
 

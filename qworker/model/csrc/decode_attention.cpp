@@ -265,21 +265,26 @@ void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int
 
 }  // namespace
 
+// shape, passed by value: num_seqs, max_blocks, heads, kv_heads, head_dim, num_blocks,
+// block_size, q_stride
+#define QW_SHAPE_ARGS                                                                          \
+  int64_t num_seqs, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,     \
+      int64_t num_blocks, int64_t block_size, int64_t q_stride
+#define QW_SHAPE \
+  Shape { num_seqs, max_blocks, heads, kv_heads, head_dim, num_blocks, block_size, q_stride }
+
 #define QW_EXPORT(name, T)                                                                     \
   extern "C" void name(const void* q, const void* k, const void* v, const int64_t* tables,     \
-                       const int64_t* lens, void* out, const int64_t* shape, double scale) {   \
-    const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6],        \
-                  shape[7]};                                                                   \
+                       const int64_t* lens, void* out, QW_SHAPE_ARGS, double scale) {          \
+    const Shape s = QW_SHAPE;                                                                  \
     decode_attention(static_cast<const T*>(q), static_cast<const T*>(k),                      \
                      static_cast<const T*>(v), tables, lens, static_cast<T*>(out), s, scale); \
   }
 
 #define QW_EXPORT_PREFILL(name, T)                                                             \
   extern "C" void name(const void* q, const void* k, const void* v, const int64_t* table,      \
-                       void* out, const int64_t* shape, int64_t cached, int64_t count,          \
-                       double scale) {                                                          \
-    const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6],        \
-                  shape[7]};                                                                   \
+                       void* out, QW_SHAPE_ARGS, int64_t cached, int64_t count, double scale) { \
+    const Shape s = QW_SHAPE;                                                                  \
     prefill_attention(static_cast<const T*>(q), static_cast<const T*>(k),                     \
                       static_cast<const T*>(v), table, static_cast<T*>(out), s, cached, count, \
                       scale);                                                                  \

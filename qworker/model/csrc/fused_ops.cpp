@@ -96,12 +96,13 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
     add_rms_norm(static_cast<T*>(x), static_cast<const T*>(delta),                            \
                  static_cast<const T*>(weight), static_cast<T*>(out), n, hidden, eps);        \
   }                                                                                            \
-  extern "C" void qw_rope_store_##suffix(void* qkv, const void* cos, const void* sin,         \
-                                         const int64_t* positions, const int64_t* slots,      \
-                                         void* k_cache, void* v_cache, const int64_t* shape) { \
-    rope_store(static_cast<T*>(qkv), shape[0], static_cast<const T*>(cos),                    \
+  extern "C" void qw_rope_store_##suffix(                                                     \
+      void* qkv, const void* cos, const void* sin, const int64_t* positions,                   \
+      const int64_t* slots, void* k_cache, void* v_cache, int64_t stride, int64_t n,           \
+      int64_t heads, int64_t kv_heads, int64_t d, int64_t cache_slots) {                       \
+    rope_store(static_cast<T*>(qkv), stride, static_cast<const T*>(cos),                      \
                static_cast<const T*>(sin), positions, slots, static_cast<T*>(k_cache),        \
-               static_cast<T*>(v_cache), shape[1], shape[2], shape[3], shape[4], shape[5]);   \
+               static_cast<T*>(v_cache), n, heads, kv_heads, d, cache_slots);                 \
   }                                                                                            \
   extern "C" void qw_silu_mul_##suffix(const void* gate_up, void* out, int64_t n,             \
                                        int64_t inter) {                                        \
