@@ -1,4 +1,4 @@
-"""The prepacked linear layer computes what F.linear does, and follows in-place weight changes."""
+"""The repacked linear layer computes what F.linear does, and follows in-place weight changes."""
 
 from __future__ import annotations
 
@@ -10,26 +10,27 @@ from qworker.model import native
 from qworker.model.linear import Linear, packing_available
 
 
-def test_packing_is_available_on_this_cpu() -> None:
+def test_this_cpu_takes_the_fast_paths() -> None:
     assert packing_available()
+    assert native.pair_pack(torch.zeros(16, 32, dtype=torch.bfloat16)) is not None
 
 
-# bfloat16: one rounding apart at most (a few rows take the native kernel, which sums in another
-# order); float32 sums in another order too
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 1e-2), (torch.float32, 1e-5),
-                                            (torch.float64, 0.0)])
+# bfloat16: a rounding apart at most (the kernels sum in another order than oneDNN); float32 too
+@pytest.mark.parametrize(("dtype", "kind", "tol"), [
+    (torch.bfloat16, "pairs", 1e-2), (torch.float32, "onednn", 1e-5),
+    (torch.float64, "plain", 0.0),
+])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 130])
-def test_packed_linear_matches_f_linear(dtype: torch.dtype, tol: float, bias: bool,
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, kind: str, tol: float, bias: bool,
                                         rows: int) -> None:
     torch.manual_seed(rows)
-    layer = Linear(96, 200, bias=bias).to(dtype).requires_grad_(False)  # 96: one odd 32-chunk
+    layer = Linear(96, 208, bias=bias).to(dtype).requires_grad_(False)
     x = torch.randn(rows, 96).to(dtype)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=tol,
                                    rtol=tol)
-        small = dtype == torch.bfloat16 and rows <= 8  # served by the native kernel, not oneDNN
-        assert (layer._packed is not None) == (dtype != torch.float64 and not small)
+    assert layer.pack()[0] == kind
 
 
 def test_an_in_place_weight_change_is_seen() -> None:
@@ -42,21 +43,21 @@ def test_an_in_place_weight_change_is_seen() -> None:
     torch.testing.assert_close(after, 2 * before)
 
 
-@pytest.mark.parametrize("width", [64, 96, 576])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_small_matmul_matches_f_linear(width: int, rows: int) -> None:
-    gen = torch.Generator().manual_seed(width + rows)
+@pytest.mark.parametrize("width", [2, 64, 90, 576])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 70])
+@pytest.mark.parametrize("outputs", [16, 48, 80, 960])  # whole and partial 48-column groups
+def test_gemm_matches_f_linear(width: int, rows: int, outputs: int) -> None:
+    gen = torch.Generator().manual_seed(width + rows + outputs)
     x = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(130, width, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(130, generator=gen).to(torch.bfloat16)
-    got = native.small_matmul(x, weight, bias)
-    assert got is not None
-    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=2e-2, rtol=1e-2)
+    weight = torch.randn(outputs, width, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(outputs, generator=gen).to(torch.bfloat16)
+    packed = native.pair_pack(weight)
+    assert packed is not None
+    want = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(native.gemm(x, packed, bias).double(), want, atol=0.05, rtol=1e-2)
 
 
-def test_small_matmul_declines_what_it_does_not_serve() -> None:
-    weight = torch.zeros(4, 40, dtype=torch.bfloat16)
-    assert native.small_matmul(torch.zeros(1, 40, dtype=torch.bfloat16), weight, None) is None
-    wide = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert native.small_matmul(torch.zeros(9, 64, dtype=torch.bfloat16), wide, None) is None
-    assert native.small_matmul(torch.zeros(1, 64), wide.float(), None) is None
+def test_pair_pack_declines_what_the_kernel_does_not_take() -> None:
+    assert native.pair_pack(torch.zeros(20, 64, dtype=torch.bfloat16)) is None  # 20 % 16
+    assert native.pair_pack(torch.zeros(16, 63, dtype=torch.bfloat16)) is None  # odd width
+    assert native.pair_pack(torch.zeros(16, 64)) is None  # float32

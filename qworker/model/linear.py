@@ -1,11 +1,11 @@
-"""A linear layer whose weight is prepacked once into oneDNN's blocked layout on the CPU.
+"""A linear layer whose weight is repacked once, on the CPU, into the layout of the fastest matmul
+there. A pack is a copy, redone whenever the weight changes in place.
 
-(With a few rows of bfloat16, a native kernel that streams the weight once goes first: see
-`native.small_matmul`.)
-
-torch's `F.linear` reorders a bfloat16 / float32 weight for oneDNN on every call; packing it once
-makes decode-sized matmuls up to twice as fast (same products, same sums in bfloat16). The pack
-is a copy, redone whenever the weight changes in place; other devices and dtypes use `F.linear`.
+- bfloat16: the native pair-packed GEMM (`native.gemm`, AVX512-BF16), 1.1-3x oneDNN's speed at
+  decode batch sizes on the development machine and level with it at 2,048 rows;
+- float32 (and bfloat16 where that kernel is unavailable): oneDNN's blocked layout, packed once
+  (`F.linear` reorders the weight on every call: up to 2x slower at decode batch sizes);
+- anything else (CUDA, float64): `F.linear`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch import nn
 
 from qworker.model import native
 
-PACKABLE = (torch.float32, torch.bfloat16)
-BATCH_HINT = 64  # rows oneDNN tunes the layout for; any row count works
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+BATCH_HINT = 64  # rows oneDNN tunes its layout for; any row count works
 
 
 def packing_available() -> bool:
@@ -25,24 +25,27 @@ def packing_available() -> bool:
 
 
 class Linear(nn.Linear):
-    _packed: torch.Tensor | None = None
-    _packed_version: int = -1
+    _pack_state: tuple[int, str, torch.Tensor | None] | None = None  # weight version, kind, pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= native.SMALL_MATMUL_ROWS:  # a few rows: bound by reading the weight
-            out = native.small_matmul(x, self.weight, self.bias)
-            if out is not None:
-                return out
-        packed = self._pack()
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        kind, packed = self.pack()
+        if kind == "pairs" and x.shape[0] > 0:
+            return native.gemm(x, packed, self.bias)
+        if kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
-    def _pack(self) -> torch.Tensor | None:
+    def pack(self) -> tuple[str, torch.Tensor | None]:
+        """("pairs" | "onednn" | "plain", the packed weight), packed on first use."""
+        version = self.weight._version
+        if self._pack_state is None or self._pack_state[0] != version:
+            self._pack_state = (version, *self._make_pack())
+        return self._pack_state[1], self._pack_state[2]
+
+    def _make_pack(self) -> tuple[str, torch.Tensor | None]:
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype not in PACKABLE or not packing_available():
-            return None
-        if self._packed is None or self._packed_version != weight._version:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-            self._packed_version = weight._version
-        return self._packed
+        if (pairs := native.pair_pack(weight)) is not None:
+            return "pairs", pairs
+        if weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and packing_available():
+            return "onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        return "plain", None

@@ -61,8 +61,8 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         for suffix in SUFFIXES.values():
             getattr(lib, f"{name}_{suffix}").argtypes = argtypes
-    lib.qw_small_matmul_bf16.argtypes = [_P] * 4 + [_I] * 3
-    lib.qw_small_matmul_bf16.restype = ctypes.c_int
+    lib.qw_gemm_bf16.argtypes = [_P] * 4 + [_I] * 3
+    lib.qw_gemm_bf16.restype = lib.qw_gemm_bf16_available.restype = ctypes.c_int
     return lib
 
 
@@ -154,24 +154,28 @@ def prefill_attention(
     return out
 
 
-SMALL_MATMUL_ROWS = 8  # up to this many rows, a bfloat16 matmul is bound by reading the weight
-
-
-def small_matmul(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ weight.T + bias for at most SMALL_MATMUL_ROWS rows of bfloat16, streaming the weight
-    once; None where the kernel does not serve (then use F.linear)."""
-    rows, width = x.shape
-    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or rows > SMALL_MATMUL_ROWS
-            or width % 32 or (lib := library()) is None):
+def pair_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """[n, k] bfloat16 weight -> [n/16, k/2, 16, 2], the layout `gemm` reads; None where `gemm`
+    does not serve this weight."""
+    n, k = weight.shape
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 16 or k % 2
+            or (lib := library()) is None or not lib.qw_gemm_bf16_available()):
         return None
+    return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ W.T + bias, W given as `pair_pack(W)` (only where that gave a pack)."""
+    lib = library()
+    assert lib is not None and x.dtype == packed.dtype == torch.bfloat16 and x.shape[0] > 0
     x = x.contiguous()
-    assert weight.is_contiguous() and weight.dtype == x.dtype
-    out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-    done = lib.qw_small_matmul_bf16(x.data_ptr(), weight.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                    rows, weight.shape[0], width)
-    return out if done else None
+    n, k = packed.shape[0] * 16, packed.shape[1] * 2
+    out = torch.empty((x.shape[0], n), dtype=x.dtype)
+    done = lib.qw_gemm_bf16(x.data_ptr(), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(),
+                            x.shape[0], n, k)
+    assert done, "pair_pack gave a pack the kernel does not take"
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
