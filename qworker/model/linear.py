@@ -1,10 +1,10 @@
 """A linear layer whose weight is repacked once, on the CPU, into the layout of the fastest matmul
 there. A pack is a copy, redone whenever the weight changes in place.
 
-- bfloat16: the native pair-packed GEMM (`native.gemm`, AVX512-BF16), 1.1-3x oneDNN's speed at
+- bfloat16 and float32 on AVX-512: the native GEMM (`native.gemm`), 1.1-3x oneDNN's speed at
   decode batch sizes on the development machine and level with it at 2,048 rows;
-- float32 (and bfloat16 where that kernel is unavailable): oneDNN's blocked layout, packed once
-  (`F.linear` reorders the weight on every call: up to 2x slower at decode batch sizes);
+- elsewhere on the CPU: oneDNN's blocked layout, packed once (`F.linear` reorders the weight on
+  every call: up to 2x slower at decode batch sizes);
 - anything else (CUDA, float64): `F.linear`.
 """
 
@@ -29,14 +29,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind, packed = self.pack()
-        if kind == "pairs" and x.shape[0] > 0:
+        if kind == "native" and x.shape[0] > 0:
             return native.gemm(x, packed, self.bias)
         if kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> tuple[str, torch.Tensor | None]:
-        """("pairs" | "onednn" | "plain", the packed weight), packed on first use."""
+        """("native" | "onednn" | "plain", the packed weight), packed on first use."""
         version = self.weight._version
         if self._pack_state is None or self._pack_state[0] != version:
             self._pack_state = (version, *self._make_pack())
@@ -44,8 +44,8 @@ class Linear(nn.Linear):
 
     def _make_pack(self) -> tuple[str, torch.Tensor | None]:
         weight = self.weight
-        if (pairs := native.pair_pack(weight)) is not None:
-            return "pairs", pairs
+        if (packed := native.gemm_pack(weight)) is not None:
+            return "native", packed
         if weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and packing_available():
             return "onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
         return "plain", None

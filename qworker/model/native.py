@@ -61,8 +61,9 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         for suffix in SUFFIXES.values():
             getattr(lib, f"{name}_{suffix}").argtypes = argtypes
-    lib.qw_gemm_bf16.argtypes = [_P] * 4 + [_I] * 3
-    lib.qw_gemm_bf16.restype = lib.qw_gemm_bf16_available.restype = ctypes.c_int
+    for name in ("qw_gemm_f32", "qw_gemm_bf16"):
+        getattr(lib, name).argtypes = [_P] * 4 + [_I] * 3
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -154,27 +155,32 @@ def prefill_attention(
     return out
 
 
-def pair_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """[n, k] bfloat16 weight -> [n/16, k/2, 16, 2], the layout `gemm` reads; None where `gemm`
-    does not serve this weight."""
+GEMM_DTYPES = {torch.float32: ("qw_gemm_f32", 1, 1), torch.bfloat16: ("qw_gemm_bf16", 2, 2)}
+
+
+def gemm_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """[n, k] weight -> [n/16, k/step, 16, step] (step 2 for bfloat16: pairs along k), the
+    layout `gemm` reads; None where `gemm` does not serve this weight here."""
+    spec = GEMM_DTYPES.get(weight.dtype)
     n, k = weight.shape
-    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 16 or k % 2
-            or (lib := library()) is None or not lib.qw_gemm_bf16_available()):
+    if (spec is None or weight.device.type != "cpu" or (lib := library()) is None
+            or not lib.qw_gemm_available() & spec[1] or n % 16 or k % spec[2]):
         return None
-    return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    step = spec[2]
+    return weight.detach().view(n // 16, 16, k // step, step).permute(0, 2, 1, 3).contiguous()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, k] @ W.T + bias, W given as `pair_pack(W)` (only where that gave a pack)."""
+    """x [m, k] @ W.T + bias, W given as `gemm_pack(W)` (only where that gave a pack)."""
     lib = library()
-    assert lib is not None and x.dtype == packed.dtype == torch.bfloat16 and x.shape[0] > 0
+    assert lib is not None and x.dtype == packed.dtype and x.shape[0] > 0
     x = x.contiguous()
-    n, k = packed.shape[0] * 16, packed.shape[1] * 2
+    n, k = packed.shape[0] * 16, packed.shape[1] * packed.shape[3]
     out = torch.empty((x.shape[0], n), dtype=x.dtype)
-    done = lib.qw_gemm_bf16(x.data_ptr(), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), out.data_ptr(),
-                            x.shape[0], n, k)
-    assert done, "pair_pack gave a pack the kernel does not take"
+    done = getattr(lib, GEMM_DTYPES[x.dtype][0])(
+        x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), x.shape[0], n, k)
+    assert done, "gemm_pack gave a pack the kernel does not take"
     return out
 
 
