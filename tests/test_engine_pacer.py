@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from qworker.engine.pacer import PrefillPacer
+from qworker.engine.request import Request, SamplingParams
+from qworker.model.tokenizer import Tokenizer
+from tests.engine_fixtures import tiny_engine, tiny_model
 
 
 def test_steps_without_decodes_are_not_paced() -> None:
@@ -56,3 +59,24 @@ def test_the_engine_setting_is_checked() -> None:
 
     with pytest.raises(ValueError, match="decode_stretch"):
         EngineConfig(decode_stretch=1.0)
+
+
+def test_every_few_paced_steps_one_decodes_alone_to_remeasure() -> None:
+    pacer = PrefillPacer(stretch=2.0, max_tokens=512, refresh_every=4, smoothing=1.0)
+    pacer.observe(decodes=8, prefill_tokens=0, seconds=0.050)
+    pacer.observe(decodes=8, prefill_tokens=50, seconds=0.100)
+    budgets = [pacer.budget(decoding=True) for _ in range(8)]
+    assert budgets == [50, 50, 50, 0, 50, 50, 50, 0]
+    assert pacer.budget(decoding=False) == 512  # unpaced steps do not count
+    # decodes got dearer: the decode-only step measures it, and the budget follows
+    pacer.observe(decodes=8, prefill_tokens=0, seconds=0.100)
+    assert pacer.budget(decoding=True) == 100
+
+
+def test_a_zero_budget_step_still_decodes(smollm2_tokenizer: Tokenizer) -> None:
+    engine = tiny_engine(smollm2_tokenizer, tiny_model(smollm2_tokenizer.vocab_size))
+    engine.add(Request("a", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)))
+    engine.step()  # prefill: a decodes from now on
+    engine.add(Request("b", list(range(40, 80)), SamplingParams(max_tokens=5, ignore_eos=True)))
+    step = engine.scheduler.schedule(budget=0)
+    assert [(seq.request_id, n) for seq, n in step.work] == [("a", 1)]

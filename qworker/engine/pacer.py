@@ -4,7 +4,10 @@ A step that carries decodes should take about `stretch` times a decode-only step
 budget can promise that: a prefill token's cost grows with the context it attends to (late chunks
 of a 4,096-token prompt cost several times the first). So the pacer learns from measured steps:
 the time of a decode-only step, and the extra time per prefill token in the latest steps that
-prefilled. From those it sizes the next step's prefill budget. Steps without decodes are not paced.
+prefilled. From those it sizes the next step's prefill budget. Decodes get dearer as their
+contexts grow, so every `refresh_every`-th paced step prefills nothing and measures them afresh
+(else their growth would be blamed on the prefill, and pacing would crawl). Steps without decodes
+are not paced.
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ class PrefillPacer:
     max_tokens: int  # the budget of a step without decodes
     min_tokens: int = 4  # never paced below this: a long prompt always advances
     smoothing: float = 0.5  # weight of the newest measurement
+    refresh_every: int = 8  # every this many paced steps, one decode-only step to re-measure
     decode_seconds: float | None = None  # a decode-only step, smoothed
     token_seconds: float | None = None  # extra time per prefill token, smoothed
+    paced_steps: int = 0
 
     def __post_init__(self) -> None:
         assert self.stretch > 1 and 1 <= self.min_tokens <= self.max_tokens
+        assert self.refresh_every >= 2
 
     def budget(self, decoding: bool) -> int:
         """Prefill tokens the next step may take."""
         if not decoding:
             return self.max_tokens
+        self.paced_steps += 1
+        if self.paced_steps % self.refresh_every == 0:
+            return 0  # a decode-only step: decode_seconds measured afresh
         if self.decode_seconds is None or self.token_seconds is None:
             return self.min_tokens  # nothing measured yet: learn before spending
         if self.token_seconds <= 0:
