@@ -1,5 +1,5 @@
-"""Native CPU kernels (decode attention, fused elementwise ops), compiled from `csrc/` with the
-system's C++ compiler on first use.
+"""Native CPU kernels (paged attention, fused elementwise ops, GEMM), compiled from `csrc/` with
+the system's C++ compiler on first use.
 
 The shared library is cached under the qworker home, keyed by source, flags and CPU, and loaded
 with ctypes: no Python headers, no torch headers, a one-second build. It links OpenMP, which
@@ -54,7 +54,7 @@ def library() -> ctypes.CDLL | None:
     if not target.exists():
         try:
             _compile(compiler, target)
-        except (OSError, subprocess.CalledProcessError) as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # failed or timed out
             log.warning("native_kernels_unavailable", reason=str(exc))
             return None
     lib = ctypes.CDLL(str(target))
