@@ -1,11 +1,16 @@
 """Single stream: one request, a 64-token prompt, 128 new tokens; milliseconds per output token.
 
     .venv/bin/python -m benchmarks.single_stream [--dtype bfloat16] [--runs 5]
+        [--llama-bench PATH --gguf MODEL.gguf]
 
 In-process engine on the default model (SmolLM2-135M). Each run times the decode steps after the
-prompt's prefill (time to first token is printed apart). Prints one JSON line with the median of
-`--runs` runs, and beside it the bare matmul time of one decode token (all layers' projections and
-the LM head through the same prepacked linear layers), the floor the engine's step sits on.
+prompt's prefill (time to first token is printed apart). Runs alternate between the decode graph
+(all layers of a decode step in one native call, the default) and the layer-by-layer path. Prints
+one JSON line with the medians of `--runs` runs of each, and beside them the bare matmul time of
+one decode token (all layers' projections and the LM head through the same prepacked linear
+layers), the floor the engine's step sits on. With `--llama-bench`, llama.cpp's `llama-bench` runs
+the same shape right after (`-p 0 -n 128 -d 64`: 128 tokens generated after 64 in the context) on
+the given GGUF (make a BF16 one with `llama-quantize`; see ../shared/bench/peers/README.md).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import time
 
 import torch
@@ -30,11 +36,13 @@ from qworker.model.tokenizer import Tokenizer
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
 
 
-def one_run(engine: Engine, prompt: list[int], run: int) -> tuple[float, float]:
+def one_run(engine: Engine, prompt: list[int], run: int, graph: bool) -> tuple[float, float]:
     """(time to first token, mean seconds per later token)."""
+    model = engine.runner.model
+    model.decode_graph.enabled = graph
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, ignore_eos=True,
                             temperature=0.0)
-    engine.add(Request(f"single-{run}", prompt, params))
+    engine.add(Request(f"single-{run}-{graph}", prompt, params))
     started = time.perf_counter()
     stamps = []
     while engine.has_unfinished():
@@ -64,7 +72,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, to run beside")
+    parser.add_argument("--gguf", help="the model for llama-bench (a BF16 GGUF)")
     args = parser.parse_args()
+    if args.llama_bench and not args.gguf:
+        parser.error("--llama-bench needs --gguf")
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model))
     model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"))
@@ -72,14 +84,33 @@ def main() -> None:
     engine.runner.warm_up()
     rng = random.Random(0)
     prompt = [rng.randrange(32, model.config.vocab_size) for _ in range(PROMPT_TOKENS)]
-    runs = [one_run(engine, prompt, i) for i in range(args.runs)]
-    print(json.dumps({
+    runs = {True: [], False: []}
+    for i in range(args.runs):
+        for graph in (True, False):
+            runs[graph].append(one_run(engine, prompt, i, graph))
+    ms = {graph: statistics.median(r[1] for r in runs[graph]) * 1000 for graph in runs}
+    figures = {
         "dtype": args.dtype, "threads": args.threads, "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": NEW_TOKENS, "runs": args.runs,
-        "ms_per_token": round(statistics.median(r[1] for r in runs) * 1000, 2),
-        "ttft_ms": round(statistics.median(r[0] for r in runs) * 1000, 1),
+        "ms_per_token": round(ms[True], 2),
+        "layer_by_layer_ms_per_token": round(ms[False], 2),
+        "ttft_ms": round(statistics.median(r[0] for r in runs[True]) * 1000, 1),
         "bare_matmul_ms_per_token": round(bare_matmul_seconds(model) * 1000, 2),
-    }), flush=True)
+    }
+    if args.llama_bench:
+        llama_ms = llama_bench_ms_per_token(args.llama_bench, args.gguf, args.threads, args.runs)
+        figures |= {"llama_cpp_ms_per_token": round(llama_ms, 2),
+                    "llama_cpp_over_ours": round(llama_ms / ms[True], 3)}
+    print(json.dumps(figures), flush=True)
+
+
+def llama_bench_ms_per_token(binary: str, gguf: str, threads: int, runs: int) -> float:
+    """Median ms per generated token of llama.cpp on the same shape."""
+    command = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(NEW_TOKENS),
+               "-d", str(PROMPT_TOKENS), "-r", str(runs), "-o", "json"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    [result] = json.loads(out)
+    return 1000 / statistics.median(result["samples_ts"])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from qworker.model import native
 from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
+from qworker.model.decode_graph import DecodeGraph
 from qworker.model.kv_cache import KVCache
 from qworker.model.linear import Linear
 from qworker.model.rope import RotaryTable, rotate
@@ -129,6 +130,7 @@ class LlamaModel(nn.Module):
             self.to_empty(device=self.device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.decode_graph = DecodeGraph(list(self.layers), config)
         self.rope = RotaryTable(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
             config.rope_scaling, dtype, device,
@@ -142,9 +144,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         plan = AttentionPlan.build(batch, cache.keys[0], self.rope,
                                    self.config.num_heads // self.config.num_kv_heads)
-        pending = None
-        for layer, cache_k, cache_v in zip(self.layers, cache.keys, cache.values, strict=True):
-            x, pending = layer(x, pending, plan, cache_k, cache_v)
+        pending = self.decode_graph.run(x, plan, cache)
+        if pending is None:  # not a step the graph serves: layer by layer
+            for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
+                x, pending = layer(x, pending, plan, k, v)
         rows = batch.logits_indices
         _, x = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows],
                                       plan.fused)

@@ -64,6 +64,9 @@ def library() -> ctypes.CDLL | None:
     for name in ("qw_gemm_f32", "qw_gemm_bf16"):
         getattr(lib, name).argtypes = [_P] * 4 + [_I] * 3
         getattr(lib, name).restype = ctypes.c_int
+    for name in ("qw_decode_layers_f32", "qw_decode_layers_bf16"):
+        getattr(lib, name).argtypes = [_P, _P, _P, _I] + [_P] * 6 + [_I, _P, _D, _D]
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -80,7 +83,7 @@ def _kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
 def _build_key(compiler: str) -> str:
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    sources = [p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.is_file()]
+    sources = [p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.is_file()]  # headers too
     parts = [*sources, " ".join(FLAGS + LINK_FLAGS).encode(), compiler.encode(),
              platform.machine().encode(), flags.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -218,3 +221,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, width // 2), dtype=gate_up.dtype)
     _kernel("qw_silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n, width // 2)
     return out
+
+
+DECODE_LAYER_FIELDS = 9  # per layer: input norm, qkv, qkv bias, o, post norm, gate_up, down, k, v
+
+
+def decode_layers(
+    x: torch.Tensor, delta: torch.Tensor, layers: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+    lens: torch.Tensor, dims: tuple[int, ...], eps: float, scale: float,
+) -> bool:
+    """Runs every decoder layer of a decode-only step (csrc/decoder.cpp): x [m, hidden] is updated
+    in place, delta gets the last layer's output. layers: int64 [L, 9] addresses (see
+    DECODE_LAYER_FIELDS); dims: hidden, heads, kv_heads, head_dim, intermediate, num_blocks,
+    block_size. False, computing nothing, where the build does not serve these shapes."""
+    assert x.dtype in GEMM_DTYPES and x.is_contiguous() and delta.is_contiguous()
+    assert layers.dtype == torch.int64 and layers.shape[1] == DECODE_LAYER_FIELDS
+    assert tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous()
+    assert cos.is_contiguous() and sin.is_contiguous() and lens.is_contiguous()
+    shape = (ctypes.c_int64 * 8)(*dims, tables.shape[1])
+    return bool(_kernel("qw_decode_layers", x.dtype)(
+        x.data_ptr(), delta.data_ptr(), layers.data_ptr(), layers.shape[0], cos.data_ptr(),
+        sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), x.shape[0], shape, eps, scale))

@@ -1,114 +1,35 @@
-// The elementwise steps of a decoder layer, one pass each: residual add + RMSNorm, rotary embedding
-// + KV-cache store, SiLU-and-multiply. Each rounds to the model dtype where the torch path does,
-// so both paths agree to the last bit or one rounding. Built and loaded by qworker/model/native.py.
-#include <algorithm>
-#include <cmath>
-
-#include "common.h"
+// The elementwise ops of fused_ops.h for the model's layer-by-layer path
+// (`qworker.model.native.add_rms_norm`, `rope_store`, `silu_mul`).
+#include "fused_ops.h"
 
 namespace {
 
-using qw::Acc;
-using qw::bf16;
-using qw::load;
-using qw::round_to;
-using qw::store;
-
 constexpr int64_t kParallelElements = 1 << 15;  // below this, threads cost more than they save
-
-// x: [n, hidden], the residual stream. With a delta, x += delta first (in place). Then
-// out = weight * T(x / rms(x)), the norm taken in float32 as the reference implementation does.
-template <typename T>
-void add_rms_norm(T* x, const T* delta, const T* weight, T* out, int64_t n, int64_t hidden,
-                  double eps) {
-#pragma omp parallel for if (n * hidden >= kParallelElements)
-  for (int64_t r = 0; r < n; ++r) {
-    T* row = x + r * hidden;
-    if (delta != nullptr)
-      for (int64_t i = 0; i < hidden; ++i) row[i] = round_to<T>(load(row[i]) + load(delta[r * hidden + i]));
-    float squares = 0;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float v = static_cast<float>(load(row[i]));
-      squares += v * v;
-    }
-    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
-    for (int64_t i = 0; i < hidden; ++i) {
-      const T normed = round_to<T>(static_cast<float>(load(row[i])) * inv);
-      store(out + r * hidden + i, load(weight[i]) * load(normed));
-    }
-  }
-}
-
-// qkv: [n, (heads + 2 kv_heads) * d] rows `stride` apart. Rotates the q and k heads in place
-// (rotate-half convention, cos/sin tables [positions, d]), then stores each token's k and v heads
-// at its cache slot; caches are [kv_heads, slots, d].
-template <typename T>
-void rope_store(T* qkv, int64_t stride, const T* cos, const T* sin, const int64_t* positions,
-                const int64_t* slots, T* k_cache, T* v_cache, int64_t n, int64_t heads,
-                int64_t kv_heads, int64_t d, int64_t cache_slots) {
-  using A = typename Acc<T>::type;
-  const int64_t half = d / 2;
-#pragma omp parallel for if (n * stride >= kParallelElements)
-  for (int64_t t = 0; t < n; ++t) {
-    T* row = qkv + t * stride;
-    const T* c = cos + positions[t] * d;
-    const T* s = sin + positions[t] * d;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      T* x = row + h * d;
-      for (int64_t i = 0; i < half; ++i) {
-        const A a = load(x[i]), b = load(x[i + half]);
-        store(x + i, a * load(c[i]) - b * load(s[i]));
-        store(x + i + half, b * load(c[i + half]) + a * load(s[i + half]));
-      }
-    }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at = (h * cache_slots + slots[t]) * d;
-      std::memcpy(k_cache + at, row + (heads + h) * d, d * sizeof(T));
-      std::memcpy(v_cache + at, row + (heads + kv_heads + h) * d, d * sizeof(T));
-    }
-  }
-}
-
-// gate_up: [n, 2 * inter] -> out: [n, inter] = T(silu(gate)) * up
-template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
-  using A = typename Acc<T>::type;
-#pragma omp parallel for if (n * inter >= kParallelElements)
-  for (int64_t r = 0; r < n; ++r) {
-    const T* gate = gate_up + r * 2 * inter;
-    const T* up = gate + inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {
-      const A g = load(gate[i]);
-      // exp clamped: fast-math may not carry its overflow to infinity safely
-      const T activated = round_to<T>(g / (A(1) + std::exp(std::min(-g, A(80)))));
-      store(out + r * inter + i, load(activated) * load(up[i]));
-    }
-  }
-}
 
 }  // namespace
 
 #define QW_EXPORT_ALL(suffix, T)                                                               \
   extern "C" void qw_add_rms_norm_##suffix(void* x, const void* delta, const void* weight,    \
                                            void* out, int64_t n, int64_t hidden, double eps) { \
-    add_rms_norm(static_cast<T*>(x), static_cast<const T*>(delta),                            \
-                 static_cast<const T*>(weight), static_cast<T*>(out), n, hidden, eps);        \
+    _Pragma("omp parallel if (n * hidden >= kParallelElements)")                               \
+    qw::add_rms_norm(static_cast<T*>(x), static_cast<const T*>(delta),                        \
+                     static_cast<const T*>(weight), static_cast<T*>(out), n, hidden, eps);    \
   }                                                                                            \
   extern "C" void qw_rope_store_##suffix(                                                     \
       void* qkv, const void* cos, const void* sin, const int64_t* positions,                   \
       const int64_t* slots, void* k_cache, void* v_cache, int64_t stride, int64_t n,           \
       int64_t heads, int64_t kv_heads, int64_t d, int64_t cache_slots) {                       \
-    rope_store(static_cast<T*>(qkv), stride, static_cast<const T*>(cos),                      \
-               static_cast<const T*>(sin), positions, slots, static_cast<T*>(k_cache),        \
-               static_cast<T*>(v_cache), n, heads, kv_heads, d, cache_slots);                 \
+    _Pragma("omp parallel if (n * stride >= kParallelElements)")                               \
+    qw::rope_store(static_cast<T*>(qkv), stride, static_cast<const T*>(cos),                  \
+                   static_cast<const T*>(sin), positions, slots, static_cast<T*>(k_cache),    \
+                   static_cast<T*>(v_cache), n, heads, kv_heads, d, cache_slots);             \
   }                                                                                            \
   extern "C" void qw_silu_mul_##suffix(const void* gate_up, void* out, int64_t n,             \
                                        int64_t inter) {                                        \
-    silu_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), n, inter);                 \
+    _Pragma("omp parallel if (n * inter >= kParallelElements)")                                \
+    qw::silu_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), n, inter);             \
   }
 
 QW_EXPORT_ALL(f32, float)
 QW_EXPORT_ALL(f64, double)
-QW_EXPORT_ALL(bf16, bf16)
+QW_EXPORT_ALL(bf16, qw::bf16)

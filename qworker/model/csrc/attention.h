@@ -1,10 +1,13 @@
-// Paged decode attention on the CPU: one new query token per sequence attends to its cached keys,
-// read in place from the block pool (no gather). Built and loaded by qworker/model/native.py.
+// Paged attention on the CPU, reading K/V in place from the block pool (no gather): decodes (one new
+// query token per sequence) and a prompt's first chunk. The two entry points at the end share
+// their tasks among the threads of the enclosing OpenMP region (outside one: the calling thread).
 //
 // Cache of one layer: [kv_heads, num_blocks, block_size, head_dim]. q: [seqs, heads, head_dim]
 // with a row stride of q_stride elements; out: [seqs, heads, head_dim], contiguous. The `group`
 // query heads that share a KV head are served together, so each key and value row is read once.
 // With AVX-512 the inner loops are vectorised by hand; elsewhere the compiler does what it can.
+#pragma once
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -16,12 +19,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
-
-using qw::Acc;
-using qw::bf16;
-using qw::load;
-using qw::store;
+namespace qw {
 
 // Both passes take `n` consecutive rows (of d elements) of one block and `group` query heads;
 // scores are [group, stride]. First pass: scores[g][j] = q[g] . keys[j] (q already scaled).
@@ -105,7 +103,7 @@ void dots(const float* q, const T* keys, int64_t n, int64_t d, int64_t group, in
 
 #if defined(__AVX512BF16__)
 // bfloat16 keys and (unscaled) queries: pairs multiplied and summed in float by one instruction
-bool dots_bf16(const bf16* q, const bf16* keys, int64_t n, int64_t d, int64_t group,
+inline bool dots_bf16(const bf16* q, const bf16* keys, int64_t n, int64_t d, int64_t group,
                int64_t stride, float scale, float* scores) {
   if (n % 16 != 0 || !vectorised(d)) return false;
   for (int64_t g = 0; g < group; ++g) {
@@ -228,16 +226,13 @@ template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                       const int64_t* lens, T* out, const Shape& s, double scale) {
   const int64_t group_width = s.heads / s.kv_heads * s.head_dim;
-#pragma omp parallel
-  {
-    Scratch<T> buf;
+  Scratch<T> buf;
 #pragma omp for collapse(2) schedule(dynamic)
-    for (int64_t seq = 0; seq < s.num_seqs; ++seq)
-      for (int64_t h = 0; h < s.kv_heads; ++h)
-        attend(q + seq * s.q_stride + h * group_width, 0, 1, lens[seq],
-               tables + seq * s.max_blocks, h, out + seq * s.heads * s.head_dim + h * group_width,
-               0, k_cache, v_cache, s, scale, buf);
-  }
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq)
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      attend(q + seq * s.q_stride + h * group_width, 0, 1, lens[seq],
+             tables + seq * s.max_blocks, h, out + seq * s.heads * s.head_dim + h * group_width,
+             0, k_cache, v_cache, s, scale, buf);
 }
 
 // a prefill chunk: `count` query tokens of one sequence after `cached` tokens, causal; queries
@@ -248,51 +243,16 @@ void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int
   const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
   const int64_t tile = std::clamp<int64_t>((64 << 10) / (group * (cached + count)), 1, 16);
   const int64_t tiles = (count + tile - 1) / tile;
-#pragma omp parallel
-  {
-    Scratch<T> buf;
+  Scratch<T> buf;
 #pragma omp for collapse(2) schedule(dynamic)
-    for (int64_t k = 0; k < tiles; ++k)
-      for (int64_t h = 0; h < s.kv_heads; ++h) {
-        const int64_t first = k * tile;
-        attend(q + first * s.q_stride + h * group_width, s.q_stride,
-               std::min(tile, count - first), cached + first + 1, table, h,
-               out + first * s.heads * s.head_dim + h * group_width, s.heads * s.head_dim,
-               k_cache, v_cache, s, scale, buf);
-      }
-  }
+  for (int64_t k = 0; k < tiles; ++k)
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t first = k * tile;
+      attend(q + first * s.q_stride + h * group_width, s.q_stride,
+             std::min(tile, count - first), cached + first + 1, table, h,
+             out + first * s.heads * s.head_dim + h * group_width, s.heads * s.head_dim,
+             k_cache, v_cache, s, scale, buf);
+    }
 }
 
-}  // namespace
-
-// shape, passed by value: num_seqs, max_blocks, heads, kv_heads, head_dim, num_blocks,
-// block_size, q_stride
-#define QW_SHAPE_ARGS                                                                          \
-  int64_t num_seqs, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,     \
-      int64_t num_blocks, int64_t block_size, int64_t q_stride
-#define QW_SHAPE \
-  Shape { num_seqs, max_blocks, heads, kv_heads, head_dim, num_blocks, block_size, q_stride }
-
-#define QW_EXPORT(name, T)                                                                     \
-  extern "C" void name(const void* q, const void* k, const void* v, const int64_t* tables,     \
-                       const int64_t* lens, void* out, QW_SHAPE_ARGS, double scale) {          \
-    const Shape s = QW_SHAPE;                                                                  \
-    decode_attention(static_cast<const T*>(q), static_cast<const T*>(k),                      \
-                     static_cast<const T*>(v), tables, lens, static_cast<T*>(out), s, scale); \
-  }
-
-#define QW_EXPORT_PREFILL(name, T)                                                             \
-  extern "C" void name(const void* q, const void* k, const void* v, const int64_t* table,      \
-                       void* out, QW_SHAPE_ARGS, int64_t cached, int64_t count, double scale) { \
-    const Shape s = QW_SHAPE;                                                                  \
-    prefill_attention(static_cast<const T*>(q), static_cast<const T*>(k),                     \
-                      static_cast<const T*>(v), table, static_cast<T*>(out), s, cached, count, \
-                      scale);                                                                  \
-  }
-
-QW_EXPORT(qw_decode_attention_f32, float)
-QW_EXPORT(qw_decode_attention_f64, double)
-QW_EXPORT(qw_decode_attention_bf16, bf16)
-QW_EXPORT_PREFILL(qw_prefill_attention_f32, float)
-QW_EXPORT_PREFILL(qw_prefill_attention_f64, double)
-QW_EXPORT_PREFILL(qw_prefill_attention_bf16, bf16)
+}  // namespace qw

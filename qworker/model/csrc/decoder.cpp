@@ -1,0 +1,98 @@
+// Every decoder layer of a decode-only step in one call and one OpenMP region: the kernels of the
+// model's layer-by-layer path, in the same order on the same buffers (so the same results), minus
+// that path's per-op Python, tensor allocations and thread wake-ups, which at one sequence cost
+// about a fifth of a step. The CPU's stand-in for a captured CUDA graph, used by
+// qworker/model/decode_graph.py.
+#include <vector>
+
+#include "attention.h"
+#include "fused_ops.h"
+#include "gemm.h"
+
+namespace {
+
+// one layer's tensors, as the addresses Python passes in an int64 [layers, 9] table
+struct Layer {
+  const void* input_norm;
+  const void* qkv;  // gemm-packed, as all four projections
+  const void* qkv_bias;  // or null
+  const void* o;
+  const void* post_norm;
+  const void* gate_up;
+  const void* down;
+  void* k_cache;
+  void* v_cache;
+};
+static_assert(sizeof(Layer) == 9 * sizeof(int64_t));
+
+struct Dims {
+  int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks;
+};
+
+// x [m, hidden]: the residual stream in, updated in place; delta [m, hidden]: the last layer's
+// output, not yet added to x (the model's final norm adds it)
+template <typename T>
+void decode_layers(T* x, T* delta, const Layer* layers, int64_t num_layers, const T* cos,
+                   const T* sin, const int64_t* positions, const int64_t* slots,
+                   const int64_t* tables, const int64_t* lens, int64_t m, const Dims& d,
+                   double eps, double scale) {
+  const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
+  std::vector<T> h(m * d.hidden), qkv(m * qkv_width), attn(m * q_width);
+  std::vector<T> gate_up(m * 2 * d.inter), act(m * d.inter);
+  const qw::Shape shape{m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.num_blocks,
+                        d.block_size, qkv_width};
+  auto cast = [](const void* p) { return static_cast<const T*>(p); };
+  const T* none = nullptr;
+#pragma omp parallel
+  for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier
+    const Layer& w = layers[l];
+    T* k_cache = static_cast<T*>(w.k_cache);
+    T* v_cache = static_cast<T*>(w.v_cache);
+    qw::add_rms_norm(x, l == 0 ? nullptr : delta, cast(w.input_norm), h.data(), m, d.hidden, eps);
+    qw::gemm(h.data(), cast(w.qkv), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden);
+    qw::rope_store(qkv.data(), qkv_width, cos, sin, positions, slots, k_cache, v_cache, m,
+                   d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
+    qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
+                         shape, scale);
+    qw::gemm(attn.data(), cast(w.o), none, delta, m, d.hidden, q_width);
+    qw::add_rms_norm(x, delta, cast(w.post_norm), h.data(), m, d.hidden, eps);
+    qw::gemm(h.data(), cast(w.gate_up), none, gate_up.data(), m,
+             2 * d.inter, d.hidden);
+    qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
+    qw::gemm(act.data(), cast(w.down), none, delta, m, d.hidden,
+             d.inter);
+  }
+}
+
+template <typename T>
+int run(void* x, void* delta, const int64_t* layers, int64_t num_layers, const void* cos,
+        const void* sin, const int64_t* positions, const int64_t* slots, const int64_t* tables,
+        const int64_t* lens, int64_t m, const Dims& d, double eps, double scale) {
+  const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
+  const bool served = qw::gemm_serves<T>(m, qkv_width, d.hidden) &&
+                      qw::gemm_serves<T>(m, d.hidden, q_width) &&
+                      qw::gemm_serves<T>(m, 2 * d.inter, d.hidden) &&
+                      qw::gemm_serves<T>(m, d.hidden, d.inter);
+  if (!served) return 0;
+  decode_layers(static_cast<T*>(x), static_cast<T*>(delta), reinterpret_cast<const Layer*>(layers),
+                num_layers, static_cast<const T*>(cos), static_cast<const T*>(sin), positions,
+                slots, tables, lens, m, d, eps, scale);
+  return 1;
+}
+
+}  // namespace
+
+// dims: hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks. Each returns
+// 0 when it did not compute (shape or CPU not served): the caller takes the layer-by-layer path.
+#define QW_EXPORT_DECODE(suffix, T)                                                            \
+  extern "C" int qw_decode_layers_##suffix(                                                   \
+      void* x, void* delta, const int64_t* layers, int64_t num_layers, const void* cos,        \
+      const void* sin, const int64_t* positions, const int64_t* slots, const int64_t* tables,  \
+      const int64_t* lens, int64_t m, const int64_t* dims, double eps, double scale) {         \
+    const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};      \
+    return run<T>(x, delta, layers, num_layers, cos, sin, positions, slots, tables, lens, m, d, \
+                  eps, scale);                                                                 \
+  }
+
+QW_EXPORT_DECODE(f32, float)
+QW_EXPORT_DECODE(bf16, qw::bf16)

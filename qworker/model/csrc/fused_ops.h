@@ -1,0 +1,89 @@
+// The elementwise steps of a decoder layer, one pass each: residual add + RMSNorm, rotary embedding
+// + KV-cache store, SiLU-and-multiply. Each rounds to the model dtype where the torch path does,
+// so both paths agree to the last bit or one rounding. Each shares its rows among the
+// threads of the enclosing OpenMP region (called outside one: all on the calling thread).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+
+namespace qw {
+
+
+
+// x: [n, hidden], the residual stream. With a delta, x += delta first (in place). Then
+// out = weight * T(x / rms(x)), the norm taken in float32 as the reference implementation does.
+template <typename T>
+void add_rms_norm(T* x, const T* delta, const T* weight, T* out, int64_t n, int64_t hidden,
+                  double eps) {
+#pragma omp for
+  for (int64_t r = 0; r < n; ++r) {
+    T* row = x + r * hidden;
+    if (delta != nullptr)
+      for (int64_t i = 0; i < hidden; ++i) row[i] = round_to<T>(load(row[i]) + load(delta[r * hidden + i]));
+    float squares = 0;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < hidden; ++i) {
+      const float v = static_cast<float>(load(row[i]));
+      squares += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
+    for (int64_t i = 0; i < hidden; ++i) {
+      const T normed = round_to<T>(static_cast<float>(load(row[i])) * inv);
+      store(out + r * hidden + i, load(weight[i]) * load(normed));
+    }
+  }
+}
+
+// qkv: [n, (heads + 2 kv_heads) * d] rows `stride` apart. Rotates the q and k heads in place
+// (rotate-half convention, cos/sin tables [positions, d]), then stores each token's k and v heads
+// at its cache slot; caches are [kv_heads, slots, d].
+template <typename T>
+void rope_store(T* qkv, int64_t stride, const T* cos, const T* sin, const int64_t* positions,
+                const int64_t* slots, T* k_cache, T* v_cache, int64_t n, int64_t heads,
+                int64_t kv_heads, int64_t d, int64_t cache_slots) {
+  using A = typename Acc<T>::type;
+  const int64_t half = d / 2;
+#pragma omp for
+  for (int64_t t = 0; t < n; ++t) {
+    T* row = qkv + t * stride;
+    const T* c = cos + positions[t] * d;
+    const T* s = sin + positions[t] * d;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      T* x = row + h * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const A a = load(x[i]), b = load(x[i + half]);
+        store(x + i, a * load(c[i]) - b * load(s[i]));
+        store(x + i + half, b * load(c[i + half]) + a * load(s[i + half]));
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = (h * cache_slots + slots[t]) * d;
+      std::memcpy(k_cache + at, row + (heads + h) * d, d * sizeof(T));
+      std::memcpy(v_cache + at, row + (heads + kv_heads + h) * d, d * sizeof(T));
+    }
+  }
+}
+
+// gate_up: [n, 2 * inter] -> out: [n, inter] = T(silu(gate)) * up
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
+  using A = typename Acc<T>::type;
+#pragma omp for
+  for (int64_t r = 0; r < n; ++r) {
+    const T* gate = gate_up + r * 2 * inter;
+    const T* up = gate + inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      const A g = load(gate[i]);
+      // exp clamped: fast-math may not carry its overflow to infinity safely
+      const T activated = round_to<T>(g / (A(1) + std::exp(std::min(-g, A(80)))));
+      store(out + r * inter + i, load(activated) * load(up[i]));
+    }
+  }
+}
+
+}  // namespace qw

@@ -1,0 +1,127 @@
+"""The decode graph (all layers of a decode-only step in one native call) gives the layer-by-layer
+path's results bit for bit, takes only the steps it serves, and follows weights changed in place."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from qworker.model import native
+from qworker.model.config import ModelConfig
+from qworker.model.llama import LlamaModel
+from tests.engine_fixtures import tiny_model
+from tests.model_harness import Step, run_schedule
+
+VOCAB = 120
+
+
+def _biased_model(dtype: torch.dtype) -> LlamaModel:
+    """Qwen2-like: a bias on q/k/v, and a head size the attention kernel vectorises."""
+    torch.manual_seed(3)
+    config = ModelConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=3,
+        num_kv_heads=1, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+        attention_bias=True,
+    )
+    model = LlamaModel(config, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+MODELS: dict[str, Callable[[torch.dtype], LlamaModel]] = {
+    "tiny": lambda dtype: tiny_model(VOCAB, dtype=dtype, seed=4),
+    "biased": _biased_model,
+}
+
+
+@pytest.fixture
+def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every step the graph ran."""
+    calls: list[int] = []
+    real = native.decode_layers
+
+    def spy(x: torch.Tensor, *args: object) -> bool:
+        calls.append(x.shape[0])
+        return real(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "decode_layers", spy)
+    return calls
+
+
+def _layer_by_layer(model: LlamaModel, sequences: list[list[int]],
+                    schedule: list[Step]) -> list[tuple[int, int, torch.Tensor]]:
+    model.decode_graph.enabled = False
+    try:
+        return run_schedule(model, sequences, schedule, block_size=4)
+    finally:
+        model.decode_graph.enabled = True
+
+
+def _assert_same(got: list[tuple[int, int, torch.Tensor]],
+                 want: list[tuple[int, int, torch.Tensor]]) -> None:
+    assert len(got) == len(want)
+    for (seq, pos, a), (_, _, b) in zip(got, want, strict=True):
+        assert torch.equal(a, b), f"seq {seq} pos {pos}: {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_graph_gives_the_layer_paths_logits_bit_for_bit(
+    name: str, dtype: torch.dtype, graph_calls: list[int]) -> None:
+    model = MODELS[name](dtype)
+    rng = random.Random(1)
+    sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (30, 20, 50)]
+    schedule: list[Step] = [[(0, 20), (1, 11), (2, 40)]]  # prefills: layer by layer
+    schedule += [[(0, 1), (1, 1), (2, 1)] for _ in range(6)]  # decodes: the graph
+    got = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [3] * 6
+    _assert_same(got, _layer_by_layer(model, sequences, schedule))
+
+
+def test_decodes_in_several_groups_and_out_of_length_order(
+    graph_calls: list[int],
+) -> None:
+    # 12 decodes whose lengths span 2..90 tokens make several length groups; given longest
+    # first, their rows are not consecutive within a group
+    model = tiny_model(VOCAB, dtype=torch.bfloat16, seed=6)
+    rng = random.Random(2)
+    lengths = [90, 2, 70, 5, 55, 9, 40, 14, 30, 20, 60, 3]
+    sequences = [[rng.randrange(VOCAB) for _ in range(n + 3)] for n in lengths]
+    schedule: list[Step] = [[(i, n) for i, n in enumerate(lengths)]]
+    schedule += [[(i, 1) for i in range(len(lengths))] for _ in range(3)]
+    got = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [len(lengths)] * 3
+    _assert_same(got, _layer_by_layer(model, sequences, schedule))
+
+
+def test_steps_with_a_prefill_and_float64_models_go_layer_by_layer(
+    graph_calls: list[int],
+) -> None:
+    sequences = [list(range(10)), list(range(20, 30))]
+    schedule: list[Step] = [[(0, 6)], [(0, 1), (1, 5)], [(0, 1), (1, 4)]]
+    run_schedule(tiny_model(VOCAB, dtype=torch.float32), sequences, schedule, block_size=4)
+    assert graph_calls == []  # every step carried a prefill chunk
+    run_schedule(tiny_model(VOCAB, dtype=torch.float64), sequences,
+                 [[(0, 5), (1, 5)], [(0, 1), (1, 1)]], block_size=4)
+    assert graph_calls == []  # no native GEMM for float64
+
+
+def test_a_weight_changed_in_place_is_followed(
+    graph_calls: list[int],
+) -> None:
+    model = tiny_model(VOCAB, dtype=torch.float32, seed=8)
+    sequences = [list(range(3, 20)), list(range(40, 52))]
+    schedule: list[Step] = [[(0, 10), (1, 10)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
+    before = run_schedule(model, sequences, schedule, block_size=4)
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(3)
+        model.layers[0].input_layernorm.weight.add_(0.5)
+    after = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [2] * 4
+    assert not torch.equal(before[-1][2], after[-1][2])
+    _assert_same(after, _layer_by_layer(model, sequences, schedule))
