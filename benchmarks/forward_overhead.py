@@ -6,7 +6,8 @@ packing and Python add.
 One decode step of `--batch` sequences at about `--context` tokens each (spread +-25%, shuffled
 blocks) on the default model. Prints one JSON line: the forward's median time, the median time of
 the same step's matmuls alone (every projection and the LM head, one row per sequence) through
-`F.linear` and through the model's own repacked layers, and the ratios.
+`F.linear` and through the model's own repacked layers, and the ratios; and the forward once more
+layer by layer (the decode graph off).
 """
 
 from __future__ import annotations
@@ -77,12 +78,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(str(resolve_model(args.model)), dtype=resolve_dtype(args.dtype, "cpu"))
-    forward = median_seconds(decode_step(model, args.batch, args.context))
+    step = decode_step(model, args.batch, args.context)
+    forward = median_seconds(step)
+    model.decode_graph.enabled = False
+    layer_by_layer = median_seconds(step)
+    model.decode_graph.enabled = True
     torch_mm = median_seconds(matmuls(model, args.batch, plain=True))
     own_mm = median_seconds(matmuls(model, args.batch, plain=False))
     print(json.dumps({
         "dtype": args.dtype, "threads": args.threads, "decode_seqs": args.batch,
         "context": args.context, "forward_ms": round(forward * 1000, 1),
+        "layer_by_layer_forward_ms": round(layer_by_layer * 1000, 1),
         "torch_matmuls_ms": round(torch_mm * 1000, 1), "own_matmuls_ms": round(own_mm * 1000, 1),
         "forward_over_torch_matmuls": round(forward / torch_mm, 2),
         "forward_over_own_matmuls": round(forward / own_mm, 2),

@@ -77,22 +77,28 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-// 16 rows at a time: widened to float once, then dotted with every query head of the group
+// 16 rows at a time (widened to float once, unless float already), then dotted with every
+// query head of the group
 template <typename T>
 void dots(const float* q, const T* keys, int64_t n, int64_t d, int64_t group, int64_t stride,
           float* scores) {
   int64_t j = 0;
   if (vectorised(d)) {
-    alignas(64) float wide[16 * kMaxHeadDim];
+    alignas(64) float wide[std::is_same_v<T, float> ? 1 : 16 * kMaxHeadDim];
     for (; j + 16 <= n; j += 16) {
-      for (int64_t i = 0; i < 16 * d; i += 16) _mm512_store_ps(wide + i, load16(keys + j * d + i));
+      const float* rows = wide;
+      if constexpr (std::is_same_v<T, float>) {
+        rows = keys + j * d;
+      } else {
+        for (int64_t i = 0; i < 16 * d; i += 16) _mm512_store_ps(wide + i, load16(keys + j * d + i));
+      }
       for (int64_t g = 0; g < group; ++g) {
         __m512 acc[16];
         for (int t = 0; t < 16; ++t) {
           acc[t] = _mm512_setzero_ps();
           for (int64_t i = 0; i < d; i += 16)
             acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + i),
-                                     _mm512_load_ps(wide + t * d + i), acc[t]);
+                                     _mm512_loadu_ps(rows + t * d + i), acc[t]);
         }
         _mm512_storeu_ps(scores + g * stride + j, sum16(acc));
       }
@@ -124,23 +130,50 @@ inline bool dots_bf16(const bf16* q, const bf16* keys, int64_t n, int64_t d, int
 }
 #endif
 
-// one query head at a time, its sums held in registers across the rows
-template <typename T>
-void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t group,
-           int64_t stride, float* acc) {
-  if (!vectorised(d)) return weigh_scalar(weights, values, n, d, group, stride, acc);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t k = 0; k < d; k += 32) {
-      float* out = acc + g * d + k;
-      __m512 lo = _mm512_loadu_ps(out), hi = _mm512_loadu_ps(out + 16);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 p = _mm512_set1_ps(weights[g * stride + j]);
-        lo = _mm512_fmadd_ps(p, load16(values + j * d + k), lo);
-        hi = _mm512_fmadd_ps(p, load16(values + j * d + k + 16), hi);
-      }
-      _mm512_storeu_ps(out, lo);
-      _mm512_storeu_ps(out + 16, hi);
+// R query rows over 32 dimensions, their sums held in registers across the tokens; each value
+// row is widened once for all R
+template <int R, typename T>
+void weigh_tile(const float* weights, const T* values, int64_t n, int64_t d, int64_t stride,
+                float* acc) {
+  for (int64_t k = 0; k < d; k += 32) {
+    __m512 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_loadu_ps(acc + r * d + k);
+      hi[r] = _mm512_loadu_ps(acc + r * d + k + 16);
     }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 v_lo = load16(values + j * d + k), v_hi = load16(values + j * d + k + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(weights[r * stride + j]);
+        lo[r] = _mm512_fmadd_ps(p, v_lo, lo[r]);
+        hi[r] = _mm512_fmadd_ps(p, v_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * d + k, lo[r]);
+      _mm512_storeu_ps(acc + r * d + k + 16, hi[r]);
+    }
+  }
+}
+
+template <typename T>
+void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t rows,
+           int64_t stride, float* acc) {
+  if (!vectorised(d)) return weigh_scalar(weights, values, n, d, rows, stride, acc);
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) weigh_tile<8>(weights + r * stride, values, n, d, stride, acc + r * d);
+  const float* w = weights + r * stride;
+  float* a = acc + r * d;
+  switch (rows - r) {
+    case 7: return weigh_tile<7>(w, values, n, d, stride, a);
+    case 6: return weigh_tile<6>(w, values, n, d, stride, a);
+    case 5: return weigh_tile<5>(w, values, n, d, stride, a);
+    case 4: return weigh_tile<4>(w, values, n, d, stride, a);
+    case 3: return weigh_tile<3>(w, values, n, d, stride, a);
+    case 2: return weigh_tile<2>(w, values, n, d, stride, a);
+    case 1: return weigh_tile<1>(w, values, n, d, stride, a);
+    default: return;
+  }
 }
 #endif
 
@@ -206,7 +239,9 @@ void attend(const T* q, int64_t q_stride, int64_t count, int64_t len0, const int
   for (int64_t r = 0; r < rows; ++r) {  // softmax over each row's own context; zero past it
     A* sr = scores + r * len;
     const int64_t visible = len0 + r / group;
-    const A top = *std::max_element(sr, sr + visible);
+    A top = sr[0];
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 1; t < visible; ++t) top = std::max(top, sr[t]);
     A total = 0;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < visible; ++t) total += (sr[t] = std::exp(sr[t] - top));
