@@ -92,13 +92,14 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     items = standard_workload(seed=0)
     path = str(resolve_model(args.model))
     config = EngineConfig(max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
                           max_batched_tokens=args.max_batched_tokens,
-                          prefill_chunk=args.prefill_chunk)
+                          prefill_chunk=args.prefill_chunk, block_size=args.block_size)
     for name in args.dtype:
         dtype = resolve_dtype(name, "cpu")
         common = {"dtype": name, "workload": "v1", "fingerprint": fingerprint(items),

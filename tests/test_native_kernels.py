@@ -42,6 +42,7 @@ def _torch_plan(group: DecodeGroup, cache: torch.Tensor) -> DecodePlan:
     (8, 2, 128, 16),  # Llama-style head size
     (4, 4, 64, 8),    # no grouping, small blocks
     (6, 2, 48, 32),   # a head size the vector path does not take
+    (9, 3, 64, 128),  # the CPU's default block: runs of 16 rows, then the rest
 ])
 def test_kernel_matches_the_torch_path(dtype: torch.dtype, heads: int, kv_heads: int,
                                        head_dim: int, block_size: int) -> None:

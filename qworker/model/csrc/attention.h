@@ -181,8 +181,14 @@ template <typename T, typename A>
 void score_rows(const T* q, const A* qf, const T* keys, int64_t n, int64_t d, int64_t group,
                 int64_t stride, double scale, A* scores) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>)
-    if (dots_bf16(q, keys, n, d, group, stride, float(scale), scores)) return;
+  if constexpr (std::is_same_v<T, bf16>) {  // whole runs of 16 rows here, the rest below
+    const int64_t whole = n - n % 16;
+    if (whole > 0 && dots_bf16(q, keys, whole, d, group, stride, float(scale), scores)) {
+      keys += whole * d;
+      scores += whole;
+      n -= whole;
+    }
+  }
 #endif
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<A, double>) return dots(qf, keys, n, d, group, stride, scores);
