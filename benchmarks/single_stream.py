@@ -9,8 +9,9 @@ prompt's prefill (time to first token is printed apart). Runs alternate between 
 one JSON line with the medians of `--runs` runs of each, and beside them the bare matmul time of
 one decode token (all layers' projections and the LM head through the same prepacked linear
 layers), the floor the engine's step sits on. With `--llama-bench`, llama.cpp's `llama-bench` runs
-the same shape right after (`-p 0 -n 128 -d 64`: 128 tokens generated after 64 in the context) on
-the given GGUF (make a BF16 one with `llama-quantize`; see ../shared/bench/peers/README.md).
+the same shape between our runs (`-p 0 -n 128 -d 64`: 128 tokens generated after 64 in the
+context) on the given GGUF (make a BF16 one with `llama-quantize`; see
+../shared/bench/peers/README.md).
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ def main() -> None:
     engine.runner.warm_up()
     rng = random.Random(0)
     prompt = [rng.randrange(32, model.config.vocab_size) for _ in range(PROMPT_TOKENS)]
-    runs = {True: [], False: []}
-    for i in range(args.runs):
+    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    llama_ms = []
+    for i in range(args.runs):  # interleaved, so that a noisy spell hits every engine alike
         for graph in (True, False):
             runs[graph].append(one_run(engine, prompt, i, graph))
+        if args.llama_bench:
+            llama_ms.append(llama_bench_ms_per_token(args.llama_bench, args.gguf, args.threads))
     ms = {graph: statistics.median(r[1] for r in runs[graph]) * 1000 for graph in runs}
     figures = {
         "dtype": args.dtype, "threads": args.threads, "prompt_tokens": PROMPT_TOKENS,
@@ -97,17 +101,16 @@ def main() -> None:
         "ttft_ms": round(statistics.median(r[0] for r in runs[True]) * 1000, 1),
         "bare_matmul_ms_per_token": round(bare_matmul_seconds(model) * 1000, 2),
     }
-    if args.llama_bench:
-        llama_ms = llama_bench_ms_per_token(args.llama_bench, args.gguf, args.threads, args.runs)
-        figures |= {"llama_cpp_ms_per_token": round(llama_ms, 2),
-                    "llama_cpp_over_ours": round(llama_ms / ms[True], 3)}
+    if llama_ms:
+        figures |= {"llama_cpp_ms_per_token": round(statistics.median(llama_ms), 2),
+                    "llama_cpp_over_ours": round(statistics.median(llama_ms) / ms[True], 3)}
     print(json.dumps(figures), flush=True)
 
 
-def llama_bench_ms_per_token(binary: str, gguf: str, threads: int, runs: int) -> float:
-    """Median ms per generated token of llama.cpp on the same shape."""
+def llama_bench_ms_per_token(binary: str, gguf: str, threads: int) -> float:
+    """ms per generated token of llama.cpp on the same shape (one run)."""
     command = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(NEW_TOKENS),
-               "-d", str(PROMPT_TOKENS), "-r", str(runs), "-o", "json"]
+               "-d", str(PROMPT_TOKENS), "-r", "1", "-o", "json"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     [result] = json.loads(out)
     return 1000 / statistics.median(result["samples_ts"])
