@@ -1,7 +1,7 @@
 // Every decoder layer of a decode-only step in one call and one OpenMP region: the kernels of the
 // model's layer-by-layer path, in the same order on the same buffers (so the same results), minus
 // that path's per-op Python, tensor allocations and thread wake-ups, which at one sequence cost
-// about a fifth of a step. The CPU's stand-in for a captured CUDA graph, used by
+// about a quarter of a step. The CPU's stand-in for a captured CUDA graph, used by
 // qworker/model/decode_graph.py.
 #include <vector>
 
