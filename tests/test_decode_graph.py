@@ -1,5 +1,6 @@
-"""The decode graph (all layers of a decode-only step in one native call) gives the layer-by-layer
-path's results bit for bit, takes only the steps it serves, and follows weights changed in place."""
+"""The decode graph (layers, final norm and LM head of a decode-only step in one native call) gives
+the layer-by-layer path's results bit for bit, takes only the steps it serves, and follows weights
+changed in place."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from qworker.model.llama import LlamaModel
 from tests.engine_fixtures import tiny_model
 from tests.model_harness import Step, run_schedule
 
-VOCAB = 120
+VOCAB = 128  # the native GEMM takes 16-column blocks: 120 would decline (tested below)
 
 
 def _biased_model(dtype: torch.dtype) -> LlamaModel:
@@ -43,13 +44,13 @@ MODELS: dict[str, Callable[[torch.dtype], LlamaModel]] = {
 def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Rows of every step the graph ran."""
     calls: list[int] = []
-    real = native.decode_layers
+    real = native.decode_step
 
-    def spy(x: torch.Tensor, *args: object) -> bool:
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor | None:
         calls.append(x.shape[0])
         return real(x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(native, "decode_layers", spy)
+    monkeypatch.setattr(native, "decode_step", spy)
     return calls
 
 
@@ -99,16 +100,20 @@ def test_decodes_in_several_groups_and_out_of_length_order(
     _assert_same(got, _layer_by_layer(model, sequences, schedule))
 
 
-def test_steps_with_a_prefill_and_float64_models_go_layer_by_layer(
+def test_steps_with_a_prefill_and_models_it_does_not_serve_go_layer_by_layer(
     graph_calls: list[int],
 ) -> None:
     sequences = [list(range(10)), list(range(20, 30))]
     schedule: list[Step] = [[(0, 6)], [(0, 1), (1, 5)], [(0, 1), (1, 4)]]
     run_schedule(tiny_model(VOCAB, dtype=torch.float32), sequences, schedule, block_size=4)
     assert graph_calls == []  # every step carried a prefill chunk
-    run_schedule(tiny_model(VOCAB, dtype=torch.float64), sequences,
-                 [[(0, 5), (1, 5)], [(0, 1), (1, 1)]], block_size=4)
+    decodes: list[Step] = [[(0, 5), (1, 5)], [(0, 1), (1, 1)]]
+    run_schedule(tiny_model(VOCAB, dtype=torch.float64), sequences, decodes, block_size=4)
     assert graph_calls == []  # no native GEMM for float64
+    run_schedule(tiny_model(120, dtype=torch.float32), sequences, decodes, block_size=4)
+    assert graph_calls == []  # an LM head of 120 columns: not in whole 16-column blocks
+    run_schedule(tiny_model(VOCAB, dtype=torch.float32), sequences, decodes, block_size=4)
+    assert graph_calls == [2]
 
 
 def test_a_weight_changed_in_place_is_followed(

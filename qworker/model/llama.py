@@ -130,7 +130,7 @@ class LlamaModel(nn.Module):
             self.to_empty(device=self.device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.decode_graph = DecodeGraph(list(self.layers), config)
+        self.decode_graph = DecodeGraph(list(self.layers), self.norm, self.lm_head, config)
         self.rope = RotaryTable(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
             config.rope_scaling, dtype, device,
@@ -144,15 +144,20 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         plan = AttentionPlan.build(batch, cache.keys[0], self.rope,
                                    self.config.num_heads // self.config.num_kv_heads)
-        pending = self.decode_graph.run(x, plan, cache)
-        if pending is None:  # not a step the graph serves: layer by layer
-            for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
-                x, pending = layer(x, pending, plan, k, v)
-        rows = batch.logits_indices
+        logits = self.decode_graph.run(x, plan, cache)
+        if logits is None:  # not a step the graph serves: layer by layer
+            logits = self._layer_by_layer(x, plan, cache)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def _layer_by_layer(self, x: torch.Tensor, plan: AttentionPlan,
+                        cache: KVCache) -> torch.Tensor:
+        pending = None
+        for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
+            x, pending = layer(x, pending, plan, k, v)
+        rows = plan.batch.logits_indices
         _, x = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows],
                                       plan.fused)
-        logits = self.lm_head(x)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return self.lm_head(x)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up)."""

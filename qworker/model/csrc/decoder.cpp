@@ -1,8 +1,9 @@
-// Every decoder layer of a decode-only step in one call and one OpenMP region: the kernels of the
-// model's layer-by-layer path, in the same order on the same buffers (so the same results), minus
+// A decode-only step's every decoder layer, final norm and LM head in one call and one OpenMP
+// region: the kernels of the model's layer-by-layer path, in the same order on the same buffers (so the same results), minus
 // that path's per-op Python, tensor allocations and thread wake-ups, which at one sequence cost
 // about a quarter of a step. The CPU's stand-in for a captured CUDA graph, used by
 // qworker/model/decode_graph.py.
+#include <cstring>
 #include <vector>
 
 #include "attention.h"
@@ -29,68 +30,94 @@ struct Dims {
   int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks;
 };
 
-// x [m, hidden]: the residual stream in, updated in place; delta [m, hidden]: the last layer's
-// output, not yet added to x (the model's final norm adds it)
+// the model's last steps: final norm and LM head, for the rows that sample
+struct Head {
+  const void* norm;
+  const void* lm_head;  // gemm-packed
+  const int64_t* rows;
+  int64_t num_rows, vocab;
+  void* logits;  // [num_rows, vocab]
+};
+
+// x [m, hidden]: the residual stream in, updated in place; then the logits of head.rows
 template <typename T>
-void decode_layers(T* x, T* delta, const Layer* layers, int64_t num_layers, const T* cos,
-                   const T* sin, const int64_t* positions, const int64_t* slots,
-                   const int64_t* tables, const int64_t* lens, int64_t m, const Dims& d,
-                   double eps, double scale) {
+void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head, const T* cos,
+                 const T* sin, const int64_t* positions, const int64_t* slots,
+                 const int64_t* tables, const int64_t* lens, int64_t m, const Dims& d,
+                 double eps, double scale) {
   const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
   std::vector<T> h(m * d.hidden), qkv(m * qkv_width), attn(m * q_width);
-  std::vector<T> gate_up(m * 2 * d.inter), act(m * d.inter);
+  std::vector<T> gate_up(m * 2 * d.inter), act(m * d.inter), delta(m * d.hidden);
+  std::vector<T> picked(head.num_rows * d.hidden), picked_delta(head.num_rows * d.hidden);
   const qw::Shape shape{m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.num_blocks,
                         d.block_size, qkv_width};
   auto cast = [](const void* p) { return static_cast<const T*>(p); };
   const T* none = nullptr;
 #pragma omp parallel
+  {
   for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier
     const Layer& w = layers[l];
     T* k_cache = static_cast<T*>(w.k_cache);
     T* v_cache = static_cast<T*>(w.v_cache);
-    qw::add_rms_norm(x, l == 0 ? nullptr : delta, cast(w.input_norm), h.data(), m, d.hidden, eps);
+    qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m, d.hidden, eps);
     qw::gemm(h.data(), cast(w.qkv), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden);
     qw::rope_store(qkv.data(), qkv_width, cos, sin, positions, slots, k_cache, v_cache, m,
                    d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
     qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
                          shape, scale);
-    qw::gemm(attn.data(), cast(w.o), none, delta, m, d.hidden, q_width);
-    qw::add_rms_norm(x, delta, cast(w.post_norm), h.data(), m, d.hidden, eps);
+    qw::gemm(attn.data(), cast(w.o), none, delta.data(), m, d.hidden, q_width);
+    qw::add_rms_norm(x, delta.data(), cast(w.post_norm), h.data(), m, d.hidden, eps);
     qw::gemm(h.data(), cast(w.gate_up), none, gate_up.data(), m,
              2 * d.inter, d.hidden);
     qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
-    qw::gemm(act.data(), cast(w.down), none, delta, m, d.hidden,
+    qw::gemm(act.data(), cast(w.down), none, delta.data(), m, d.hidden,
              d.inter);
+  }
+  // as the model's tail: x[rows] + delta[rows], normed, through the LM head
+#pragma omp for
+  for (int64_t i = 0; i < head.num_rows; ++i) {
+    std::memcpy(&picked[i * d.hidden], x + head.rows[i] * d.hidden, d.hidden * sizeof(T));
+    std::memcpy(&picked_delta[i * d.hidden], &delta[head.rows[i] * d.hidden], d.hidden * sizeof(T));
+  }
+  qw::add_rms_norm(picked.data(), picked_delta.data(), cast(head.norm), h.data(), head.num_rows,
+                   d.hidden, eps);
+  if (head.num_rows > 0)
+    qw::gemm(h.data(), cast(head.lm_head), none, static_cast<T*>(head.logits), head.num_rows,
+             head.vocab, d.hidden);
   }
 }
 
 template <typename T>
-int run(void* x, void* delta, const int64_t* layers, int64_t num_layers, const void* cos,
+int run(void* x, const int64_t* layers, int64_t num_layers, const Head& head, const void* cos,
         const void* sin, const int64_t* positions, const int64_t* slots, const int64_t* tables,
         const int64_t* lens, int64_t m, const Dims& d, double eps, double scale) {
   const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
   const bool served = qw::gemm_serves<T>(m, qkv_width, d.hidden) &&
                       qw::gemm_serves<T>(m, d.hidden, q_width) &&
                       qw::gemm_serves<T>(m, 2 * d.inter, d.hidden) &&
-                      qw::gemm_serves<T>(m, d.hidden, d.inter);
+                      qw::gemm_serves<T>(m, d.hidden, d.inter) &&
+                      qw::gemm_serves<T>(1, head.vocab, d.hidden) && head.num_rows <= m;
   if (!served) return 0;
-  decode_layers(static_cast<T*>(x), static_cast<T*>(delta), reinterpret_cast<const Layer*>(layers),
-                num_layers, static_cast<const T*>(cos), static_cast<const T*>(sin), positions,
-                slots, tables, lens, m, d, eps, scale);
+  decode_step(static_cast<T*>(x), reinterpret_cast<const Layer*>(layers), num_layers, head,
+              static_cast<const T*>(cos), static_cast<const T*>(sin), positions, slots, tables,
+              lens, m, d, eps, scale);
   return 1;
 }
 
 }  // namespace
 
-// dims: hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks. Each returns
-// 0 when it did not compute (shape or CPU not served): the caller takes the layer-by-layer path.
+// dims: hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks, vocab.
+// Each returns 0 when it did not compute (shape or CPU not served): the caller takes the
+// layer-by-layer path.
 #define QW_EXPORT_DECODE(suffix, T)                                                            \
-  extern "C" int qw_decode_layers_##suffix(                                                   \
-      void* x, void* delta, const int64_t* layers, int64_t num_layers, const void* cos,        \
-      const void* sin, const int64_t* positions, const int64_t* slots, const int64_t* tables,  \
+  extern "C" int qw_decode_step_##suffix(                                                     \
+      void* x, const int64_t* layers, int64_t num_layers, const void* norm, const void* lm_head, \
+      const int64_t* rows, int64_t num_rows, void* logits, const void* cos, const void* sin,   \
+      const int64_t* positions, const int64_t* slots, const int64_t* tables,                   \
       const int64_t* lens, int64_t m, const int64_t* dims, double eps, double scale) {         \
     const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};      \
-    return run<T>(x, delta, layers, num_layers, cos, sin, positions, slots, tables, lens, m, d, \
+    const Head head{norm, lm_head, rows, num_rows, dims[8], logits};                           \
+    return run<T>(x, layers, num_layers, head, cos, sin, positions, slots, tables, lens, m, d,  \
                   eps, scale);                                                                 \
   }
 
