@@ -52,7 +52,8 @@ class DecodeGraph:
         stream, is updated in place); None, with x untouched, where this step or model is not
         served."""
         batch = plan.batch
-        served = plan.fused and not batch.prefills and x.dtype in native.GEMM_DTYPES
+        served = (plan.fused and batch.decodes and not batch.prefills
+                  and x.dtype in native.GEMM_DTYPES)
         if not (self.enabled and served):
             return None
         table = self._layer_table(cache)
