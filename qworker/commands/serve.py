@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from qworker.engine.config import EngineConfig  # a plain dataclass: no torch
+
 SIM_HELP = ("model name, HF folder or .gguf file; `sim` or `sim:step_ms=5,max_model_len=4096,"
             "eos_every=0,token_us=0` selects the built-in simulated engine (no torch: a byte "
             "tokenizer and a deterministic fake model with the real scheduling, for tests and "
@@ -52,12 +54,16 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
     _flag(p, "--name", help="consumer name (default: host-pid)")
     _flag(p, "--device", default="cpu", choices=["cpu", "cuda"], help="engine device")
     _flag(p, "--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    _flag(p, "--max-num-seqs", type=int, default=64, help="most sequences in a batch")
+    _flag(p, "--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+          help="most sequences in a batch")
     _flag(p, "--num-blocks", type=int, help="KV cache blocks (default: from --kv-cache-gb)")
-    _flag(p, "--kv-cache-gb", type=float, default=1.0, help="KV cache size")
-    _flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
-    _flag(p, "--max-batched-tokens", type=int, default=2048, help="prefill tokens per step")
-    _flag(p, "--prefill-chunk", type=int, default=512, help="prefill tokens per sequence per step")
+    _flag(p, "--kv-cache-gb", type=float, default=EngineConfig.kv_cache_gb, help="KV cache size")
+    _flag(p, "--block-size", type=int, default=EngineConfig.block_size,
+          help="tokens per KV block")
+    _flag(p, "--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens,
+          help="prefill tokens per step")
+    _flag(p, "--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+          help="prefill tokens per sequence per step")
     _flag(p, "--max-model-len", type=int, help="context limit (default: the model's)")
     _flag(p, "--decode-stretch", type=float,
           help="pace prefill so a step with decodes takes about this many times a decode-only "
@@ -80,7 +86,6 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
 
 
 def build_engine(args: argparse.Namespace) -> Any:
-    from qworker.engine.config import EngineConfig
     from qworker.engine.simulated import SimulatedEngine, is_simulated
 
     kv: dict[str, Any] = {"num_blocks": args.num_blocks, "kv_cache_gb": args.kv_cache_gb}
