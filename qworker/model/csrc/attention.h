@@ -1,5 +1,5 @@
-// Paged attention on the CPU, reading K/V in place from the block pool (no gather): decodes (one new
-// query token per sequence) and a prompt's first chunk. The two entry points at the end share
+// Paged attention on the CPU, reading K/V in place from the block pool (no gather): decodes (one
+// new query token per sequence) and a prompt's first chunk. The two entry points at the end share
 // their tasks among the threads of the enclosing OpenMP region (outside one: the calling thread).
 //
 // Cache of one layer: [kv_heads, num_blocks, block_size, head_dim]. q: [seqs, heads, head_dim]
@@ -90,7 +90,8 @@ void dots(const float* q, const T* keys, int64_t n, int64_t d, int64_t group, in
       if constexpr (std::is_same_v<T, float>) {
         rows = keys + j * d;
       } else {
-        for (int64_t i = 0; i < 16 * d; i += 16) _mm512_store_ps(wide + i, load16(keys + j * d + i));
+        for (int64_t i = 0; i < 16 * d; i += 16)
+          _mm512_store_ps(wide + i, load16(keys + j * d + i));
       }
       for (int64_t g = 0; g < group; ++g) {
         __m512 acc[16];
@@ -161,7 +162,8 @@ void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t 
            int64_t stride, float* acc) {
   if (!vectorised(d)) return weigh_scalar(weights, values, n, d, rows, stride, acc);
   int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) weigh_tile<8>(weights + r * stride, values, n, d, stride, acc + r * d);
+  for (; r + 8 <= rows; r += 8)
+    weigh_tile<8>(weights + r * stride, values, n, d, stride, acc + r * d);
   const float* w = weights + r * stride;
   float* a = acc + r * d;
   switch (rows - r) {

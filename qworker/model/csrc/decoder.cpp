@@ -1,8 +1,8 @@
 // A decode-only step's every decoder layer, final norm and LM head in one call and one OpenMP
-// region: the kernels of the model's layer-by-layer path, in the same order on the same buffers (so the same results), minus
-// that path's per-op Python, tensor allocations and thread wake-ups, which at one sequence cost
-// about a quarter of a step. The CPU's stand-in for a captured CUDA graph, used by
-// qworker/model/decode_graph.py.
+// region: the kernels of the model's layer-by-layer path, in the same order on the same buffers
+// (so the same results), minus that path's per-op Python, tensor allocations and thread wake-ups,
+// which at one sequence cost about a quarter of a step. The CPU's stand-in for a captured CUDA
+// graph, used by qworker/model/decode_graph.py.
 #include <cstring>
 #include <vector>
 
@@ -55,35 +55,35 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   const T* none = nullptr;
 #pragma omp parallel
   {
-  for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier
-    const Layer& w = layers[l];
-    T* k_cache = static_cast<T*>(w.k_cache);
-    T* v_cache = static_cast<T*>(w.v_cache);
-    qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m, d.hidden, eps);
-    qw::gemm(h.data(), cast(w.qkv), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden);
-    qw::rope_store(qkv.data(), qkv_width, cos, sin, positions, slots, k_cache, v_cache, m,
-                   d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
-    qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
-                         shape, scale);
-    qw::gemm(attn.data(), cast(w.o), none, delta.data(), m, d.hidden, q_width);
-    qw::add_rms_norm(x, delta.data(), cast(w.post_norm), h.data(), m, d.hidden, eps);
-    qw::gemm(h.data(), cast(w.gate_up), none, gate_up.data(), m,
-             2 * d.inter, d.hidden);
-    qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
-    qw::gemm(act.data(), cast(w.down), none, delta.data(), m, d.hidden,
-             d.inter);
-  }
-  // as the model's tail: x[rows] + delta[rows], normed, through the LM head
+    for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier
+      const Layer& w = layers[l];
+      T* k_cache = static_cast<T*>(w.k_cache);
+      T* v_cache = static_cast<T*>(w.v_cache);
+      qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m,
+                       d.hidden, eps);
+      qw::gemm(h.data(), cast(w.qkv), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden);
+      qw::rope_store(qkv.data(), qkv_width, cos, sin, positions, slots, k_cache, v_cache, m,
+                     d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
+      qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
+                           shape, scale);
+      qw::gemm(attn.data(), cast(w.o), none, delta.data(), m, d.hidden, q_width);
+      qw::add_rms_norm(x, delta.data(), cast(w.post_norm), h.data(), m, d.hidden, eps);
+      qw::gemm(h.data(), cast(w.gate_up), none, gate_up.data(), m, 2 * d.inter, d.hidden);
+      qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
+      qw::gemm(act.data(), cast(w.down), none, delta.data(), m, d.hidden, d.inter);
+    }
+    // as the model's tail: x[rows] + delta[rows], normed, through the LM head
 #pragma omp for
-  for (int64_t i = 0; i < head.num_rows; ++i) {
-    std::memcpy(&picked[i * d.hidden], x + head.rows[i] * d.hidden, d.hidden * sizeof(T));
-    std::memcpy(&picked_delta[i * d.hidden], &delta[head.rows[i] * d.hidden], d.hidden * sizeof(T));
-  }
-  qw::add_rms_norm(picked.data(), picked_delta.data(), cast(head.norm), h.data(), head.num_rows,
-                   d.hidden, eps);
-  if (head.num_rows > 0)
-    qw::gemm(h.data(), cast(head.lm_head), none, static_cast<T*>(head.logits), head.num_rows,
-             head.vocab, d.hidden);
+    for (int64_t i = 0; i < head.num_rows; ++i) {
+      std::memcpy(&picked[i * d.hidden], x + head.rows[i] * d.hidden, d.hidden * sizeof(T));
+      std::memcpy(&picked_delta[i * d.hidden], &delta[head.rows[i] * d.hidden],
+                  d.hidden * sizeof(T));
+    }
+    qw::add_rms_norm(picked.data(), picked_delta.data(), cast(head.norm), h.data(), head.num_rows,
+                     d.hidden, eps);
+    if (head.num_rows > 0)
+      qw::gemm(h.data(), cast(head.lm_head), none, static_cast<T*>(head.logits), head.num_rows,
+               head.vocab, d.hidden);
   }
 }
 
