@@ -125,6 +125,8 @@ class AsyncJob:
         while not self.state.finished:
             for entry_id, fields in await self._read(deadline, timeout):
                 event = self.state.apply(entry_id, fields)
+                if event is None:
+                    continue  # an index seen before (the stream rolled back), or past the end
                 if isinstance(event, ErrorEvent):
                     raise self.state.job_error()
                 yield event

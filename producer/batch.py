@@ -461,6 +461,7 @@ class BatchSummary:
 class Tracked:
     line: BatchLine
     last_id: str = START_ID
+    next_index: int = 0  # token indices below it were counted (a rolled-back stream repeats them)
 
 
 class BatchRun:
@@ -543,7 +544,10 @@ class BatchRun:
         for entry_id, fields in entries:
             tracked.last_id = entry_id
             if fields.get("type") == "token":
-                tokens += 1
+                index = _token_index(fields)
+                if index is None or index >= tracked.next_index:
+                    tracked.next_index = tracked.next_index if index is None else index + 1
+                    tokens += 1
                 continue
             self._end(tracked, fields, output, errors)
             break
@@ -571,6 +575,14 @@ class BatchRun:
         errors.write(error_record(bad.line_no, bad.custom_id, bad.code, bad.message))
         self.summary.invalid += 1
         self.progress.finished(False)
+
+
+def _token_index(fields: dict[str, str]) -> int | None:
+    """A token event's `i` (None when unreadable: only the token tally uses it)."""
+    try:
+        return int(fields.get("i", ""))
+    except ValueError:
+        return None
 
 
 def result_record(custom_id: str, done: DoneEvent) -> dict[str, Any]:

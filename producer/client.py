@@ -134,7 +134,9 @@ class Job:
 
         Raises `JobError` on an error event and `JobTimeoutError` when `timeout` seconds pass
         first. A dropped connection is retried with backoff from the last entry seen, so no event
-        is skipped or repeated. Stopping early and calling again continues where it left off.
+        is skipped or repeated; a token index seen before (the stream rolled back and the job ran
+        again from there) is skipped, and nothing after the first terminal event is read.
+        Stopping early and calling again continues where it left off.
         """
         if self.state.error is not None:
             raise self.state.job_error()
@@ -142,6 +144,8 @@ class Job:
         while not self.state.finished:
             for entry_id, fields in self._read(deadline, timeout):
                 event = self.state.apply(entry_id, fields)
+                if event is None:
+                    continue  # an index seen before (the stream rolled back), or past the end
                 if isinstance(event, ErrorEvent):
                     raise self.state.job_error()
                 yield event

@@ -1,7 +1,13 @@
 """What reading a job's output stream yields: events in, a `Result` or a `JobError` out.
 
 `OutputState` is the part shared by the sync and asyncio clients: it remembers the last entry id
-seen (where a read resumes) and how the job ended.
+seen (where a read resumes), how many token indices it has passed on, and how the job ended.
+
+A stream can roll back: Redis restarted from an AOF that lost its last second (`appendfsync
+everysec`), or a replica without the last writes was promoted. The job then runs again from what
+the stream still holds and appends token indices this reader has already seen, possibly followed by
+a second terminal event. So a token whose `i` was passed on already is skipped, and nothing is
+taken after the first `done` or `error` (docs/protocol.md, "The read loop").
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class OutputState:
 
     job_id: str
     last_id: str = START_ID
+    next_index: int = 0  # token indices below it were passed on: any repeat of them is skipped
     done: DoneEvent | None = None
     error: ErrorEvent | None = None
 
@@ -78,13 +85,20 @@ class OutputState:
     def finished(self) -> bool:
         return self.done is not None or self.error is not None
 
-    def apply(self, entry_id: str, fields: Mapping[str, str]) -> OutputEvent:
-        """Take one entry as seen; remember a terminal event."""
-        event = parse_event(fields)
+    def apply(self, entry_id: str, fields: Mapping[str, str]) -> OutputEvent | None:
+        """Take one entry as seen: the event to pass on, or None for a token index seen before
+        or anything after the job's end. Remembers the terminal event."""
         self.last_id = entry_id
-        if isinstance(event, DoneEvent):
+        if self.finished:
+            return None
+        event = parse_event(fields)
+        if isinstance(event, TokenEvent):
+            if event.i < self.next_index:
+                return None
+            self.next_index = event.i + 1
+        elif isinstance(event, DoneEvent):
             self.done = event
-        elif isinstance(event, ErrorEvent):
+        else:
             self.error = event
         return event
 

@@ -96,6 +96,31 @@ def test_redis_cli_consumer_prints_any_text_exactly(redis_url: str) -> None:
     assert result.stdout.decode() == "".join(texts) + "\n"
 
 
+def rolled_back(redis_url: str) -> str:
+    """A stream as after Redis lost its last writes and the job ran again from what was left:
+    indices 0 1 2 1 2 3, a done, then index 3 and a second done. Readers print 0-3 once."""
+    client = redis.Redis.from_url(redis_url)
+    for i in (0, 1, 2, 1, 2, 3):
+        client.xadd("qw:out:rolled", {"type": "token", "i": i, "token_id": 7, "text": f"<{i}>"})
+    for text in ("<0><1><2><3>", "other"):
+        client.xadd("qw:out:rolled", {
+            "type": "done", "finish_reason": "stop", "text": text, "prompt_tokens": 1,
+            "completion_tokens": 4, "queue_ms": 0, "ttft_ms": 0, "total_ms": 0})
+        client.xadd("qw:out:rolled", {"type": "token", "i": 3, "token_id": 7, "text": "<3>"})
+    return "rolled"
+
+
+def check_rolled_back(result: subprocess.CompletedProcess[bytes]) -> None:
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode() == "<0><1><2><3>\n"
+    assert result.stderr.decode().count("finish_reason=") == 1
+
+
+def test_redis_cli_consumer_skips_indices_it_has_seen(redis_url: str) -> None:
+    job_id = rolled_back(redis_url)
+    check_rolled_back(run(["bash", str(SHELL / "consumer.sh"), job_id], redis_url))
+
+
 def test_redis_cli_cancel_ends_a_running_job(worker: str) -> None:
     submitted = run(["bash", str(SHELL / "producer.sh"), "long", "max_tokens", "20000",
                      "ignore_eos", "true"], worker)
@@ -146,6 +171,11 @@ def test_node_example_reports_an_error_event(worker: str, node_modules: Path) ->
     assert "top_p" in result.stderr.decode()
 
 
+def test_node_consumer_skips_indices_it_has_seen(redis_url: str, node_modules: Path) -> None:
+    job_id = rolled_back(redis_url)
+    check_rolled_back(run(["node", "consumer.mjs", job_id], redis_url, cwd=NODE))
+
+
 # ---------------------------------------------------------------------- Go
 
 
@@ -160,3 +190,5 @@ def test_go_example_submits_and_streams(worker: str) -> None:
     job_id = submitted.stdout.decode().strip()
     check_streamed(worker, job_id, run(["go", "run", ".", "consume", job_id], worker, cwd=GO,
                                        timeout=300), 25)
+    check_rolled_back(run(["go", "run", ".", "consume", rolled_back(worker)], worker, cwd=GO,
+                          timeout=300))

@@ -75,6 +75,10 @@ func dedupe(pairs []string) []string {
 func consume(ctx context.Context, rdb *redis.Client, id string, timeout time.Duration) int {
 	key := prefix + ":out:" + id
 	last := "0-0"
+	// Token indices below next were printed. After Redis lost its last writes (AOF everysec, a
+	// failover) the job runs again from what the stream still holds and re-appends indices we
+	// have seen, maybe a second `done`: skip those, and stop at the first terminal event.
+	next := 0
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
 		streams, err := rdb.XRead(ctx, &redis.XReadArgs{
@@ -90,6 +94,15 @@ func consume(ctx context.Context, rdb *redis.Client, id string, timeout time.Dur
 		}
 		for _, msg := range streams[0].Messages {
 			last = msg.ID
+			if field(msg.Values, "type") == "token" {
+				i, err := strconv.Atoi(field(msg.Values, "i"))
+				if err == nil && i < next {
+					continue // seen before the stream rolled back
+				}
+				if err == nil {
+					next = i + 1
+				}
+			}
 			if code, end := handle(msg.Values); end {
 				return code
 			}

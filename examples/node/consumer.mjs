@@ -11,6 +11,10 @@ export async function* events(client, jobId, timeoutS = 300) {
   const key = `${prefix}:out:${jobId}`;
   const deadline = Date.now() + timeoutS * 1000;
   let last = "0-0"; // from the first event; reading never changes the stream
+  // Token indices below `next` were passed on. After Redis lost its last writes (AOF everysec,
+  // a failover) the job runs again from what the stream still holds and re-appends indices we
+  // have seen, maybe a second `done`: skip those, and stop at the first terminal event.
+  let next = 0;
   for (;;) {
     if (Date.now() > deadline) throw new Error(`no end of ${jobId} within ${timeoutS} s`);
     let reply;
@@ -25,6 +29,11 @@ export async function* events(client, jobId, timeoutS = 300) {
     if (!reply) continue; // nothing new within BLOCK_MS
     for (const { id, message } of reply[0].messages) {
       last = id;
+      if (message.type === "token") {
+        const i = Number(message.i);
+        if (i < next) continue; // seen before the stream rolled back
+        next = i + 1;
+      }
       yield message; // { type: "token" | "done" | "error", ... }, every value a string
       if (message.type === "done" || message.type === "error") return;
     }

@@ -32,10 +32,21 @@ unescape() {
   printf '%b' "$s"
 }
 
+# Token indices below $next were printed. After Redis lost its last writes (AOF everysec, a
+# failover) the job runs again from what the stream still holds and re-appends indices we have
+# seen, maybe a second `done`: skip those, and stop at the first terminal event.
+next=0
+
 # One event: its fields are in the associative array `ev`.
 handle() {
   case ${ev[type]} in
-    token) unescape "${ev[text]:-}" ;;
+    token)
+      local i=${ev[i]:-}
+      if [[ $i =~ ^[0-9]{1,18}$ ]]; then
+        if (( 10#$i < next )); then return; fi  # seen before the stream rolled back
+        next=$(( 10#$i + 1 ))
+      fi
+      unescape "${ev[text]:-}" ;;
     done)
       echo
       echo "finish_reason=${ev[finish_reason]} prompt_tokens=${ev[prompt_tokens]}" \
