@@ -14,11 +14,17 @@ from dataclasses import dataclass
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.config import EngineConfig
 from qworker.engine.pacer import PrefillPacer
-from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
+from qworker.engine.request import Request, SamplingParams, StepOutput
 from qworker.engine.runner import Runner
 from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from qworker.engine.sequence import Sequence, Status
 from qworker.engine.text import TextStream
+from qworker.engine.validation import (
+    ModelLimits,
+    check_prompt_chars,
+    check_request,
+    max_token_chars,
+)
 from qworker.model.kv_cache import KVCache, blocks_for_budget
 from qworker.model.llama import LlamaModel
 from qworker.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -51,8 +57,12 @@ class Engine:
         self.runner = Runner(model, cache, self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
+        self.limits = ModelLimits(vocab_size=model.embed_tokens.weight.shape[0],
+                                  max_model_len=self.max_model_len,
+                                  cache_tokens=num_blocks * config.block_size,
+                                  max_token_chars=max_token_chars(tokenizer))
         # no sequence can outgrow the model's context nor the whole cache
-        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.max_seq_len = self.limits.max_seq_len
         self._seqs: dict[str, Sequence] = {}
         self._ready: list[StepOutput] = []  # outputs decided outside a step (resumed, finished)
         self._arrivals = itertools.count()
@@ -78,16 +88,7 @@ class Engine:
     def add(self, request: Request) -> None:
         if request.request_id in self._seqs:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
-        length = len(request.prompt_token_ids) + len(request.output_token_ids)
-        if not request.prompt_token_ids:
-            raise RequestRejectedError("invalid_request", "the prompt is empty")
-        if length >= self.max_seq_len:
-            raise RequestRejectedError(
-                "prompt_too_long",
-                f"prompt of {length} tokens does not fit: this engine holds at most "
-                f"{self.max_seq_len - 1} prompt tokens (max_model_len {self.max_model_len}, "
-                f"KV cache {self.blocks.num_blocks * self.blocks.block_size} tokens)",
-            )
+        check_request(request, self.limits)
         params = request.params
         seq = Sequence(
             request_id=request.request_id,
@@ -98,6 +99,7 @@ class Engine:
             priority=request.priority,
             arrival=next(self._arrivals),
             text=TextStream(IncrementalDetokenizer(self.tokenizer), params.stop),
+            isolate=request.isolate,
         )
         self._seqs[seq.request_id] = seq
         for token in request.output_token_ids:  # replay what an earlier run already streamed
@@ -107,6 +109,10 @@ class Engine:
                 self._ready.append(out)
                 return
         self.scheduler.add(seq)
+
+    def check_prompt_text(self, text: str) -> None:
+        """Before tokenizing: rejects a text that cannot fit whatever its tokens (validation.py)."""
+        check_prompt_chars(len(text), self.limits)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -145,13 +151,52 @@ class Engine:
             self.num_steps += 1
             decodes = sum(1 for seq, _ in step.work if not seq.is_prefill)
             started = time.perf_counter()
-            sampled = self.runner.run(step.work)
-            if self.pacer:
-                self.pacer.observe(decodes, step.prefill_tokens, time.perf_counter() - started)
-            for seq, n in step.work:
+            work = step.work
+            try:
+                sampled = self.runner.run(work)
+            except Exception:  # whatever it is, it costs only the sequences it concerns
+                sampled, failed = self._run_isolating(work)
+                outputs += [self._fail(seq, exc) for seq, exc in failed.items()]
+                work = [(seq, n) for seq, n in work if seq not in failed]
+            else:
+                if self.pacer:
+                    self.pacer.observe(decodes, step.prefill_tokens, time.perf_counter() - started)
+            for seq, n in work:
                 seq.num_computed += n
+                seq.isolate = seq.isolate and seq not in sampled
             outputs += [self._append(seq, token) for seq, token in sampled.items()]
         return outputs
+
+    def _run_isolating(self, work: list[tuple[Sequence, int]]
+                       ) -> tuple[dict[Sequence, int], dict[Sequence, Exception]]:
+        """A step that raised, run again in halves until each failure is down to one sequence.
+
+        Nothing of the failed run was committed (`num_computed` moves only after success), so every
+        half recomputes from its sequences' own tokens; K/V slots it had written are written again
+        with the same values. Returns the tokens of the parts that ran and the culprits' errors."""
+        if len(work) == 1:
+            try:
+                return self.runner.run(work), {}
+            except Exception as exc:
+                return {}, {work[0][0]: exc}
+        sampled: dict[Sequence, int] = {}
+        failed: dict[Sequence, Exception] = {}
+        half = len(work) // 2
+        for part in (work[:half], work[half:]):
+            try:
+                sampled |= self.runner.run(part)
+            except Exception:
+                part_sampled, part_failed = self._run_isolating(part)
+                sampled |= part_sampled
+                failed |= part_failed
+        return sampled, failed
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [], first_index=seq.num_output_tokens, finished=True,
+                          num_prompt_tokens=seq.num_prompt_tokens,
+                          error=f"{type(exc).__name__}: {exc}"[:500])
 
     def generate(self, prompts: Iterable[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:

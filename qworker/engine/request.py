@@ -42,6 +42,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     output_token_ids: list[int] = field(default_factory=list)
     priority: int = 0  # lower runs first, as in vLLM
+    # run alone, in a step of its own, until it has produced a token: a job whose earlier runs
+    # may have crashed their process (a reclaimed entry delivered more than once)
+    isolate: bool = False
 
 
 @dataclass
@@ -57,6 +60,9 @@ class StepOutput:
     preempted: bool = False  # released by the engine; the caller must requeue it
     num_prompt_tokens: int = 0
     text: str | None = None  # the whole final text, set when finished
+    # set (with finished=True, no finish_reason) when the request failed inside a step: names the
+    # exception; the engine has let it go and freed its blocks
+    error: str | None = None
 
 
 class RequestRejectedError(ValueError):

@@ -73,8 +73,12 @@ def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Inverse-CDF sampling in vocabulary order: a row's draw depends on its own logits and its
     uniform alone, never on which other rows share the batch."""
     device = logits.device
-    temperature = torch.tensor([[row.params.temperature] for row in rows], device=device)
-    probs = torch.softmax(logits / temperature, dim=-1, dtype=torch.float64)
+    temperature = torch.tensor([[row.params.temperature] for row in rows], dtype=torch.float64,
+                               device=device)
+    # in float64 and from the row's maximum, so that a tiny temperature (1e-300) sharpens towards
+    # the greedy token instead of overflowing into inf - inf = nan (which picked the last id)
+    shifted = logits.double() - logits.max(dim=-1, keepdim=True).values.double()
+    probs = torch.softmax(shifted / temperature, dim=-1)
     filtered = [r for r, row in enumerate(rows) if _filters(row.params)]
     if filtered:
         index = torch.tensor(filtered, device=device)

@@ -6,6 +6,11 @@ running sequence needs a block and none is free, the newest running sequence is 
 itself), so nobody is ever preempted for a later arrival. Waiting sequences are then admitted in
 (priority, arrival) order while the budget, `max_num_seqs` and the free blocks (less a watermark)
 allow; nothing is admitted in a step that had to preempt.
+
+Isolation: a sequence with `isolate` set (a job whose earlier runs may have crashed their process)
+runs in steps of its own until it has sampled a token: when it is running, or at the head of the
+waiting queue with room to start, the step is that sequence alone and the others wait one step;
+otherwise nothing is admitted behind it. So whatever it does to a step, no other sequence was in it.
 """
 
 from __future__ import annotations
@@ -59,10 +64,35 @@ class Scheduler:
         """budget: prefill tokens this step may take (at most, and by default, the limit's)."""
         step = ScheduledStep()
         limit = self.limits.max_batched_tokens
-        budget = self._schedule_running(step, limit if budget is None else min(budget, limit))
-        if not step.preempted:
-            self._admit_waiting(step, budget)
+        if not self._schedule_alone(step, limit):
+            budget = self._schedule_running(step, limit if budget is None else min(budget, limit))
+            if not step.preempted:
+                self._admit_waiting(step, budget)
+        assert len(step.work) == 1 or not any(seq.isolate for seq, _ in step.work), \
+            "an isolated sequence shares a step"
         return step
+
+    def _schedule_alone(self, step: ScheduledStep, budget: int) -> bool:
+        """A step of one isolated sequence, if one is running or may start now."""
+        seq = next((s for s in self.running if s.isolate), None)
+        if seq is None:
+            if not self.waiting or not self.waiting[0].isolate:
+                return False
+            seq = self.waiting[0]
+            n = min(seq.num_pending, self.limits.prefill_chunk, budget)
+            reserve = self.limits.watermark_blocks if self.running else 0
+            if (len(self.running) >= self.limits.max_num_seqs
+                    or self.blocks.blocks_needed(seq, n) + reserve > self.blocks.num_free):
+                return False  # no room yet: the others run, and admission stops at it
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        n = min(seq.num_pending, self.limits.prefill_chunk, budget)
+        if self._make_room(seq, seq.num_computed + n, step):
+            self.blocks.grow(seq, seq.num_computed + n)
+            step.work.append((seq, n))
+            step.prefill_tokens += n
+        return True
 
     def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
         i = 0
@@ -95,6 +125,8 @@ class Scheduler:
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
+            if seq.isolate:
+                return  # it starts alone, in a step of its own
             n = min(seq.num_pending, self.limits.prefill_chunk, budget)
             reserve = self.limits.watermark_blocks if self.running else 0
             if self.blocks.blocks_needed(seq, n) + reserve > self.blocks.num_free:

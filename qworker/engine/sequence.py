@@ -30,6 +30,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
+    isolate: bool = False  # runs alone in its steps until it samples a token (Request.isolate)
 
     @property
     def num_output_tokens(self) -> int:

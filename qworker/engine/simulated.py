@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from qworker.engine.config import EngineConfig
-from qworker.engine.request import Request, RequestRejectedError, StepOutput
+from qworker.engine.request import Request, StepOutput
+from qworker.engine.validation import ModelLimits, check_prompt_chars, check_request
 
 _MASK = (1 << 64) - 1
 _FNV_PRIME = 0x100000001B3
@@ -80,13 +81,16 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_chat(self, messages: Iterable[object]) -> list[int]:
+    def apply_chat_template(self, messages: Iterable[object]) -> str:
         lines = []
         for m in messages:
             role = m["role"] if isinstance(m, dict) else m.role  # type: ignore[attr-defined]
             content = m["content"] if isinstance(m, dict) else m.content  # type: ignore[attr-defined]
             lines.append(f"{role}: {content}\n")
-        return self.encode("".join(lines) + "assistant: ")
+        return "".join(lines) + "assistant: "
+
+    def encode_chat(self, messages: Iterable[object]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -110,6 +114,7 @@ class _Seq:
     blocks: int = 0
     emitted_chars: int = 0  # text already handed out
     sampled_this_run: bool = False
+    isolated: bool = False  # runs alone in its steps until it samples a token (Request.isolate)
 
     @property
     def rid(self) -> str:
@@ -135,6 +140,9 @@ class SimulatedEngine:
         self.num_blocks = config.num_blocks or 1024
         self.block_size = config.block_size
         self._watermark_blocks = int(config.watermark * self.num_blocks)
+        # a token is one byte, and a character at least one byte: 1 character per token at most
+        self.limits = ModelLimits(VOCAB_SIZE, self.max_model_len,
+                                  self.num_blocks * self.block_size, max_token_chars=1)
         self._free_blocks = self.num_blocks
         self._running: list[_Seq] = []  # admission order: the last one is the newest
         self._waiting: list[_Seq] = []
@@ -151,24 +159,19 @@ class SimulatedEngine:
 
     def add(self, request: Request) -> None:
         ids = request.prompt_token_ids
-        if any(not 0 <= t < VOCAB_SIZE for t in ids):
-            raise RequestRejectedError("invalid_request", f"token ids must be < {VOCAB_SIZE}")
-        total = len(ids) + len(request.output_token_ids)
-        if not ids or total >= self.max_model_len:
-            raise RequestRejectedError(
-                "prompt_too_long", f"prompt of {len(ids)} tokens (+{len(request.output_token_ids)}"
-                f" generated) does not fit max_model_len {self.max_model_len}")
-        if self._blocks_for(total + 1) > self.num_blocks:
-            raise RequestRejectedError(
-                "prompt_too_long", f"{total} tokens do not fit the KV cache "
-                f"({self.num_blocks} blocks of {self.block_size})")
+        check_request(request, self.limits)
         if self._find(request.request_id) is not None:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
         self._arrivals += 1
-        seq = _Seq(request, self._arrivals, list(ids) + list(request.output_token_ids), len(ids))
+        seq = _Seq(request, self._arrivals, list(ids) + list(request.output_token_ids), len(ids),
+                   isolated=request.isolate)
         seq.emitted_chars = self._emittable(seq, seq.outputs)[1]
         self._waiting.append(seq)
         self._waiting.sort(key=lambda s: (s.request.priority, s.arrival))
+
+    def check_prompt_text(self, text: str) -> None:
+        """Before tokenizing: rejects a text that cannot fit whatever its tokens."""
+        check_prompt_chars(len(text), self.limits)
 
     def abort(self, request_id: str) -> None:
         seq = self._find(request_id)
@@ -228,6 +231,29 @@ class SimulatedEngine:
     # ------------------------------------------------------------------ scheduling
 
     def _schedule(self, outputs: list[StepOutput]) -> list[tuple[_Seq, int]]:
+        alone = self._schedule_alone(outputs)
+        scheduled = self._schedule_batch(outputs) if alone is None else alone
+        assert len(scheduled) == 1 or not any(s.isolated for s, _ in scheduled), \
+            "an isolated sequence shares a step"
+        return scheduled
+
+    def _schedule_alone(self, outputs: list[StepOutput]) -> list[tuple[_Seq, int]] | None:
+        """As the real scheduler: an isolated sequence that runs, or may start, steps alone."""
+        budget = self.config.max_batched_tokens
+        seq = next((s for s in self._running if s.isolated), None)
+        if seq is None:
+            if not self._waiting or not self._waiting[0].isolated \
+                    or len(self._running) >= self.config.max_num_seqs:
+                return None
+            seq = self._waiting[0]
+            need = self._blocks_for(seq.computed + self._work(seq, budget)) - seq.blocks
+            if need > self._free_blocks - (self._watermark_blocks if self._running else 0):
+                return None
+            self._running.append(self._waiting.pop(0))
+        work = self._work(seq, budget)
+        return [(seq, work)] if self._reserve(seq, work, outputs) else []
+
+    def _schedule_batch(self, outputs: list[StepOutput]) -> list[tuple[_Seq, int]]:
         scheduled: list[tuple[_Seq, int]] = []
         budget = self.config.max_batched_tokens
         for seq in list(self._running):
@@ -243,6 +269,8 @@ class SimulatedEngine:
                 budget -= work
         while self._waiting and len(self._running) < self.config.max_num_seqs and budget > 0:
             seq = self._waiting[0]
+            if seq.isolated:
+                break  # it starts alone, in a step of its own
             work = self._work(seq, budget)
             need = self._blocks_for(seq.computed + work) - seq.blocks
             watermark = self._watermark_blocks if self._running else 0
@@ -310,6 +338,7 @@ class SimulatedEngine:
         if seq.computed < len(seq.tokens):
             return None  # prefill continues next step
         seq.sampled_this_run = True
+        seq.isolated = False
         index = len(seq.outputs)
         token = self._sample(seq)
         seq.tokens.append(token)
