@@ -34,7 +34,7 @@ def _take(client: redis.Redis, name: str) -> tuple[Intake, Publisher]:
 
 def _job(client: redis.Redis, intake: Intake) -> ActiveJob:
     entry = intake.read(1, None)[0]
-    taken = intake.take([(entry, Job(id="j", prompt="p"))])[0]
+    taken = intake.take([(entry, Job(id="j", prompt="p"))])[0][0]
     return ActiveJob(taken.job, entry, log=None, t0_ms=taken.t0_ms, started_ms=taken.started_ms,
                      next_index=len(taken.readback.token_ids), text=taken.readback.text)
 
@@ -57,7 +57,7 @@ def test_zombie_cannot_write_and_retries_are_not_doubled(client: redis.Redis) ->
     # another worker takes the job over (as after XAUTOCLAIM) and continues after token 1
     client.xclaim(KEYS.jobs, "workers", "heir", 0, [zjob.entry.entry_id])
     heir_intake, heir = _take(client, "heir")
-    taken = heir_intake.take([(zjob.entry, zjob.job)])[0]
+    taken = heir_intake.take([(zjob.entry, zjob.job)])[0][0]
     assert taken.readback.token_ids == [65, 66] and taken.readback.text == "AB"
     hjob = ActiveJob(taken.job, zjob.entry, None, 0, 0, next_index=2, text="AB")
 

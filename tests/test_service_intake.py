@@ -16,6 +16,7 @@ from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
 from qworker.protocol import DoneEvent, Keys, TokenEvent, event_to_fields
 from qworker.service.config import ServiceConfig
+from qworker.service.errors import CannotWork
 from qworker.service.intake import Intake, dead_fields
 from qworker.service.job import Entry, Readback
 from qworker.service.scripts import Scripts
@@ -49,7 +50,7 @@ def test_read_takes_requeue_first_and_never_more_than_admitted(intake: Intake) -
     assert c.xpending(KEYS.jobs, "workers")["pending"] == 5
 
 
-def test_screen_sorts_out_poison_invalid_duplicate_and_expired(intake: Intake) -> None:
+def test_screen_sorts_out_poison_invalid_and_duplicate(intake: Intake) -> None:
     entries = [
         Entry(KEYS.jobs, "1-0", {b"id": b"ok", b"prompt": b"x"}),
         Entry(KEYS.jobs, "1-1", {b"id": b"bad", b"prompt": b"x", b"top_p": b"2"}),
@@ -60,16 +61,35 @@ def test_screen_sorts_out_poison_invalid_duplicate_and_expired(intake: Intake) -
         Entry(KEYS.jobs, "1-6", {b"id": b"run", b"prompt": b"x"}),
     ]
     good, rejects = intake.screen(entries, busy_job_ids={"run"})
-    assert [job.id for _, job in good] == ["ok"]
+    # the deadline is not screened: only a job that never started expires (see below)
+    assert [job.id for _, job in good] == ["ok", "late"]
     codes = {r.entry.entry_id: (r.code, r.job_id) for r in rejects}
     assert codes == {
         "1-1": ("invalid_request", "bad"),
         "1-2": ("invalid_request", None),  # duplicate id: no error into the running job's stream
-        "1-3": ("expired", "late"),
         "1-4": ("too_many_deliveries", "poison"),
         "1-5": ("too_many_deliveries", "1-5"),
         "1-6": ("invalid_request", None),
     }
+
+
+def test_only_a_job_that_never_started_expires() -> None:
+    from qworker.protocol import Job
+    from qworker.service.intake import Taken
+
+    entry = Entry(KEYS.jobs, "1-3", {b"id": b"late"})
+    late = Job(id="late", prompt="x", deadline_ms=5)
+
+    def taken(job: Job, started_before: bool, tokens: list[int]) -> Taken:
+        return Taken(entry, job, Readback(token_ids=tokens), cancelled=False, t0_ms=0,
+                     started_ms=0, started_before=started_before)
+
+    reject = Intake.expired(taken(late, False, []))
+    assert reject is not None and (reject.code, reject.job_id) == ("expired", "late")
+    assert Intake.expired(taken(late, True, [])) is None  # drained, preempted or reclaimed
+    assert Intake.expired(taken(Job(id="t", prompt="x"), False, [])) is None
+    future = Job(id="f", prompt="x", deadline_ms=int(time.time() * 1000) + 60_000)
+    assert Intake.expired(taken(future, False, [])) is None
 
 
 def test_dead_fields_keep_the_original_fields() -> None:
@@ -220,5 +240,10 @@ def test_worker_backs_off_on_transient_errors_and_raises_on_bugs() -> None:
         worker.backoff.succeeded()
     assert worker._guard(lambda: fail(redis.ResponseError("NOGROUP no group"))) is False
     assert not worker._ready
-    with pytest.raises(redis.ResponseError):
-        worker._guard(lambda: fail(redis.ResponseError("WRONGTYPE Operation")))
+    # an error reply escaping a worker-wide phase (reading the job stream, say) means the worker
+    # cannot work: `run` turns it into exit code 2 (per-job errors are settled inside a phase)
+    for reply in ("WRONGTYPE Operation", "NOPERM no permissions", "MOVED 1 10.0.0.1:6379"):
+        with pytest.raises(CannotWork, match=reply.split()[0]):
+            worker._guard(lambda r=reply: fail(redis.ResponseError(r)))
+    with pytest.raises(KeyError):  # a bug is not a Redis error
+        worker._guard(lambda: fail(KeyError("bug")))

@@ -69,7 +69,8 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
           help="pace prefill so a step with decodes takes about this many times a decode-only "
                "step (even inter-token latency while long prompts arrive; default: off)")
     _flag(p, "--claim-idle-ms", type=int, default=30_000,
-          help="reclaim entries idle this long (their worker died); must exceed the longest step")
+          help="reclaim entries idle this long (their worker died or stalled); a thread re-claims "
+               "a live worker's entries every claim-idle/4 s (at most 10 s), whatever its steps")
     _flag(p, "--max-deliveries", type=int, default=5,
           help="an entry delivered more often is dead-lettered as a poison job")
     _flag(p, "--drain-timeout", type=float, default=30.0,
@@ -79,7 +80,10 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
     _flag(p, "--metrics-port", type=int, default=0,
           help="port of /metrics (Prometheus), /healthz and /livez (0: off)")
     _flag(p, "--stall-timeout", type=float, default=60.0,
-          help="seconds without a finished loop turn before /healthz and /livez fail")
+          help="seconds without a finished loop turn before /healthz and /livez fail and the "
+               "heartbeat stops (so peers reclaim the jobs); must exceed the longest step")
+    _flag(p, "--dead-maxlen", type=int, default=10_000,
+          help="the dead-letter stream is trimmed to about this many entries")
     _flag(p, "--on-done-rq-queue", help="RQ queue to enqueue each finished job's result on")
     _flag(p, "--on-done-rq-func", help="dotted path of the RQ function given that result")
     _flag(p, "--log-level", default="info", help="debug | info | warning | error")
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         name=args.name or default_worker_name(), model=args.model,
         claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries,
         drain_timeout=args.drain_timeout, result_ttl=args.result_ttl,
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, dead_maxlen=args.dead_maxlen,
+        stall_timeout_s=args.stall_timeout)
     log = get_logger(worker=config.name)
     log.info("loading engine", model=args.model, device=args.device)
     try:

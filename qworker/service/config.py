@@ -28,6 +28,10 @@ class ServiceConfig:
     block_ms: int = 1_000  # XREADGROUP BLOCK while idle
     backoff_min_s: float = 0.05
     backoff_max_s: float = 2.0
+    dead_maxlen: int = 10_000  # `<prefix>:dead` is trimmed to about this many entries
+    # No finished loop turn for this long: the loop is stuck, so the heartbeat stops and peers
+    # reclaim the jobs. Must exceed the longest legitimate engine step.
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:
@@ -36,15 +40,24 @@ class ServiceConfig:
             raise ValueError("max_deliveries must be >= 1")
         if self.drain_timeout < 0 or self.result_ttl < 1 or self.block_ms < 1:
             raise ValueError("drain_timeout must be >= 0, result_ttl and block_ms >= 1")
+        if self.dead_maxlen < 1 or self.stall_timeout_s <= 0:
+            raise ValueError("dead_maxlen must be >= 1 and stall_timeout_s > 0")
 
     @property
     def heartbeat_s(self) -> float:
-        """How often in-flight entries are re-claimed: well within `claim_idle_ms`."""
+        """How often in-flight entries are re-claimed (by a thread, whatever the loop does):
+        well within `claim_idle_ms`, so three beats in a row may fail before a peer reclaims."""
         return min(self.claim_idle_ms / 4000, 10.0)
 
     @property
     def reclaim_s(self) -> float:
         return max(self.claim_idle_ms / 2000, 0.1)
+
+    @property
+    def consumer_idle_ms(self) -> int:
+        """A consumer that owns nothing, idle this long and without a live worker key, is removed
+        from the group."""
+        return 10 * self.claim_idle_ms
 
     @property
     def liveness_ttl_ms(self) -> int:

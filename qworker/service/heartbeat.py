@@ -1,42 +1,140 @@
-"""Heartbeat: keeps this worker's in-flight entries owned (re-claimed, so their idle time never
-reaches claim_idle while we live), renews their owner hashes, and marks the worker alive."""
+"""Heartbeat: a thread that keeps this worker's in-flight entries owned (re-claimed, so their idle
+time never reaches claim_idle while we live), renews their owner hashes, and marks the worker
+alive, every `heartbeat_s`, whatever the loop is doing (a long step, a slow admission, a backoff).
+
+The loop publishes what it holds (`track`) and that it makes progress (`progress`, once per turn
+and per admitted job). When the loop has not made progress for `stall_timeout_s` it is stuck, not
+busy: the thread stops beating, so peers reclaim its jobs once they are idle for claim_idle.
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import threading
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import redis
 
-from qworker.protocol import Keys, WorkerInfo
+from qworker.protocol import Keys
 from qworker.service.config import ServiceConfig
-from qworker.service.job import ActiveJob
+from qworker.service.errors import short
+from qworker.service.logs import get_logger
+from qworker.service.scripts import Scripts
+
+RETRY_S = 0.25  # after a failed beat, try again this soon (capped at heartbeat_s)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One in-flight entry of a job, as the heartbeat sees it."""
+
+    stream: str
+    entry_id: str
+    job_id: str
 
 
 class Heartbeat:
-    def __init__(self, client: redis.Redis, keys: Keys, config: ServiceConfig) -> None:
-        self.client = client
+    def __init__(self, client: redis.Redis, keys: Keys, config: ServiceConfig, scripts: Scripts,
+                 token: str) -> None:
+        self.client = client  # thread-safe: each command takes its own pooled connection
         self.keys = keys
         self.config = config
-        self.last_beat = float("-inf")
+        self.scripts = scripts
+        self.token = token
+        self.log = get_logger(worker=config.name)
+        self._lock = threading.Lock()
+        self._held: tuple[Held, ...] = ()
+        self._info = "{}"
+        self._progress = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stalled = False
+        self.beats = 0  # successful beats (tests, metrics)
+        self.last_error = ""
 
-    def due(self, now: float) -> bool:
-        return now - self.last_beat >= self.config.heartbeat_s
+    # ------------------------------------------------------------------ fed by the loop
 
-    def beat(self, now: float, jobs: Iterable[ActiveJob], info: WorkerInfo) -> None:
-        """One round trip. XCLAIM ... JUSTID resets idle time without counting a delivery."""
-        by_stream: dict[str, list[str]] = defaultdict(list)
-        pipe = self.client.pipeline(transaction=False)
-        for job in jobs:
-            by_stream[job.entry.stream].append(job.entry.entry_id)
-            pipe.expire(self.keys.owner(job.job_id), self.config.owner_ttl_s)
-        for stream, ids in by_stream.items():
-            pipe.xclaim(stream, self.config.group, self.config.name, 0, ids, justid=True)
-        pipe.set(self.keys.worker(self.config.name), info.model_dump_json(),
-                 px=self.config.liveness_ttl_ms)
-        pipe.execute()
-        self.last_beat = now
+    def track(self, held: Iterable[Held], info_json: str | None = None) -> None:
+        snapshot = tuple(held)
+        with self._lock:
+            self._held = snapshot
+            if info_json is not None:
+                self._info = info_json
+
+    def progress(self) -> None:
+        self._progress = time.monotonic()
+
+    # ------------------------------------------------------------------ the thread
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"heartbeat:{self.config.name}")
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.config.socket_timeout_s + 5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            wait = self.config.heartbeat_s
+            if self._loop_stuck():
+                pass
+            elif not self.beat():
+                wait = min(RETRY_S, wait)
+            self._stop.wait(wait)
+
+    def _loop_stuck(self) -> bool:
+        stuck = time.monotonic() - self._progress > self.config.stall_timeout_s
+        if stuck != self.stalled:
+            self.stalled = stuck
+            if stuck:
+                self.log.error("loop stalled: no progress, heartbeat stopped so peers reclaim "
+                               "its jobs", stall_timeout_s=self.config.stall_timeout_s)
+            else:
+                self.log.warning("loop making progress again, heartbeat resumed")
+        return stuck
+
+    def beat(self) -> bool:
+        """One round trip (the `beat` script); False when Redis failed it."""
+        with self._lock:
+            held, info = self._held, self._info
+        try:
+            self._send(held, info)
+        except redis.exceptions.NoScriptError:
+            try:
+                Scripts.load(self.client)
+                self._send(held, info)
+            except redis.RedisError as exc:
+                return self._failed(exc)
+        except redis.RedisError as exc:
+            return self._failed(exc)
+        self.beats += 1
+        if self.last_error:
+            self.log.info("heartbeat ok again")
+            self.last_error = ""
+        return True
+
+    def _send(self, held: tuple[Held, ...], info: str) -> None:
+        self.scripts.beat(
+            self.client, group=self.config.group, consumer=self.config.name, token=self.token,
+            owner_ttl_s=self.config.owner_ttl_s, worker_key=self.keys.worker(self.config.name),
+            info=info, liveness_ms=self.config.liveness_ttl_ms,
+            entries=[(h.stream, h.entry_id, self.keys.owner(h.job_id)) for h in held])
+
+    def _failed(self, exc: BaseException) -> bool:
+        error = short(exc)
+        if error != self.last_error:  # once per kind of failure, not once per retry
+            self.log.warning("heartbeat failed, retrying", error=error)
+        self.last_error = error
+        return False
 
     def leave(self) -> None:
-        """Clean exit: the worker's key goes at once (else it expires)."""
+        """Clean exit: the thread stops and the worker's key goes at once (else it expires)."""
+        self.stop()
         self.client.delete(self.keys.worker(self.config.name))

@@ -1,6 +1,6 @@
 """Intake: read entries only as fast as the engine admits them, reclaim idle ones, screen them
-(poison, validation, deadline), take ownership and read back what was already shown, and
-dead-letter what cannot run."""
+(poison, validation), take ownership and read back what was already shown (a job that never
+started and is past its deadline expires), and dead-letter what cannot run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import redis
 from qworker.protocol import (
     DEAD_META_FIELDS,
     EXPIRED,
+    INTERNAL,
     INVALID_REQUEST,
     TOO_MANY_DELIVERIES,
     ErrorEvent,
@@ -24,10 +25,21 @@ from qworker.protocol import (
     parse_job_fields,
 )
 from qworker.service.config import ServiceConfig
+from qworker.service.errors import job_error
 from qworker.service.job import Entry, RawFields, Readback, now_ms
 from qworker.service.scripts import Scripts
 
 MAX_REASON_CHARS = 1_000
+# A dead letter copies at most this much of an entry (a hostile one may hold thousands of fields
+# or values of many MiB); what is cut is noted: `<name>_truncated_bytes` (the original size) and
+# `dropped_fields` (how many fields were left out).
+MAX_DEAD_FIELDS = 64
+MAX_DEAD_VALUE_BYTES = 4_096
+MAX_DEAD_NAME_BYTES = 256
+MAX_DEAD_BYTES = 32_768  # all copied values together
+# Pending entries looked at per reclaim call, whatever the free slots (Redis filters by idle time
+# while it scans, so entries of live workers cost no round trips).
+RECLAIM_SCAN = 100
 
 
 @dataclass
@@ -51,6 +63,7 @@ class Taken:
     cancelled: bool
     t0_ms: int
     started_ms: int
+    started_before: bool = False  # some worker took it before (it may have streamed tokens)
 
 
 def _s(value: bytes | str) -> str:
@@ -70,7 +83,7 @@ class Intake:
         self.config = config
         self.scripts = scripts
         self.token = token
-        self._cursors = dict.fromkeys(keys.streams, "0-0")
+        self._cursors = dict.fromkeys(keys.streams, "-")  # reclaim scan: where the next begins
 
     @property
     def consumer(self) -> str:
@@ -112,43 +125,67 @@ class Intake:
         return out
 
     def reclaim(self, count: int, skip_entry_ids: set[str]) -> list[Entry]:
-        """XAUTOCLAIM up to `count` entries idle longer than claim_idle (their worker died), with
-        their delivery counts. Entries deleted from the stream while pending are acked."""
+        """Up to `count` entries idle longer than claim_idle (their worker died or stalled), with
+        their delivery counts. Scans RECLAIM_SCAN pending entries per stream from a cursor kept
+        across calls, and claims only the ones that fit: the others keep their delivery counts."""
         entries: list[Entry] = []
         for stream in self.keys.streams:
             want = count - len(entries)
             if want <= 0:
                 break
-            nxt, items, deleted = self.client.xautoclaim(
-                stream, self.config.group, self.consumer, self.config.claim_idle_ms,
-                start_id=self._cursors[stream], count=want)[:3]
-            self._cursors[stream] = _s(nxt)
-            if deleted:
-                self.client.xack(stream, self.config.group, *deleted)
-            entries += [e for e in _entries(stream, items) if e.entry_id not in skip_entry_ids]
-        if entries:
-            self._count_deliveries(entries)
+            entries += self._reclaim_stream(stream, want, skip_entry_ids)
         for entry in entries:
             entry.reclaimed = True
         return entries
 
-    def _count_deliveries(self, entries: Sequence[Entry]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for e in entries:
-            pipe.xpending_range(e.stream, self.config.group, min=e.entry_id, max=e.entry_id,
-                                count=1)
-        for entry, info in zip(entries, pipe.execute(), strict=True):
-            if info:
-                entry.deliveries = int(info[0]["times_delivered"])
+    def _reclaim_stream(self, stream: str, want: int, skip: set[str]) -> list[Entry]:
+        rows = self.client.xpending_range(stream, self.config.group, min=self._cursors[stream],
+                                          max="+", count=RECLAIM_SCAN,
+                                          idle=self.config.claim_idle_ms)
+        found = [r for r in rows if _s(r["message_id"]) not in skip]
+        chosen = found[:want]
+        if len(found) > want:  # full: the next call starts after the last one taken
+            self._cursors[stream] = "(" + _s(chosen[-1]["message_id"])
+        elif len(rows) == RECLAIM_SCAN:
+            self._cursors[stream] = "(" + _s(rows[-1]["message_id"])
+        else:
+            self._cursors[stream] = "-"
+        if not chosen:
+            return []
+        deliveries = {_s(r["message_id"]): int(r["times_delivered"]) + 1 for r in chosen}
+        # min-idle again: one that a peer claimed in between is not idle now and stays its own.
+        # Entries deleted while pending are dropped from the group by XCLAIM itself (Redis 7).
+        items = self.client.xclaim(stream, self.config.group, self.consumer,
+                                   self.config.claim_idle_ms, list(deliveries))
+        entries = _entries(stream, items)
+        for entry in entries:
+            entry.deliveries = deliveries.get(entry.entry_id, entry.deliveries)
+        return entries
+
+    def drop_dead_consumers(self, limit: int = 100) -> int:
+        """Remove consumers that own nothing, idle for `consumer_idle_ms`, with no live worker
+        key (a worker that died with nothing in hand, or whose jobs were all reclaimed)."""
+        removed = 0
+        for stream in self.keys.streams:
+            for c in self.client.xinfo_consumers(stream, self.config.group)[:limit]:
+                name = _s(c["name"])
+                if (name == self.consumer or int(c["pending"]) != 0
+                        or int(c["idle"]) < self.config.consumer_idle_ms):
+                    continue
+                removed += self.scripts.drop_consumer(
+                    self.client, stream=stream, worker_key=self.keys.worker(name),
+                    group=self.config.group, consumer=name,
+                    min_idle_ms=self.config.consumer_idle_ms)
+        return removed
 
     # ------------------------------------------------------------------ screening
 
     def screen(self, entries: Iterable[Entry], busy_job_ids: set[str]
                ) -> tuple[list[tuple[Entry, Job]], list[Reject]]:
-        """Split entries into runnable jobs and rejects (poison, invalid, duplicate, expired)."""
+        """Split entries into runnable jobs and rejects (poison, invalid, duplicate). The
+        deadline is checked once taken, when it is known whether the job ever started."""
         good: list[tuple[Entry, Job]] = []
         rejects: list[Reject] = []
-        now = now_ms()
         for entry in entries:
             try:
                 job = parse_job_fields(entry.fields, entry.entry_id)
@@ -164,10 +201,6 @@ class Intake:
             elif job_id in busy_job_ids:
                 rejects.append(Reject(entry, INVALID_REQUEST,
                                       f"duplicate: job {job_id} is already running here", None))
-            elif job.deadline_ms is not None and job.deadline_ms < now:
-                rejects.append(Reject(entry, EXPIRED,
-                                      f"deadline_ms {job.deadline_ms} passed before it ran",
-                                      job_id, drop_owner=entry.reclaimed))
             else:
                 busy_job_ids.add(job_id)
                 good.append((entry, job))
@@ -181,9 +214,10 @@ class Intake:
 
     # ------------------------------------------------------------------ taking
 
-    def take(self, items: Sequence[tuple[Entry, Job]]) -> list[Taken]:
+    def take(self, items: Sequence[tuple[Entry, Job]]) -> tuple[list[Taken], list[Reject]]:
         """Become each job's owner (fencing out any earlier one), then read back its stream and
-        cancel flag; one round trip."""
+        cancel flag; one round trip. A job whose keys Redis refuses (a foreign key of the wrong
+        type, an ACL on them) is a reject; the others go on."""
         pipe = self.client.pipeline(transaction=False)
         now = now_ms()
         for entry, job in items:
@@ -196,14 +230,34 @@ class Intake:
             pipe.hmget(owner, ["t0", "started"])
             pipe.exists(self.keys.cancel(job_id))
             pipe.xrange(self.keys.out(job_id), "-", "+")
-        replies = pipe.execute()
-        taken = []
+        replies = pipe.execute(raise_on_error=False)
+        taken: list[Taken] = []
+        rejects: list[Reject] = []
         for k, (entry, job) in enumerate(items):
-            t0, started = replies[7 * k + 4]
-            taken.append(Taken(entry, job, Readback.parse(replies[7 * k + 6]),
-                               cancelled=bool(replies[7 * k + 5]),
-                               t0_ms=int(t0 or now), started_ms=int(started or now)))
-        return taken
+            mine = replies[7 * k:7 * k + 7]
+            error = next((e for e in map(job_error, mine) if e is not None), None)
+            if error is not None:
+                rejects.append(Reject(entry, INTERNAL, f"Redis refused this job's keys: {error}",
+                                      job.id or entry.entry_id, drop_owner=True))
+                continue
+            t0, started = mine[4]
+            readback = Readback.parse(mine[6])
+            before = (not mine[2] or bool(readback.token_ids)
+                      or entry.stream == self.keys.requeue)
+            taken.append(Taken(entry, job, readback, cancelled=bool(mine[5]),
+                               t0_ms=int(t0 or now), started_ms=int(started or now),
+                               started_before=before))
+        return taken, rejects
+
+    @staticmethod
+    def expired(t: Taken) -> Reject | None:
+        """Past its deadline and never started by anyone: not run. A job that started (drained,
+        preempted, reclaimed) is resumed whatever the time."""
+        deadline = t.job.deadline_ms
+        if t.started_before or deadline is None or deadline >= now_ms():
+            return None
+        return Reject(t.entry, EXPIRED, f"deadline_ms {deadline} passed before it started",
+                      t.job.id or t.entry.entry_id, drop_owner=True)
 
     def ack(self, entries: Iterable[Entry]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -215,8 +269,8 @@ class Intake:
     # ------------------------------------------------------------------ dead letters
 
     def dead_letter(self, rejects: Sequence[Reject]) -> None:
-        """Ack each reject and, if it was still pending, add a `<prefix>:dead` entry (original
-        fields + reason) and the job's error event; one round trip, safe to retry."""
+        """For each reject still pending: a `<prefix>:dead` entry (reason + the original fields,
+        bounded) and the job's error event, then the ack; one round trip, safe to retry."""
         if not rejects:
             return
         pipe = self.client.pipeline(transaction=False)
@@ -239,19 +293,37 @@ class Intake:
         owner = self.keys.owner(r.job_id) if r.job_id and r.drop_owner else None
         self.scripts.dead_letter(pipe, source=r.entry.stream, dead=self.keys.dead,
                                  group=self.config.group, entry_id=r.entry.entry_id,
-                                 ttl_s=self.config.result_ttl, dead_fields=fields, out=out,
-                                 error_fields=error, owner=owner)
+                                 ttl_s=self.config.result_ttl,
+                                 dead_maxlen=self.config.dead_maxlen, dead_fields=fields,
+                                 out=out, error_fields=error, owner=owner)
 
 
 def dead_fields(entry: Entry, code: str, reason: str, worker: str) -> RawFields:
     """A dead-letter entry: reason, code, source stream and entry, worker, then the original
-    fields (one named like a meta field is kept as `original.<name>`)."""
+    fields (one named like a meta field is kept as `original.<name>`), bounded: at most
+    MAX_DEAD_FIELDS fields and MAX_DEAD_BYTES of values, each cut to MAX_DEAD_VALUE_BYTES with its
+    original size in `<name>_truncated_bytes`; `dropped_fields` counts the fields left out."""
     meta = dict(zip(DEAD_META_FIELDS, (reason, code, entry.stream, entry.entry_id, worker),
                     strict=True))
     fields: RawFields = {k.encode(): v.encode() for k, v in meta.items()}
-    for key, value in entry.fields.items():
-        k = key if isinstance(key, bytes) else str(key).encode()
+    budget, dropped = MAX_DEAD_BYTES, 0
+    for n, (key, value) in enumerate(entry.fields.items()):
+        v = _bytes(value)
+        if n >= MAX_DEAD_FIELDS or budget <= 0:
+            dropped += 1
+            continue
+        k = _bytes(key)[:MAX_DEAD_NAME_BYTES]
         if k in fields:
             k = b"original." + k
-        fields[k] = value if isinstance(value, bytes) else str(value).encode()
+        cut = min(MAX_DEAD_VALUE_BYTES, budget)
+        fields[k] = v[:cut]
+        budget -= len(fields[k])
+        if len(v) > cut:
+            fields[k + b"_truncated_bytes"] = str(len(v)).encode()
+    if dropped:
+        fields[b"dropped_fields"] = str(dropped).encode()
     return fields
+
+
+def _bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()

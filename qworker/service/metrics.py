@@ -71,7 +71,8 @@ class Metrics:
                                     ["code"], registry=r)
         self.requeues = Counter("qworker_requeues", "Jobs requeued", ["reason"], registry=r)
         self.preemptions = Counter("qworker_preemptions", "Preempted sequences", registry=r)
-        self.reclaimed = Counter("qworker_reclaimed", "Entries taken over by XAUTOCLAIM",
+        self.reclaimed = Counter("qworker_reclaimed", "Entries taken over from dead or stalled "
+                                 "workers (XCLAIM of idle entries)",
                                  registry=r)
         self.lost = Counter("qworker_jobs_lost", "Jobs dropped because another worker owns them",
                             registry=r)
@@ -82,6 +83,10 @@ class Metrics:
                                      "(a resumed job's counted again)", registry=r)
         self.redis_errors = Counter("qworker_redis_errors", "Failed Redis round trips",
                                     registry=r)
+        self.redis_job_errors = Counter("qworker_redis_job_errors", "Jobs failed because Redis "
+                                        "refused their keys (wrong type, ACL)", registry=r)
+        self.consumers_removed = Counter("qworker_consumers_removed", "Dead consumers that owned "
+                                         "nothing, removed from the group", registry=r)
         self.running = Gauge("qworker_jobs_in_flight", "Jobs this worker holds", registry=r)
         self.free_slots = Gauge("qworker_free_slots", "More jobs the engine would admit now",
                                 registry=r)

@@ -1,5 +1,9 @@
 """Publisher: one pipelined round trip per engine step for every job's new events, requeues and
-the cancel flags of running jobs."""
+the cancel flags of running jobs.
+
+All jobs' events go in one `append` call. When Redis answers that call with an error that may be
+one job's (a foreign key of the wrong type, an ACL on a job's keys), the jobs are appended again one
+call each (the script is idempotent), so the culprit is found and only it fails (`FAILED`)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import redis
 
 from qworker.protocol import Keys, event_to_fields
 from qworker.service.config import ServiceConfig
+from qworker.service.errors import job_error
 from qworker.service.job import ActiveJob
 from qworker.service.scripts import JobAppend, Scripts, decode_status
 
@@ -20,12 +25,18 @@ TERMINAL = "terminal"  # the stream was already finished (entry acked): drop the
 LOST = "lost"  # another worker owns the job now: drop it, do not ack
 GAP = "gap"  # our next token is not the stream's next index: drop it, it will be reclaimed
 REQUEUED = "requeued"  # requeued (or, on a retry, found already requeued)
+FAILED = "failed"  # Redis refused this job's keys (see FlushResult.errors): fail the job alone
 
 
 @dataclass
 class FlushResult:
     status: dict[str, str] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
+    errors: dict[str, str] = field(default_factory=dict)  # job id -> Redis' reply, when FAILED
+
+    def fail(self, job_id: str, error: str) -> None:
+        self.status[job_id] = FAILED
+        self.errors[job_id] = error
 
 
 class Publisher:
@@ -59,18 +70,41 @@ class Publisher:
         result = FlushResult()
         if not appending and not requeueing and not cancel_check:
             return result
-        replies = iter(pipe.execute())
+        replies = iter(pipe.execute(raise_on_error=False))
         if appending:
-            for job, reply in zip(appending, next(replies), strict=True):
-                result.status[job.job_id] = decode_status(reply)
+            self._append_statuses(appending, next(replies), result)
         for job in requeueing:
-            next(replies)  # ok, or lost: either way it is no longer ours
-            if result.status.get(job.job_id) not in (TERMINAL, LOST, GAP, DONE):
+            error = job_error(next(replies))  # ok, or lost: either way it is no longer ours
+            if error is not None and job.job_id not in result.status:
+                result.fail(job.job_id, error)
+            elif result.status.get(job.job_id) not in (TERMINAL, LOST, GAP, DONE, FAILED):
                 result.status[job.job_id] = REQUEUED
         if cancel_check:
-            pairs = zip(cancel_check, next(replies), strict=True)
+            flags = next(replies)
+            if isinstance(flags, Exception):
+                raise flags  # the worker's own phase: not one job's
+            pairs = zip(cancel_check, flags, strict=True)
             result.cancelled = {job_id for job_id, flag in pairs if flag is not None}
         return result
+
+    def _append_statuses(self, jobs: Sequence[ActiveJob], reply: object,
+                         result: FlushResult) -> None:
+        if job_error(reply) is None:
+            for job, status in zip(jobs, reply, strict=True):  # type: ignore[call-overload]
+                result.status[job.job_id] = decode_status(status)
+            return
+        if len(jobs) == 1:
+            result.fail(jobs[0].job_id, str(job_error(reply)))
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for job in jobs:
+            self._append(pipe, [job])
+        for job, one in zip(jobs, pipe.execute(raise_on_error=False), strict=True):
+            error = job_error(one)
+            if error is not None:
+                result.fail(job.job_id, error)
+            else:
+                result.status[job.job_id] = decode_status(one[0])  # type: ignore[index]
 
     def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob]) -> None:
         self.scripts.append(pipe, token=self.token, ttl_s=self.config.result_ttl,

@@ -8,8 +8,15 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
   A terminal event also acks the job's entry and drops the owner hash, in the same atomic step.
 - `requeue`: XADD `<prefix>:requeue` + XACK of the entry, only while we own the job; then releases
   ownership, so a retry after a lost reply cannot requeue twice.
-- `dead_letter`: XACK the entry and, only if it was still pending (so a retry does nothing twice),
-  XADD `<prefix>:dead` and the job's `error` event (unless its stream is already terminal).
+- `dead_letter`: only if the entry is still pending (so a retry does nothing twice): XADD
+  `<prefix>:dead` (trimmed to about `dead_maxlen` entries) and the job's `error` event (unless its
+  stream is already terminal, or is not a stream we may write: a foreign key costs only the event),
+  and only then XACK + XDEL the entry. Redis does not roll a script back, so the order matters: a
+  script that fails halfway leaves the entry pending, never acked without its dead letter. Its
+  inputs are bounded by the caller (`intake.dead_fields`), so `unpack` stays far from Lua's limit.
+- `beat`: the heartbeat's round trip: re-claims (XCLAIM JUSTID: idle time reset, no delivery
+  counted) each in-flight entry that is still pending to this consumer, renews the owner hashes
+  this worker still holds, and sets the worker's liveness key.
 
 An entry is deleted from its stream (XDEL) when it is acked, so `<prefix>:jobs` and
 `<prefix>:requeue` hold only work not yet finished (delivered entries only: the group's lag stays
@@ -111,22 +118,73 @@ redis.call('HSET', KEYS[1], 'worker', '')
 return 'ok'
 """
 
-# KEYS: source stream, dead stream[, out[, owner]]. ARGV: group, entry id, ttl_s, 2n (dead
-# fields), dead fields..., then the error event's fields (when KEYS[3] is given).
-DEAD_LETTER = _LAST_STATE + """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-local n = tonumber(ARGV[4])
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5, 4 + n))
-if KEYS[3] then
-  local _, terminal = last_state(KEYS[3])
-  if not terminal then
-    redis.call('XADD', KEYS[3], '*', unpack(ARGV, 5 + n))
-    redis.call('EXPIRE', KEYS[3], tonumber(ARGV[3]))
+# KEYS: source stream, dead stream[, out[, owner]]. ARGV: group, entry id, ttl_s, dead maxlen,
+# 2n (dead fields), dead fields..., then the error event's fields (when KEYS[3] is given).
+DEAD_LETTER = """
+local function failed(reply) return type(reply) == 'table' and reply.err ~= nil end
+local function writable_unfinished(key)
+  local last = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  if failed(last) then return false end
+  if #last == 0 then return true end
+  local f = last[1][2]
+  for j = 1, #f, 2 do
+    if f[j] == 'type' then return f[j + 1] ~= 'done' and f[j + 1] ~= 'error' end
+  end
+  return true
+end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
+local n = tonumber(ARGV[5])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6, 5 + n))
+local evented = 0
+if KEYS[3] and writable_unfinished(KEYS[3]) then
+  if not failed(redis.pcall('XADD', KEYS[3], '*', unpack(ARGV, 6 + n))) then
+    redis.pcall('EXPIRE', KEYS[3], tonumber(ARGV[3]))
+    evented = 1
   end
 end
-if KEYS[4] then redis.call('DEL', KEYS[4]) end
-return 1
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[4] then redis.pcall('DEL', KEYS[4]) end
+return 1 + evented
+"""
+
+# KEYS: per entry its stream and its job's owner hash, then the worker key. ARGV: group,
+# consumer, token, owner ttl_s, worker info, liveness ttl_ms, then the entry ids.
+BEAT = """
+local group, consumer, token, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local kept = 0
+for j = 1, #KEYS - 1, 2 do
+  local id = ARGV[6 + (j + 1) / 2]
+  local p = redis.call('XPENDING', KEYS[j], group, id, id, 1)
+  if #p == 1 and p[1][2] == consumer then
+    redis.call('XCLAIM', KEYS[j], group, consumer, 0, id, 'JUSTID')
+    kept = kept + 1
+  end
+  local owner = redis.pcall('HGET', KEYS[j + 1], 'worker')
+  if owner == token then redis.call('EXPIRE', KEYS[j + 1], ttl) end
+end
+redis.call('SET', KEYS[#KEYS], ARGV[5], 'PX', ARGV[6])
+return kept
+"""
+# KEYS: stream, the consumer's worker key. ARGV: group, consumer, min idle ms. Removes the
+# consumer only if it owns nothing, has been idle that long and has no live worker key: checked
+# and done atomically, since DELCONSUMER forgets whatever the consumer holds.
+DROP_CONSUMER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local name, pending, idle = nil, nil, nil
+  for j = 1, #c, 2 do
+    if c[j] == 'name' then name = c[j + 1]
+    elseif c[j] == 'pending' then pending = c[j + 1]
+    elseif c[j] == 'idle' then idle = c[j + 1] end
+  end
+  if name == ARGV[2] then
+    if pending ~= 0 or idle < tonumber(ARGV[3]) then return 0 end
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0
 """
 
 Fields = Mapping[str, str] | Mapping[bytes, bytes] | Mapping[bytes | str, bytes | str]
@@ -161,10 +219,12 @@ class Scripts:
     append_sha: str = _sha(APPEND)
     requeue_sha: str = _sha(REQUEUE)
     dead_letter_sha: str = _sha(DEAD_LETTER)
+    beat_sha: str = _sha(BEAT)
+    drop_consumer_sha: str = _sha(DROP_CONSUMER)
 
     @staticmethod
     def load(client: redis.Redis) -> None:
-        for text in (APPEND, REQUEUE, DEAD_LETTER):
+        for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER):
             client.script_load(text)
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, ttl_s: int, group: str,
@@ -187,18 +247,37 @@ class Scripts:
                      *_flat(fields))
 
     def dead_letter(self, pipe: redis.client.Pipeline, *, source: str, dead: str, group: str,
-                    entry_id: str, ttl_s: int, dead_fields: Fields, out: str | None = None,
-                    error_fields: Fields | None = None, owner: str | None = None) -> None:
+                    entry_id: str, ttl_s: int, dead_maxlen: int, dead_fields: Fields,
+                    out: str | None = None, error_fields: Fields | None = None,
+                    owner: str | None = None) -> None:
+        """Reply: 0 (not pending: done before), 1 (dead-lettered), 2 (and the error event)."""
         keys: list[str] = [source, dead]
         if out is not None:
             keys.append(out)
             if owner is not None:
                 keys.append(owner)
         flat = _flat(dead_fields)
-        args = [group, entry_id, ttl_s, len(flat), *flat]
+        args = [group, entry_id, ttl_s, dead_maxlen, len(flat), *flat]
         if out is not None:
             args += _flat(error_fields or {})
         pipe.evalsha(self.dead_letter_sha, len(keys), *keys, *args)
+
+    def beat(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
+             token: str, owner_ttl_s: int, worker_key: str, info: str, liveness_ms: int,
+             entries: Sequence[tuple[str, str, str]]) -> object:
+        """`entries`: (stream, entry id, owner hash) of each in-flight job. Reply: how many
+        entries were still ours and got re-claimed."""
+        keys: list[str] = []
+        for stream, _, owner in entries:
+            keys += [stream, owner]
+        ids = [entry_id for _, entry_id, _ in entries]
+        return client.evalsha(self.beat_sha, len(keys) + 1, *keys, worker_key, group, consumer,
+                              token, owner_ttl_s, info, liveness_ms, *ids)
+
+    def drop_consumer(self, client: redis.Redis, *, stream: str, worker_key: str, group: str,
+                      consumer: str, min_idle_ms: int) -> bool:
+        return bool(client.evalsha(self.drop_consumer_sha, 2, stream, worker_key, group,
+                                   consumer, min_idle_ms))
 
 
 def decode_status(value: object) -> str:

@@ -1,10 +1,13 @@
-"""The worker loop: engine.step -> publish (one round trip) -> heartbeat -> reclaim + intake.
+"""The worker loop: engine.step -> publish (one round trip) -> reclaim + intake.
 
-Single-threaded: the engine, the in-flight table and the Redis client are touched only here.
+The engine and the in-flight table are touched only by the loop's thread. The heartbeat runs in
+a thread of its own (see heartbeat.py), fed a snapshot of the in-flight entries each turn.
 `request_stop()` (from a signal handler or another thread) starts a drain; a second call requeues
 at once. Redis errors (connection lost, restart, failover) back off and retry while the engine
 keeps stepping: events wait in each job's outbox, nothing else is lost since every job stays
-pending in the group until its terminal event or its requeue is written.
+pending in the group until its terminal event or its requeue is written. An error reply about one
+job's keys fails that job alone; one that means the worker cannot work at all ends `run` with
+exit code 2 (see errors.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,7 +32,15 @@ from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.protocol import INTERNAL, INVALID_REQUEST, DoneEvent, ErrorEvent, Job, Keys, WorkerInfo
 from qworker.service import publisher as pub
 from qworker.service.config import ServiceConfig
-from qworker.service.heartbeat import Heartbeat
+from qworker.service.errors import (
+    EXIT_CODE,
+    REDIS_DOWN,
+    CannotWork,
+    cannot_work,
+    is_no_group,
+    is_transient,
+)
+from qworker.service.heartbeat import Heartbeat, Held
 from qworker.service.intake import Intake, Reject, Taken
 from qworker.service.job import ActiveJob, Entry, now_ms
 from qworker.service.logs import get_logger
@@ -38,12 +49,6 @@ from qworker.service.on_done import OnDone
 from qworker.service.publisher import Publisher
 from qworker.service.scripts import Scripts
 
-_E = redis.exceptions
-# Failures that mean "not now": connection lost or refused, loading after a restart (a
-# ConnectionError), failover, out of memory; the loop backs off and retries.
-REDIS_DOWN = (_E.ConnectionError, _E.TimeoutError, _E.ReadOnlyError, _E.OutOfMemoryError,
-              _E.TryAgainError, _E.MasterDownError, _E.ClusterDownError)
-TRANSIENT_REPLIES = ("MISCONF", "NOREPLICAS", "BUSY ")  # error replies without their own class
 EXIT_GRACE_S = 5.0  # after a drain/requeue deadline, how long to keep retrying Redis writes
 
 
@@ -114,7 +119,7 @@ class Worker:
         scripts = Scripts()
         self.intake = Intake(self.client, self.keys, config, scripts, self.token)
         self.publisher = Publisher(self.client, self.keys, config, scripts, self.token)
-        self.heartbeat = Heartbeat(self.client, self.keys, config)
+        self.heartbeat = Heartbeat(self.client, self.keys, config, scripts, self.token)
         self.backoff = Backoff(config.backoff_min_s, config.backoff_max_s)
         self.log = get_logger(worker=config.name)
         self.active: dict[str, ActiveJob] = {}
@@ -124,6 +129,8 @@ class Worker:
         self._drain_deadline = float("inf")
         self._exit_by = float("inf")
         self._last_reclaim = float("-inf")
+        self._last_cleanup = time.monotonic()  # dead consumers: first look after a while
+        self._last_info = float("-inf")
         self._started_ms = now_ms()
         self._stop_requests = 0  # request_stop() calls, and how many the loop has acted on
         self._stops_taken = 0
@@ -156,18 +163,34 @@ class Worker:
             self.log.info("requeueing at once", jobs=len(self.active))
 
     def run(self) -> int:
+        """The loop until drained: 0; or EXIT_CODE (one error line) when Redis refuses what
+        every job needs, e.g. an ACL without the job stream. Its jobs stay pending for peers."""
         self.metrics.serve(self.config.metrics_port)
         self.log.info("worker started", group=self.config.group, prefix=self.config.prefix,
                       model=self.config.model, token=self.token)
-        while not self._finished():
-            self.iterate()
+        self._track()
+        self.heartbeat.start()
+        try:
+            while not self._finished():
+                self.iterate()
+        except CannotWork as exc:
+            self.log.error("cannot work with this Redis, exiting", error=str(exc),
+                           exit_code=EXIT_CODE, jobs_left_pending=len(self.active))
+            self._leave()
+            return EXIT_CODE
         if self.active:
             self.log.warning("exiting with unpublished jobs; they stay pending for reclaim",
                              jobs=sorted(self.active))
-        self._guard(self.heartbeat.leave)
-        self.metrics.close()
+        self._leave()
         self.log.info("worker stopped")
         return 0
+
+    def _leave(self) -> None:
+        try:
+            self.heartbeat.leave()
+        except redis.RedisError as exc:  # it expires by itself
+            self.log.warning("could not remove the worker key", error=str(exc)[:200])
+        self.metrics.close()
 
     def _finished(self) -> bool:
         self._take_stop_requests()
@@ -176,7 +199,15 @@ class Worker:
         return not self.active or time.monotonic() >= self._exit_by
 
     def iterate(self) -> None:
-        """One turn of the loop: step, publish what it produced, then heartbeat and intake."""
+        """One turn of the loop: step, publish what it produced, then reclaim and intake; then
+        the heartbeat learns what the worker holds and that the loop made progress."""
+        try:
+            self._turn()
+        finally:
+            self._track()
+            self.heartbeat.progress()
+
+    def _turn(self) -> None:
         self.metrics.tick(self.engine)  # health: the loop turns; engine gauges
         self._take_stop_requests()
         if self.requeue_now or time.monotonic() >= self._drain_deadline:
@@ -201,19 +232,24 @@ class Worker:
         self._ready = True
 
     def _guard(self, fn: Callable[[], Any]) -> bool:
-        """Run one Redis phase; on a connection problem back off (the loop retries later)."""
+        """Run one Redis phase; on a connection problem back off (the loop retries later). An
+        error reply that escapes a phase is the worker's, not one job's (those are settled inside
+        the phase): unless it is transient it means the worker cannot work (`CannotWork`)."""
         try:
             fn()
         except REDIS_DOWN as exc:
             self._backing_off(exc)
             return False
+        except redis.exceptions.NoScriptError:
+            self._ready = False  # Redis lost its scripts (restart, SCRIPT FLUSH): load again
+            return False
         except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc):
+            if is_no_group(exc):
                 self.log.warning("consumer group missing, recreating it")
                 self._ready = False
                 return False
-            if not str(exc).startswith(TRANSIENT_REPLIES):
-                raise
+            if not is_transient(exc):
+                raise cannot_work(exc) from None
             self._backing_off(exc)
             return False
         self.backoff.succeeded()
@@ -293,8 +329,13 @@ class Worker:
         jobs = [job for job in self.active.values() if job.outbox or job.requeue]
         running = [job.job_id for job in self.active.values() if job.in_engine]
         result = self.publisher.flush(jobs, running)
+        failed: list[Reject] = []
         for job_id, status in result.status.items():
-            self._settle(self.active[job_id], status)
+            if status == pub.FAILED:
+                failed.append(self._refused(self.active[job_id], result.errors[job_id]))
+            else:
+                self._settle(self.active[job_id], status)
+        self._dead_letter(failed)
         for job_id in result.cancelled:
             job = self.active.get(job_id)
             if job is not None and job.in_engine:
@@ -321,6 +362,16 @@ class Worker:
             self.engine.abort(job.job_id)
         del self.active[job.job_id]
 
+    def _refused(self, job: ActiveJob, error: str) -> Reject:
+        """Redis refused a write to this job's keys: the job fails alone (dead letter, and an
+        error event where its stream can take one)."""
+        self.metrics.redis_job_errors.inc()
+        if job.in_engine:
+            self.engine.abort(job.job_id)
+        del self.active[job.job_id]
+        return Reject(job.entry, INTERNAL, f"Redis refused this job's keys: {error}",
+                      job.job_id, drop_owner=True)
+
     def _record_end(self, job: ActiveJob) -> None:
         last = job.outbox[-1]
         if isinstance(last, DoneEvent):
@@ -338,10 +389,11 @@ class Worker:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if self.heartbeat.due(now):
-            self.heartbeat.beat(now, self.active.values(), self._info())
         if self.draining:
             return
+        if now - self._last_cleanup >= self.config.consumer_idle_ms / 1000:
+            self._last_cleanup = now
+            self.metrics.consumers_removed.inc(self.intake.drop_dead_consumers())
         free = self.engine.free_slots()
         self.metrics.free_slots.set(free)
         if free <= 0:
@@ -359,18 +411,26 @@ class Worker:
             self._admit(entries)
 
     def _admit(self, entries: list[Entry]) -> None:
+        self._track(entries)  # ours now: kept owned while they are admitted
         good, rejects = self.intake.screen(entries, set(self.active))
-        taken = self.intake.take(good) if good else []
+        taken, refused = self.intake.take(good) if good else ([], [])
+        self.metrics.redis_job_errors.inc(len(refused))
+        rejects += refused
         finished_before: list[Entry] = []
         for t in taken:
             if t.readback.terminal:
                 finished_before.append(t.entry)
                 continue
-            reject = self._start(t)
+            reject = self.intake.expired(t) or self._start(t)
             if reject is not None:
                 rejects.append(reject)
+            self.heartbeat.progress()  # a slow admission is progress, not a stall
         if finished_before:
             self.intake.ack(finished_before)
+        self._dead_letter(rejects)
+        self.metrics.running.set(len(self.active))
+
+    def _dead_letter(self, rejects: list[Reject]) -> None:
         for r in rejects:
             self.metrics.dead_letters.labels(r.code).inc()
             if r.job_id:
@@ -378,7 +438,17 @@ class Worker:
             self.log.info("dead-lettered", job_id=r.job_id, entry=r.entry.entry_id, code=r.code,
                           reason=r.message[:200])
         self.intake.dead_letter(rejects)
-        self.metrics.running.set(len(self.active))
+
+    def _track(self, admitting: Iterable[Entry] = ()) -> None:
+        """Tell the heartbeat which entries this worker holds (and, now and then, its info)."""
+        held = [Held(j.entry.stream, j.entry.entry_id, j.job_id) for j in self.active.values()]
+        held += [Held(e.stream, e.entry_id, e.entry_id) for e in admitting]
+        now = time.monotonic()
+        info = None
+        if now - self._last_info >= self.config.heartbeat_s / 2:
+            self._last_info = now
+            info = self._info().model_dump_json()
+        self.heartbeat.track(held, info)
 
     def _start(self, t: Taken) -> Reject | None:
         """Put a taken job into the engine (continuing after what it already showed)."""
