@@ -10,16 +10,17 @@ from typing import Any
 
 import redis.asyncio
 
-from producer.connect import (
-    DEFAULT_CANCEL_TTL_S,
-    READ_COUNT,
-    ClientOptions,
-    async_client,
-    redis_url_from_env,
-)
+from producer.connect import READ_COUNT, ClientOptions, async_client, redis_url_from_env
 from producer.fields import JobInput, job_fields
 from producer.result import START_ID, JobTimeoutError, OutputState, Result, stream_entries
 from producer.retry import TRANSIENT_ERRORS, Backoff, capped
+from producer.scripts import (
+    CANCEL_SCRIPT,
+    SUBMIT_SCRIPT,
+    cancel_call,
+    submit_call,
+    submitted,
+)
 from producer.stats import Stats, collect_stats_async
 from qworker.protocol import (
     DEFAULT_GROUP,
@@ -47,6 +48,8 @@ class AsyncProducer:
         self.options = options or ClientOptions()
         self.keys = Keys(prefix)
         self.redis = client or async_client(redis_url or redis_url_from_env(), self.options)
+        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self._cancel = self.redis.register_script(CANCEL_SCRIPT)
 
     async def submit(
         self,
@@ -61,18 +64,21 @@ class AsyncProducer:
         return (await self.submit_many([spec]))[0]
 
     async def submit_many(self, jobs: Iterable[JobInput]) -> list[AsyncJob]:
-        """Validate every job first, then XADD them all in one MULTI/EXEC round trip."""
+        """See `Producer.submit_many`: each id is queued once, retried after a dropped
+        connection."""
         prepared = [job_fields(job) for job in jobs]
         if not prepared:
             return []
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for _, fields in prepared:
-                pipe.xadd(self.keys.jobs, fields)
-            entry_ids = await pipe.execute()
-        return [
-            AsyncJob(self, job_id, entry_id)
-            for (job_id, _), entry_id in zip(prepared, entry_ids, strict=True)
-        ]
+        keys, args = submit_call(self.keys, prepared, self.options.result_ttl_s)
+        backoff = Backoff(give_up_s=self.options.reconnect_give_up_s)
+        while True:
+            try:
+                reply = await self._submit(keys=keys, args=args)
+                break
+            except TRANSIENT_ERRORS as exc:
+                await asyncio.sleep(backoff.failed(exc))
+        pairs = zip(prepared, submitted(reply), strict=True)
+        return [AsyncJob(self, job_id, s.entry_id, new=s.new) for (job_id, _), s in pairs]
 
     def job(self, job_id: str, after: str = START_ID) -> AsyncJob:
         """A handle on an existing job, reading its output after entry `after` (default: all)."""
@@ -82,8 +88,10 @@ class AsyncProducer:
         job.state.last_id = after
         return job
 
-    async def cancel(self, job_id: str, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
-        await self.redis.set(self.keys.cancel(job_id), "1", ex=ttl_s)
+    async def cancel(self, job_id: str, ttl_s: int | None = None) -> bool:
+        """See `Producer.cancel`."""
+        keys, args = cancel_call(self.keys, job_id, self.options.cancel_ttl(ttl_s))
+        return bool(await self._cancel(keys=keys, args=args))
 
     async def stats(self, group: str = DEFAULT_GROUP) -> Stats:
         return await collect_stats_async(self.redis, self.keys, group)
@@ -104,10 +112,12 @@ class AsyncProducer:
 class AsyncJob:
     """See `producer.client.Job`."""
 
-    def __init__(self, producer: AsyncProducer, job_id: str, entry_id: str | None = None) -> None:
+    def __init__(self, producer: AsyncProducer, job_id: str, entry_id: str | None = None,
+                 new: bool = True) -> None:
         self.producer = producer
         self.id = job_id
         self.entry_id = entry_id
+        self.new = new
         self.state = OutputState(job_id)
 
     def __repr__(self) -> str:
@@ -143,8 +153,8 @@ class AsyncJob:
             pass
         return self.state.result()
 
-    async def cancel(self, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
-        await self.producer.cancel(self.id, ttl_s)
+    async def cancel(self, ttl_s: int | None = None) -> bool:
+        return await self.producer.cancel(self.id, ttl_s)
 
     async def _read(self, deadline: float | None, timeout: float | None) -> list[tuple[str, Any]]:
         options = self.producer.options

@@ -55,17 +55,22 @@ T = TypeVar("T")
 # ARGV: marker ttl, then per job: job id, 2n, field, value, ...
 # A job already in the marker is left alone while it is alive: output stream present, entry still
 # in the jobs stream, or an entry for it in the requeue stream. Otherwise it is XADDed and marked.
+# The requeue stream is read at most once per call, and only when a marked job has neither.
 # Returns per job 1 (submitted now) or 0 (re-attached).
 SUBMIT_SCRIPT = """
 local jobs, marker, requeue = KEYS[1], KEYS[2], KEYS[3]
+local requeued = nil
 local function in_requeue(id)
-  for _, entry in ipairs(redis.call('XRANGE', requeue, '-', '+')) do
-    local f = entry[2]
-    for j = 1, #f, 2 do
-      if f[j] == 'id' and f[j + 1] == id then return true end
+  if requeued == nil then
+    requeued = {}
+    for _, entry in ipairs(redis.call('XRANGE', requeue, '-', '+')) do
+      local f = entry[2]
+      for j = 1, #f, 2 do
+        if f[j] == 'id' then requeued[f[j + 1]] = true end
+      end
     end
   end
-  return false
+  return requeued[id] == true
 end
 local function alive(id, out)
   local entry = redis.call('HGET', marker, id)

@@ -9,13 +9,7 @@ from typing import Any
 
 import redis
 
-from producer.connect import (
-    DEFAULT_CANCEL_TTL_S,
-    READ_COUNT,
-    ClientOptions,
-    redis_url_from_env,
-    sync_client,
-)
+from producer.connect import READ_COUNT, ClientOptions, redis_url_from_env, sync_client
 from producer.fields import JobInput, job_fields
 from producer.result import (
     START_ID,
@@ -25,6 +19,13 @@ from producer.result import (
     stream_entries,
 )
 from producer.retry import TRANSIENT_ERRORS, Backoff, capped
+from producer.scripts import (
+    CANCEL_SCRIPT,
+    SUBMIT_SCRIPT,
+    cancel_call,
+    submit_call,
+    submitted,
+)
 from producer.stats import Stats, collect_stats
 from qworker.protocol import (
     DEFAULT_GROUP,
@@ -56,6 +57,8 @@ class Producer:
         self.options = options or ClientOptions()
         self.keys = Keys(prefix)
         self.redis = client or sync_client(redis_url or redis_url_from_env(), self.options)
+        self._submit = self.redis.register_script(SUBMIT_SCRIPT)
+        self._cancel = self.redis.register_script(CANCEL_SCRIPT)
 
     def submit(
         self,
@@ -70,21 +73,30 @@ class Producer:
         `params` are the optional wire fields (`max_tokens`, `temperature`, `stop`, `id`, ...);
         None means the worker's default. Raises `JobValidationError` (a ValueError) before
         anything is sent. A job without `id` gets a uuid4 hex id.
+
+        Submitting is idempotent per id: a job whose id was submitted within `result_ttl_s`, or
+        whose output stream exists, is not queued again (`Job.new` is False), so a submit is
+        retried after a dropped connection without ever running a job twice.
         """
         spec = dict(params, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids)
         return self.submit_many([spec])[0]
 
     def submit_many(self, jobs: Iterable[JobInput]) -> list[Job]:
-        """Validate every job first, then XADD them all in one MULTI/EXEC round trip."""
+        """Validate every job first, then queue them all in one script call (atomic, one round
+        trip; never MAXLEN: trimming would drop work)."""
         prepared = [job_fields(job) for job in jobs]
         if not prepared:
             return []
-        pipe = self.redis.pipeline(transaction=True)
-        for _, fields in prepared:
-            pipe.xadd(self.keys.jobs, fields)  # never MAXLEN: trimming would drop work
-        entry_ids = pipe.execute()
-        pairs = zip(prepared, entry_ids, strict=True)
-        return [Job(self, job_id, entry_id) for (job_id, _), entry_id in pairs]
+        keys, args = submit_call(self.keys, prepared, self.options.result_ttl_s)
+        backoff = Backoff(give_up_s=self.options.reconnect_give_up_s)
+        while True:
+            try:
+                reply = self._submit(keys=keys, args=args)
+                break
+            except TRANSIENT_ERRORS as exc:  # safe to repeat: the script queues each id once
+                time.sleep(backoff.failed(exc))
+        pairs = zip(prepared, submitted(reply), strict=True)
+        return [Job(self, job_id, s.entry_id, new=s.new) for (job_id, _), s in pairs]
 
     def job(self, job_id: str, after: str = START_ID) -> Job:
         """A handle on an existing job, reading its output after entry `after` (default: all)."""
@@ -94,8 +106,11 @@ class Producer:
         job.state.last_id = after
         return job
 
-    def cancel(self, job_id: str, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
-        self.redis.set(self.keys.cancel(job_id), "1", ex=ttl_s)
+    def cancel(self, job_id: str, ttl_s: int | None = None) -> bool:
+        """Flag the job for cancelling, for `ttl_s` (at most, and by default, `result_ttl_s`).
+        A job that has already ended is left alone: False."""
+        keys, args = cancel_call(self.keys, job_id, self.options.cancel_ttl(ttl_s))
+        return bool(self._cancel(keys=keys, args=args))
 
     def stats(self, group: str = DEFAULT_GROUP) -> Stats:
         return collect_stats(self.redis, self.keys, group)
@@ -116,10 +131,12 @@ class Producer:
 class Job:
     """One submitted job. Reading resumes where the last read stopped (`last_id`)."""
 
-    def __init__(self, producer: Producer, job_id: str, entry_id: str | None = None) -> None:
+    def __init__(self, producer: Producer, job_id: str, entry_id: str | None = None,
+                 new: bool = True) -> None:
         self.producer = producer
         self.id = job_id
         self.entry_id = entry_id  # the `<prefix>:jobs` entry, when this handle submitted it
+        self.new = new  # False: the id was already submitted; this handle follows that job
         self.state = OutputState(job_id)
 
     def __repr__(self) -> str:
@@ -164,9 +181,9 @@ class Job:
             pass
         return self.state.result()
 
-    def cancel(self, ttl_s: int = DEFAULT_CANCEL_TTL_S) -> None:
+    def cancel(self, ttl_s: int | None = None) -> bool:
         """Ask the workers to stop this job; it ends with `finish_reason` `cancelled`."""
-        self.producer.cancel(self.id, ttl_s)
+        return self.producer.cancel(self.id, ttl_s)
 
     def _read(self, deadline: float | None, timeout: float | None) -> list[tuple[str, Any]]:
         options = self.producer.options

@@ -13,7 +13,9 @@ import redis.asyncio
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # The producer never trims `<prefix>:jobs`, but it bounds how long it blocks in one read.
 DEFAULT_BLOCK_MS = 5_000
-DEFAULT_CANCEL_TTL_S = 24 * 3600
+# The workers' default `--result-ttl`: how long an output stream outlives its last event. Submit
+# markers and cancel flags live no longer, so a job id can be used again once its output is gone.
+DEFAULT_RESULT_TTL_S = 3_600
 READ_COUNT = 512  # entries per XREAD: a whole burst of tokens in one round trip
 
 
@@ -33,12 +35,21 @@ class ClientOptions:
     block_ms: int = DEFAULT_BLOCK_MS
     connect_timeout_s: float = 5.0
     socket_margin_s: float = 10.0
-    # How long a stream read keeps retrying a dead connection before raising.
+    # How long a stream read (or an idempotent submit) keeps retrying a dead connection.
     reconnect_give_up_s: float = 60.0
+    # The workers' --result-ttl: the lifetime of submit markers and the longest cancel flag.
+    result_ttl_s: int = DEFAULT_RESULT_TTL_S
 
     def __post_init__(self) -> None:
         if self.block_ms < 1:
             raise ValueError("block_ms must be >= 1 (XREAD BLOCK 0 would block forever)")
+        if self.result_ttl_s < 1:
+            raise ValueError("result_ttl_s must be >= 1")
+
+    def cancel_ttl(self, ttl_s: int | None) -> int:
+        """A cancel flag's TTL: `ttl_s`, at most `result_ttl_s` (a flag that outlived the job's
+        output would cancel a later job reusing the id)."""
+        return self.result_ttl_s if ttl_s is None else max(1, min(ttl_s, self.result_ttl_s))
 
     @property
     def socket_timeout_s(self) -> float:

@@ -68,7 +68,8 @@ class JobValidationError(ValueError):
 
 
 def is_valid_id(value: str) -> bool:
-    return bool(_ID_RE.match(value))
+    # fullmatch: `$` alone would also match before a trailing newline ("job\n")
+    return bool(_ID_RE.fullmatch(value))
 
 
 # ----------------------------------------------------------------------------- job
@@ -354,6 +355,10 @@ class Keys:
 
     def cancel(self, job_id: str) -> str:
         return f"{self.prefix}:cancel:{job_id}"
+
+    def submitted(self, job_id: str) -> str:
+        """Submit marker (the first entry id, TTL result_ttl): a job id is queued only once."""
+        return f"{self.prefix}:sub:{job_id}"
 
     def owner(self, job_id: str) -> str:
         """Hash of the job's current owner (fencing token) and first-queued / started times."""

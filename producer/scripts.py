@@ -1,0 +1,79 @@
+"""The producer's server-side scripts: a job id is queued once, a finished job is not flagged.
+
+Both are in docs/protocol.md word for word, for producers in other languages (a test checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qworker.protocol import Keys
+
+# KEYS: the jobs stream, then per job: its output stream, its submit marker.
+# ARGV: the marker's TTL in seconds, then per job: 2n, then its n field / value pairs.
+# A job whose marker or output stream exists is not added again.
+# Returns per job {1, new entry id} or {0, the first submit's entry id, or "" if unknown}.
+SUBMIT_SCRIPT = """\
+local result, pos = {}, 2
+for k = 2, #KEYS, 2 do
+  local n = tonumber(ARGV[pos])
+  local first = redis.call('GET', KEYS[k + 1])
+  if first or redis.call('EXISTS', KEYS[k]) == 1 then
+    result[#result + 1] = {0, first or ''}
+  else
+    local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, pos + 1, pos + n))
+    redis.call('SET', KEYS[k + 1], entry, 'EX', ARGV[1])
+    result[#result + 1] = {1, entry}
+  end
+  pos = pos + 1 + n
+end
+return result
+"""
+
+# KEYS: the job's output stream, its cancel flag. ARGV: the flag's TTL in seconds.
+# A job whose stream ends with `done` or `error` is left alone: a flag set then would outlive the
+# stream and cancel a later job that reuses the id. Returns 1 when the flag was set.
+CANCEL_SCRIPT = """\
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+if last then
+  local f = last[2]
+  for j = 1, #f, 2 do
+    if f[j] == 'type' and (f[j + 1] == 'done' or f[j + 1] == 'error') then return 0 end
+  end
+end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What the submit script did with one job."""
+
+    new: bool  # False: a job with this id was already queued (or has output); nothing was added
+    entry_id: str | None  # the entry in `<prefix>:jobs` (the first submit's, when not new)
+
+
+def submit_call(keys: Keys, jobs: Sequence[tuple[str, dict[str, str]]], marker_ttl_s: int
+                ) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV of SUBMIT_SCRIPT for (job id, wire fields) pairs."""
+    script_keys = [keys.jobs]
+    args: list[str | int] = [marker_ttl_s]
+    for job_id, fields in jobs:
+        script_keys += [keys.out(job_id), keys.submitted(job_id)]
+        flat = [item for pair in fields.items() for item in pair]
+        args += [len(flat), *flat]
+    return script_keys, args
+
+
+def submitted(reply: Sequence[Sequence[object]]) -> list[Submitted]:
+    out = []
+    for flag, entry in reply:
+        text = entry.decode() if isinstance(entry, bytes) else str(entry)
+        out.append(Submitted(new=int(flag) == 1, entry_id=text or None))  # type: ignore[call-overload]
+    return out
+
+
+def cancel_call(keys: Keys, job_id: str, ttl_s: int) -> tuple[list[str], list[int]]:
+    return [keys.out(job_id), keys.cancel(job_id)], [ttl_s]
