@@ -75,13 +75,16 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         from qworker.model.dtypes import resolve_dtype
-        from qworker.model.hub import resolve_model
+        from qworker.model.hub import qworker_home, resolve_model
         from qworker.model.llama import load_model
 
         path = resolve_model(config.model)
         model = load_model(path, dtype=resolve_dtype(config.dtype, config.device),
                            device=config.device)
         engine = cls(model, Tokenizer.load(path), config)
+        # each linear layer's matmul, measured on this CPU (cached in the home)
+        model.choose_kernels(config.max_batched_tokens + config.max_num_seqs, config.max_num_seqs,
+                             qworker_home() / "kernels")
         engine.runner.warm_up()
         return engine
 
@@ -154,8 +157,9 @@ class Engine:
             work = step.work
             try:
                 sampled = self.runner.run(work)
-            except Exception:  # whatever it is, it costs only the sequences it concerns
-                sampled, failed = self._run_isolating(work)
+            except Exception as exc:  # whatever it is, it costs only the sequences it concerns
+                sampled, failed = (self._run_isolating(work) if len(work) > 1
+                                   else ({}, {work[0][0]: exc}))
                 outputs += [self._fail(seq, exc) for seq, exc in failed.items()]
                 work = [(seq, n) for seq, n in work if seq not in failed]
             else:
@@ -169,23 +173,22 @@ class Engine:
 
     def _run_isolating(self, work: list[tuple[Sequence, int]]
                        ) -> tuple[dict[Sequence, int], dict[Sequence, Exception]]:
-        """A step that raised, run again in halves until each failure is down to one sequence.
+        """A step of 2+ sequences that raised, run again in halves until each failure is down to
+        one sequence (k culprits among n: about 2k log2(n) runs).
 
         Nothing of the failed run was committed (`num_computed` moves only after success), so every
         half recomputes from its sequences' own tokens; K/V slots it had written are written again
         with the same values. Returns the tokens of the parts that ran and the culprits' errors."""
-        if len(work) == 1:
-            try:
-                return self.runner.run(work), {}
-            except Exception as exc:
-                return {}, {work[0][0]: exc}
         sampled: dict[Sequence, int] = {}
         failed: dict[Sequence, Exception] = {}
         half = len(work) // 2
         for part in (work[:half], work[half:]):
             try:
                 sampled |= self.runner.run(part)
-            except Exception:
+            except Exception as exc:
+                if len(part) == 1:
+                    failed[part[0][0]] = exc
+                    continue
                 part_sampled, part_failed = self._run_isolating(part)
                 sampled |= part_sampled
                 failed |= part_failed
