@@ -27,6 +27,13 @@ class StreamStats:
     lag: int | None = 0  # entries not yet delivered to any worker; None when Redis cannot tell
     last_delivered_id: str | None = None
 
+    @property
+    def waiting(self) -> int:
+        """Entries not yet delivered to any worker. Where Redis reports no lag (the last
+        delivered entry was deleted while older ones are pending: the normal state under load),
+        `length - pending`, exact since workers delete the entries they acknowledge."""
+        return self.lag if self.lag is not None else max(self.length - self.pending, 0)
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -40,14 +47,19 @@ class Stats:
         return len(self.workers)
 
     @property
-    def backlog(self) -> int | None:
-        """Work not yet taken by any worker, over both streams (what an autoscaler looks at)."""
-        if self.jobs.lag is None or self.requeue.lag is None:
-            return None
-        return self.jobs.lag + self.requeue.lag
+    def backlog(self) -> int:
+        """Work not yet taken by any worker, over both streams."""
+        return self.jobs.waiting + self.requeue.waiting
+
+    @property
+    def unfinished(self) -> int:
+        """Jobs not yet finished, taken or not: the streams' lengths (acked entries are deleted).
+        What the KEDA ScaledObject scales on (deploy/k8s/keda-scaledobject.yaml)."""
+        return self.jobs.length + self.requeue.length
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "live_workers": self.live_workers, "backlog": self.backlog}
+        return {**asdict(self), "live_workers": self.live_workers, "backlog": self.backlog,
+                "unfinished": self.unfinished}
 
 
 def collect_stats(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -> Stats:

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
+from producer.stats import collect_stats
 from qworker.cli import build_parser
 from qworker.commands.serve import env_name
 from qworker.protocol import DEFAULT_GROUP, Keys
@@ -286,6 +288,28 @@ def test_probes_and_scrapes_use_the_metrics_port() -> None:
 
 
 REDIS_SETTINGS = {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction"}
+MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 10**6, "mb": 1024**2, "g": 10**9,
+                "gb": 1024**3}
+K8S_MEMORY_UNITS = {"Mi": 1024**2, "Gi": 1024**3}
+
+
+def redis_bytes(value: str) -> int:
+    """A redis.conf memory size (`1gb`, `1536mb`, `100000`) in bytes."""
+    match = re.fullmatch(r"(\d+)([a-z]*)", value.lower())
+    assert match and match.group(2) in MEMORY_UNITS, value
+    return int(match.group(1)) * MEMORY_UNITS[match.group(2)]
+
+
+def k8s_bytes(value: str) -> int:
+    match = re.fullmatch(r"(\d+)(Mi|Gi)", value)
+    assert match, value
+    return int(match.group(1)) * K8S_MEMORY_UNITS[match.group(2)]
+
+
+def redis_conf() -> dict[str, str]:
+    conf = k8s("ConfigMap", "qworker-redis")["data"]["redis.conf"]
+    lines = [line.strip() for line in conf.splitlines()]
+    return dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
 
 
 def test_redis_keeps_jobs_aof_and_no_eviction() -> None:
@@ -296,31 +320,88 @@ def test_redis_keeps_jobs_aof_and_no_eviction() -> None:
     for key, value in REDIS_SETTINGS.items():
         assert flags[flags.index(f"--{key}") + 1] == value
     assert any(v.endswith(":/data") for v in service["volumes"])
-    conf = k8s("ConfigMap", "qworker-redis")["data"]["redis.conf"]
-    settings = dict(line.split(" ", 1) for line in conf.splitlines() if line.strip())
+    settings = redis_conf()
     assert {k: settings[k] for k in REDIS_SETTINGS} == REDIS_SETTINGS
     sts = k8s("StatefulSet", "qworker-redis")
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"].startswith("redis:7")
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
 
 
-def test_keda_scales_on_the_groups_lag() -> None:
+def test_redis_memory_is_bounded_below_what_the_container_may_use() -> None:
+    """noeviction only acts under a maxmemory: without one the kernel OOM-kills Redis instead
+    of Redis refusing writes."""
+    flags = compose()["services"]["redis"]["command"]
+    assert redis_bytes(flags[flags.index("--maxmemory") + 1]) >= 256 * 1024**2
+    container = k8s("StatefulSet", "qworker-redis")["spec"]["template"]["spec"]["containers"][0]
+    limit = k8s_bytes(container["resources"]["limits"]["memory"])
+    maxmemory = redis_bytes(redis_conf()["maxmemory"])
+    assert 256 * 1024**2 <= maxmemory <= 0.8 * limit, (maxmemory, limit)
+
+
+def keda_triggers() -> list[dict[str, Any]]:
+    return k8s("ScaledObject", "qworker-worker")["spec"]["triggers"]
+
+
+def test_keda_scales_on_the_length_of_both_streams() -> None:
     keys = Keys("qw")
     scaled = k8s("ScaledObject", "qworker-worker")["spec"]
     assert scaled["scaleTargetRef"]["name"] == "qworker-worker"
-    triggers = scaled["triggers"]
+    triggers = keda_triggers()
     assert {t["type"] for t in triggers} == {"redis-streams"}
     assert {t["metadata"]["stream"] for t in triggers} == {keys.jobs, keys.requeue}
     redis_url = k8s_worker_env()["QWORKER_REDIS_URL"]
+    batch = int(k8s_worker_env()["QWORKER_MAX_NUM_SEQS"])
     for t in triggers:
         meta = t["metadata"]
-        assert meta["consumerGroup"] == DEFAULT_GROUP and int(meta["lagCount"]) > 0
+        # KEDA's XLEN mode: no consumerGroup (with one it reads XPENDING or the lag instead)
+        assert not {"consumerGroup", "lagCount", "pendingEntriesCount"} & set(meta), meta
+        assert int(meta["streamLength"]) == batch  # one worker per full batch of jobs
         assert f"//{meta['address']}/{meta['databaseIndex']}" in redis_url
     service = k8s("Service", "qworker-redis")
     assert service["spec"]["ports"][0]["port"] == 6379
     pdb = k8s("PodDisruptionBudget", "qworker-worker")["spec"]
     pod_labels = k8s("Deployment", "qworker-worker")["spec"]["template"]["metadata"]["labels"]
     assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def keda_value(client: Any, meta: dict[str, str]) -> int:
+    """What KEDA's redis-streams scaler reads for a trigger (pkg/scalers/redis_streams_scaler.go:
+    XPENDING with consumerGroup + pendingEntriesCount, the group's lag with lagCount, else XLEN;
+    a NULL lag reads as 0)."""
+    if "consumerGroup" not in meta:
+        return int(client.xlen(meta["stream"]))
+    groups = {g["name"]: g for g in client.xinfo_groups(meta["stream"])}
+    group = groups[meta["consumerGroup"]]
+    if "lagCount" in meta:
+        return int(group["lag"] or 0)
+    return int(group["pending"])
+
+
+def null_lag_state(client: Any, stream: str) -> tuple[int, int]:
+    """The state of a busy fleet: 6 entries, 3 delivered, the last delivered one acked and
+    deleted while the older two are pending, then 4 more queued. (pending, undelivered)."""
+    client.xgroup_create(stream, DEFAULT_GROUP, id="0", mkstream=True)
+    ids = [client.xadd(stream, {"prompt": f"p{n}"}) for n in range(6)]
+    client.xreadgroup(DEFAULT_GROUP, "w1", {stream: ">"}, count=3)
+    client.xack(stream, DEFAULT_GROUP, ids[2])
+    client.xdel(stream, ids[2])
+    for n in range(4):
+        client.xadd(stream, {"prompt": f"q{n}"})
+    return 2, 3 + 4
+
+
+def test_the_keda_signal_counts_the_backlog_where_the_lag_is_null(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = Keys("qw")
+    pending, undelivered = null_lag_state(client, keys.jobs)
+    client.xadd(keys.requeue, {"prompt": "resumed"})  # one requeued, not yet taken
+    lag_trigger = {"stream": keys.jobs, "consumerGroup": DEFAULT_GROUP, "lagCount": "16"}
+    assert client.xinfo_groups(keys.jobs)[0]["lag"] is None, "Redis reports no lag here"
+    assert keda_value(client, lag_trigger) == 0, "the old trigger saw no work at all"
+    values = {t["metadata"]["stream"]: keda_value(client, t["metadata"]) for t in keda_triggers()}
+    assert values == {keys.jobs: pending + undelivered, keys.requeue: 1}
+    stats = collect_stats(client, keys)
+    assert (stats.backlog, stats.unfinished) == (undelivered + 1, pending + undelivered + 1)
 
 
 def test_dockerfile_builds_the_package_as_a_non_root_user() -> None:

@@ -15,9 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import redis
 
 from producer import Producer
+from tests.conftest import free_port
 from tests.service_harness import ROOT, wait_for
 
 URL_LINE = re.compile(r"qworker up: Redis at (redis://\S+) \((.*)\)$")
@@ -29,6 +31,7 @@ class Up:
     url: str
     description: str
     stderr: queue.Queue[str]
+    stdout: queue.Queue[str]
 
     @property
     def redis_pid(self) -> int:
@@ -37,10 +40,17 @@ class Up:
         return int(found.group(1))
 
     def stderr_text(self) -> str:
-        lines = []
-        while not self.stderr.empty():
-            lines.append(self.stderr.get())
-        return "".join(lines)
+        return drain(self.stderr)
+
+    def stdout_text(self) -> str:
+        return drain(self.stdout)
+
+
+def drain(lines: queue.Queue[str]) -> str:
+    out = []
+    while not lines.empty():
+        out.append(lines.get())
+    return "".join(out)
 
 
 def _pump(stream: object, into: queue.Queue[str]) -> None:
@@ -65,7 +75,7 @@ def start_up(*args: str, timeout: float = 60) -> Up:
             assert proc.poll() is None, f"qworker up exited: {''.join(err.queue)}"
             continue
         if m := URL_LINE.match(line.rstrip("\n")):
-            return Up(proc, m.group(1), m.group(2), err)
+            return Up(proc, m.group(1), m.group(2), err, out)
     proc.kill()
     raise AssertionError("qworker up printed no URL")
 
@@ -112,6 +122,8 @@ def test_up_starts_redis_with_aof_and_stops_it_on_sigterm(tmp_path: Path) -> Non
         assert up.description.startswith("redis-server")
         run_one_job(up.url)
         assert list((data / "appendonlydir").glob("*.aof*")), "AOF files in the data dir"
+        config = redis.Redis.from_url(up.url, decode_responses=True).config_get("maxmemory*")
+        assert (config["maxmemory"], config["maxmemory-policy"]) == (str(1024**3), "noeviction")
         second = subprocess.run(
             [sys.executable, "-m", "qworker.cli", "up", "--model", "sim", "--data-dir",
              str(data)], capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -121,7 +133,11 @@ def test_up_starts_redis_with_aof_and_stops_it_on_sigterm(tmp_path: Path) -> Non
 
 
 def test_up_redis_dies_with_a_killed_up(tmp_path: Path) -> None:
-    with running_up("--data-dir", str(tmp_path / "redis"), "--name", "up-test-2") as up:
+    with running_up("--data-dir", str(tmp_path / "redis"), "--name", "up-test-2",
+                    "--redis-maxmemory", "64mb") as up:
+        client = redis.Redis.from_url(up.url, decode_responses=True)
+        assert client.config_get("maxmemory")["maxmemory"] == str(64 * 1024**2)
+        client.close()
         finish(up, signal.SIGKILL)
         wait_for(lambda: process_gone(up.redis_pid), 10, what="redis-server to follow its parent")
 
@@ -140,6 +156,41 @@ def test_up_with_a_given_redis_leaves_it_running(redis_url: str) -> None:
         run_one_job(up.url)
         assert finish(up) == 0
     assert redis.Redis.from_url(redis_url).ping()
+
+
+@pytest.fixture
+def password_redis(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of our own that asks for a password: its URL, password included."""
+    password = "pw-" + os.urandom(8).hex()
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--requirepass", password, "--save", "", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        wait_for(lambda: _pings(client), 10, what="redis-server with a password")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def test_up_never_prints_the_password_it_was_given(password_redis: str) -> None:
+    password = password_redis.split(":")[2].split("@")[0]
+    with running_up("--redis-url", password_redis, "--name", "up-test-6") as up:
+        assert up.url == password_redis.replace(password, "***")
+        run_one_job(password_redis)
+        assert finish(up) == 0
+        printed = up.stdout_text() + up.stderr_text()
+    assert "***@" in printed and password not in printed
 
 
 def test_demo_streams_jobs_side_by_side_and_leaves_nothing_running() -> None:

@@ -44,7 +44,7 @@ def render(stats: Stats) -> str:
 
 
 def _stream_row(s: StreamStats) -> tuple[str, ...]:
-    lag = "?" if s.lag is None else str(s.lag)
+    lag = str(s.waiting)  # where Redis reports none: length - pending
     if not s.group_exists:
         return (s.key, str(s.length), lag, "-", "no group", "-")
     return (s.key, str(s.length), lag, str(s.pending), str(s.consumers),

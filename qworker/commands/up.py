@@ -1,11 +1,12 @@
 """`qworker up`: a worker and, unless given --redis-url, a Redis of its own, on this machine.
 
 Without --redis-url (or $QWORKER_REDIS_URL) it starts `redis-server` from PATH on a free port of
-127.0.0.1, with AOF (appendfsync everysec) in --data-dir (default $QWORKER_HOME/redis); only
-where there is none, fakeredis' in-process TCP server, with a warning: nothing is durable. It
-prints the URL to give producers, then runs the worker in this process: every `qworker serve`
-flag applies (--model defaults to smollm2). Ctrl-C or SIGTERM drains the worker, then stops the
-Redis it started (and never one it did not start).
+127.0.0.1, with AOF (appendfsync everysec) in --data-dir (default $QWORKER_HOME/redis) and at
+most --redis-maxmemory of memory (noeviction: a full Redis refuses new jobs rather than losing
+any); only where there is none, fakeredis' in-process TCP server, with a warning: nothing is
+durable. It prints the URL to give producers (a password in it as `***`), then runs the worker
+in this process: every `qworker serve` flag applies (--model defaults to smollm2). Ctrl-C or
+SIGTERM drains the worker, then stops the Redis it started (and never one it did not start).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from qworker.commands import serve
 
 DEFAULT_MODEL = "smollm2"
+DEFAULT_MAXMEMORY = "1gb"
 EXIT_NO_REDIS = 2
 _PR_SET_PDEATHSIG = 1
 
@@ -81,6 +84,7 @@ class LocalRedis:
     binary: str
     data_dir: Path
     port: int = 0  # 0: a free one
+    maxmemory: str = DEFAULT_MAXMEMORY  # redis.conf size ("1gb", "512mb"); "0": no limit
     start_timeout: float = 60.0
     proc: subprocess.Popen[bytes] | None = None
     url: str = ""
@@ -120,8 +124,8 @@ class LocalRedis:
     def _try_start(self, port: int) -> bool:
         cmd = [self.binary, "--port", str(port), "--bind", "127.0.0.1",
                "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "everysec",
-               "--save", "", "--maxmemory-policy", "noeviction", "--daemonize", "no",
-               "--logfile", str(self.log_path)]
+               "--save", "", "--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction",
+               "--daemonize", "no", "--logfile", str(self.log_path)]
         # own session: the terminal's Ctrl-C must not stop Redis before the worker has drained
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True,
@@ -210,12 +214,24 @@ def choose_redis(args: argparse.Namespace) -> tuple[OwnRedis, str | None]:
     """The Redis to start, and why it is the embedded one (None: a real redis-server)."""
     binary = None if args.embedded else shutil.which("redis-server")
     if binary:
-        return LocalRedis(binary, args.data_dir or default_data_dir(), args.redis_port), None
+        return LocalRedis(binary, args.data_dir or default_data_dir(), args.redis_port,
+                          args.redis_maxmemory), None
     why = "--embedded" if args.embedded else "no redis-server on PATH"
     return EmbeddedRedis(args.redis_port), why
 
 
+def masked(url: str) -> str:
+    """`url` with its password, if any, as `***` (what `qworker up` prints)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 def announce(url: str, description: str) -> None:
+    url = masked(url)
     print(f"qworker up: Redis at {url} ({description})\n"
           f"qworker up: give producers REDIS_URL={url}\n"
           f"qworker up:   e.g. qworker submit --redis-url {url} --stream \"Hello\"",
@@ -258,6 +274,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
                    help="redis-server's folder, AOF included (default $QWORKER_HOME/redis)")
     p.add_argument("--redis-port", type=int, default=0, help="port of the local Redis (0: free)")
+    p.add_argument("--redis-maxmemory", default=DEFAULT_MAXMEMORY,
+                   help="memory limit of the local Redis (e.g. 512mb, 4gb; 0: none); when full "
+                        f"it refuses new jobs, never evicts (default {DEFAULT_MAXMEMORY})")
     p.add_argument("--embedded", action="store_true",
                    help="use the embedded, non-durable server even where redis-server exists")
     p.set_defaults(func=run)
