@@ -57,7 +57,7 @@ def job_error(reply: object) -> str | None:
         raise reply
     if is_fatal_reply(reply):
         raise cannot_work(reply)
-    return short(reply)
+    return f"{type(reply).__name__}: {short(reply)}"
 
 
 def cannot_work(exc: BaseException) -> CannotWork:

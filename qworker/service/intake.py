@@ -270,27 +270,35 @@ class Intake:
 
     def dead_letter(self, rejects: Sequence[Reject]) -> None:
         """For each reject still pending: a `<prefix>:dead` entry (reason + the original fields,
-        bounded) and the job's error event, then the ack; one round trip, safe to retry."""
+        bounded) and the job's error event, then the ack; one round trip, safe to retry. A
+        reject whose own keys Redis refuses (an ACL on them; a script's keys are checked before
+        it runs) is dead-lettered again without them: no error event, but never left pending."""
         if not rejects:
             return
+        replies = self._dead_letters(rejects, with_job_keys=True)
+        if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
+            Scripts.load(self.client)  # Redis restarted (or flushed its scripts): again, whole
+            replies = self._dead_letters(rejects, with_job_keys=True)
+        refused = [r for r, reply in zip(rejects, replies, strict=True)
+                   if job_error(reply) is not None]
+        if refused:
+            for reply in self._dead_letters(refused, with_job_keys=False):
+                if isinstance(reply, Exception):
+                    raise reply  # the job stream or the dead stream: the worker's own keys
+
+    def _dead_letters(self, rejects: Sequence[Reject], with_job_keys: bool) -> list[object]:
         pipe = self.client.pipeline(transaction=False)
         for r in rejects:
-            self._queue_dead_letter(pipe, r)
-        try:
-            pipe.execute()
-        except redis.exceptions.NoScriptError:
-            Scripts.load(self.client)
-            pipe = self.client.pipeline(transaction=False)
-            for r in rejects:
-                self._queue_dead_letter(pipe, r)
-            pipe.execute()
+            self._queue_dead_letter(pipe, r, with_job_keys)
+        return pipe.execute(raise_on_error=False)
 
-    def _queue_dead_letter(self, pipe: redis.client.Pipeline, r: Reject) -> None:
+    def _queue_dead_letter(self, pipe: redis.client.Pipeline, r: Reject,
+                           with_job_keys: bool = True) -> None:
         message = r.message[:MAX_REASON_CHARS]
         fields = dead_fields(r.entry, r.code, message, self.config.name)
-        out = self.keys.out(r.job_id) if r.job_id else None
+        out = self.keys.out(r.job_id) if r.job_id and with_job_keys else None
         error = event_to_fields(ErrorEvent(code=r.code, message=message))
-        owner = self.keys.owner(r.job_id) if r.job_id and r.drop_owner else None
+        owner = self.keys.owner(r.job_id) if out and r.drop_owner else None
         self.scripts.dead_letter(pipe, source=r.entry.stream, dead=self.keys.dead,
                                  group=self.config.group, entry_id=r.entry.entry_id,
                                  ttl_s=self.config.result_ttl,
