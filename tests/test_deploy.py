@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,28 @@ def test_stopping_waits_longer_than_the_drain() -> None:
     assert pre_stop[0] == "sleep"
     k8s_drain = float(k8s_worker_env()["QWORKER_DRAIN_TIMEOUT"])
     assert pod["terminationGracePeriodSeconds"] > float(pre_stop[1]) + k8s_drain + EXIT_GRACE_S
+
+
+def test_the_metrics_port_is_loopback_unless_a_manifest_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse_qworker(["serve", "--redis-url", "redis://r/0", "--model", "sim"], {},
+                         monkeypatch)
+    assert args.metrics_host == "127.0.0.1"
+    metrics = Metrics()
+    metrics.serve(free_tcp_port())
+    try:
+        assert metrics._server is not None
+        assert metrics._server.server_address[0] == "127.0.0.1"
+    finally:
+        metrics.close()
+    for where, env in list(all_qworker_envs())[1:]:  # compose's and k8s' (probes, scrapes)
+        assert env["QWORKER_METRICS_HOST"] == "0.0.0.0", where
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def test_probes_and_scrapes_use_the_metrics_port() -> None:

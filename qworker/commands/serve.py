@@ -79,6 +79,8 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
           help="seconds an output stream lives after its last event")
     _flag(p, "--metrics-port", type=int, default=0,
           help="port of /metrics (Prometheus), /healthz and /livez (0: off)")
+    _flag(p, "--metrics-host", default="127.0.0.1",
+          help="interface of the metrics port (0.0.0.0: all, as a container or pod needs)")
     _flag(p, "--stall-timeout", type=float, default=60.0,
           help="seconds without a finished loop turn before /healthz and /livez fail and the "
                "heartbeat stops (so peers reclaim the jobs); must exceed the longest step")
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("bad --on-done-rq-* flags", error=str(exc))
         return 2
     worker = Worker(build_engine(args), config, on_done=on_done,
-                    metrics=Metrics(stall_s=args.stall_timeout))
+                    metrics=Metrics(stall_s=args.stall_timeout, host=args.metrics_host))
 
     def on_signal(_signum: int, _frame: object) -> None:
         worker.request_stop()  # nothing more here: logging could deadlock (see request_stop)

@@ -82,8 +82,9 @@ def _handler(registry: CollectorRegistry, health: Health) -> type[BaseHTTPReques
 
 
 def serve(port: int, registry: CollectorRegistry, health: Health,
-          host: str = "0.0.0.0") -> ThreadingHTTPServer:
-    """Serves /metrics, /healthz and /livez on `port` from a daemon thread."""
+          host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    """Serves /metrics, /healthz and /livez on `host`:`port` from a daemon thread (loopback
+    unless told otherwise: a container or pod passes 0.0.0.0)."""
     server = ThreadingHTTPServer((host, port), _handler(registry, health))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name=f"metrics:{port}", daemon=True)

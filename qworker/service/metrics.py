@@ -50,6 +50,7 @@ def engine_stats(engine: Any) -> dict[str, int]:
 class Metrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     stall_s: float = DEFAULT_STALL_S  # /healthz fails when the loop is stuck this long
+    host: str = "127.0.0.1"  # interface of the endpoint (serve --metrics-host)
 
     def __post_init__(self) -> None:
         self.health = Health(self.stall_s)
@@ -172,9 +173,9 @@ class Metrics:
     # ------------------------------------------------------------------ endpoint
 
     def serve(self, port: int) -> None:
-        """/metrics, /healthz and /livez on `port` (0: none)."""
+        """/metrics, /healthz and /livez on `port` (0: none) of `host`."""
         if port and self._server is None:
-            self._server = health_http.serve(port, self.registry, self.health)
+            self._server = health_http.serve(port, self.registry, self.health, self.host)
 
     def close(self) -> None:
         if self._server is not None:
