@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from producer.scripts import SUBMIT_SCRIPT
 from qworker.protocol import DoneEvent
 from tests.service_harness import ROOT, spawn_worker, stop_process, terminal, wait_for
 
@@ -169,6 +170,21 @@ def test_node_example_reports_an_error_event(worker: str, node_modules: Path) ->
     assert result.returncode == 1
     assert "error invalid_request:" in result.stderr.decode()
     assert "top_p" in result.stderr.decode()
+
+
+def test_node_producer_queues_an_id_once(redis_url: str, node_modules: Path) -> None:
+    assert SUBMIT_SCRIPT in (NODE / "producer.mjs").read_text(), "the script of protocol.md"
+    for attempt in range(2):
+        submitted = run(["node", "producer.mjs", "twice", "id=node-once", "max_tokens=3"],
+                        redis_url, cwd=NODE)
+        assert submitted.returncode == 0, submitted.stderr.decode()
+        assert submitted.stdout.decode().strip() == "node-once"
+        assert ("already submitted" in submitted.stderr.decode()) == (attempt == 1)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    entries = client.xrange("qw:jobs")
+    assert [fields for _, fields in entries] == [
+        {"prompt": "twice", "max_tokens": "3", "id": "node-once"}]
+    assert client.get("qw:sub:node-once") == entries[0][0]
 
 
 def test_node_consumer_skips_indices_it_has_seen(redis_url: str, node_modules: Path) -> None:
