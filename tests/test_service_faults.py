@@ -24,6 +24,7 @@ import redis
 from qworker.commands import serve
 from qworker.protocol import DoneEvent, ErrorEvent, Keys
 from qworker.service.config import ServiceConfig
+from qworker.service.errors import CannotWork
 from qworker.service.intake import MAX_DEAD_FIELDS, MAX_DEAD_VALUE_BYTES, Intake
 from qworker.service.scripts import Scripts
 from tests.service_harness import (
@@ -186,6 +187,17 @@ def test_a_worker_denied_the_job_stream_exits_2_with_one_line(acl: tuple[redis.R
     assert len(fatal) == 1 and "NoPermissionError" in fatal[0], text
     errors = [line for line in text.splitlines() if '"level": "error"' in line]
     assert errors == fatal
+
+
+def test_a_worker_that_cannot_beat_exits_2(acl: tuple[redis.Redis, str]) -> None:
+    client, url = acl
+    client.acl_setuser("qwtest-nobeat", enabled=True, passwords=["+pw"], commands=["+@all"],
+                       keys=["qw:jobs", "qw:requeue", "qw:dead", "qw:out:*", "qw:owner:*",
+                             "qw:cancel:*"])  # no qw:worker:*: its heartbeat is refused
+    with thread_worker(_user_url(url, "qwtest-nobeat"), "nobeat", sim_engine()) as w:
+        w.thread.join(15)
+        assert not w.thread.is_alive() and w.result == [2]
+    assert isinstance(w.worker.heartbeat.fatal, CannotWork)
 
 
 def _seed_live_and_dead(client: redis.Redis, live: int, dead: int) -> tuple[list[str], list[str]]:

@@ -18,7 +18,7 @@ import redis
 
 from qworker.protocol import Keys
 from qworker.service.config import ServiceConfig
-from qworker.service.errors import short
+from qworker.service.errors import CannotWork, cannot_work, is_no_group, is_transient, short
 from qworker.service.logs import get_logger
 from qworker.service.scripts import Scripts
 
@@ -52,6 +52,9 @@ class Heartbeat:
         self.stalled = False
         self.beats = 0  # successful beats (tests, metrics)
         self.last_error = ""
+        # Set when Redis refuses the beat itself (an ACL without the worker key or the job
+        # stream): the loop raises it, since a worker that cannot beat loses every job it takes.
+        self.fatal: CannotWork | None = None
 
     # ------------------------------------------------------------------ fed by the loop
 
@@ -128,6 +131,9 @@ class Heartbeat:
             entries=[(h.stream, h.entry_id, self.keys.owner(h.job_id)) for h in held])
 
     def _failed(self, exc: BaseException) -> bool:
+        if (isinstance(exc, redis.ResponseError) and not is_transient(exc)
+                and not is_no_group(exc)):
+            self.fatal = cannot_work(exc)
         error = short(exc)
         if error != self.last_error:  # once per kind of failure, not once per retry
             self.log.warning("heartbeat failed, retrying", error=error)

@@ -208,6 +208,8 @@ class Worker:
             self.heartbeat.progress()
 
     def _turn(self) -> None:
+        if self.heartbeat.fatal is not None:
+            raise self.heartbeat.fatal
         self.metrics.tick(self.engine)  # health: the loop turns; engine gauges
         self._take_stop_requests()
         if self.requeue_now or time.monotonic() >= self._drain_deadline:
