@@ -129,6 +129,8 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(
     assert time.perf_counter() - started < 0.5
     with pytest.raises(RequestRejectedError):
         real.check_prompt_text("x" * (most + 1))
+    with pytest.raises(RequestRejectedError, match="characters does not fit"):
+        real.generate(["x" * 1_000_000])  # the offline API checks before it tokenizes too
     sim.check_prompt_text("x" * 127)
     with pytest.raises(RequestRejectedError):
         sim.check_prompt_text("x" * 128)

@@ -207,7 +207,7 @@ class Engine:
         prompts = list(prompts)
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
-        ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        ids = [p if isinstance(p, list) else self._encode(p) for p in prompts]
         tokens: dict[str, list[int]] = {}
         done: dict[str, StepOutput] = {}
         for i, (prompt, p) in enumerate(zip(ids, params, strict=True)):
@@ -223,6 +223,10 @@ class Engine:
                        done[rid].finish_reason or "")
             for i, rid in enumerate(tokens)
         ]
+
+    def _encode(self, text: str) -> list[int]:
+        self.check_prompt_text(text)
+        return self.tokenizer.encode(text)
 
     def _hand_back(self, seq: Sequence) -> StepOutput:
         self.scheduler.remove(seq)
