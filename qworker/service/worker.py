@@ -20,7 +20,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -131,6 +131,7 @@ class Worker:
         self._last_reclaim = float("-inf")
         self._last_cleanup = time.monotonic()  # dead consumers: first look after a while
         self._last_info = float("-inf")
+        self._tracked: tuple[str, ...] = ()  # job ids of the heartbeat's last snapshot
         self._started_ms = now_ms()
         self._stop_requests = 0  # request_stop() calls, and how many the loop has acted on
         self._stops_taken = 0
@@ -441,15 +442,20 @@ class Worker:
                           reason=r.message[:200])
         self.intake.dead_letter(rejects)
 
-    def _track(self, admitting: Iterable[Entry] = ()) -> None:
-        """Tell the heartbeat which entries this worker holds (and, now and then, its info)."""
-        held = [Held(j.entry.stream, j.entry.entry_id, j.job_id) for j in self.active.values()]
-        held += [Held(e.stream, e.entry_id, e.entry_id) for e in admitting]
+    def _track(self, admitting: Sequence[Entry] = ()) -> None:
+        """Tell the heartbeat which entries this worker holds (and, now and then, its info);
+        the snapshot is rebuilt only when what the worker holds changed."""
         now = time.monotonic()
         info = None
         if now - self._last_info >= self.config.heartbeat_s / 2:
             self._last_info = now
             info = self._info().model_dump_json()
+        holding = tuple(self.active)
+        if holding == self._tracked and not admitting and info is None:
+            return
+        self._tracked = () if admitting else holding
+        held = [Held(j.entry.stream, j.entry.entry_id, j.job_id) for j in self.active.values()]
+        held += [Held(e.stream, e.entry_id, e.entry_id) for e in admitting]
         self.heartbeat.track(held, info)
 
     def _start(self, t: Taken) -> Reject | None:
