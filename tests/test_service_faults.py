@@ -301,3 +301,23 @@ def test_serve_has_the_new_flags() -> None:
     defaults = parser.parse_args(["--redis-url", "redis://x", "--model", "sim"])
     assert defaults.dead_maxlen == ServiceConfig.dead_maxlen == 10_000
     assert defaults.stall_timeout == ServiceConfig.stall_timeout_s
+
+
+def test_error_replies_are_sorted_by_scope() -> None:
+    from qworker.service.errors import job_error
+
+    E = redis.exceptions  # noqa: N806
+    assert job_error([b"ok", 3]) is None
+    assert "WRONGTYPE" in str(job_error(E.ResponseError("WRONGTYPE Operation against a key")))
+    assert "NoPermissionError" in str(job_error(E.NoPermissionError("no permissions to a key")))
+    assert job_error(E.ResponseError("ERR Error running script: unpack")) is not None
+    for fatal in (E.ResponseError("CROSSSLOT Keys in request don't hash to the same slot"),
+                  E.ResponseError("ERR unknown command 'XAUTOCLAIM'"),
+                  E.MovedError("3999 127.0.0.1:6381"), E.AskError("3999 127.0.0.1:6381")):
+        with pytest.raises(CannotWork):
+            job_error(fatal)
+    for not_the_jobs in (E.NoScriptError("NOSCRIPT"), E.BusyLoadingError("LOADING"),
+                         E.ResponseError("MISCONF no disk"), E.ResponseError("NOGROUP gone"),
+                         E.ReadOnlyError("READONLY replica")):
+        with pytest.raises(type(not_the_jobs)):
+            job_error(not_the_jobs)
