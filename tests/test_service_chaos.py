@@ -149,3 +149,33 @@ def test_a_killed_worker_s_jobs_are_finished_by_another_each_index_once(
         assert (check_stream(client, job_id).text, "length") == want[job_id], job_id
     assert group_pending(client) == 0
     print(f"FIGURES sigkill: entries={len(jobs)} lost=0 reclaimed={len(jobs)}")
+
+
+def test_a_loop_whose_redis_round_trips_fail_keeps_its_jobs(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    jobs = {f"flaky{k}": {"prompt": f"hiccup {k}", "max_tokens": 40} for k in range(4)}
+    cfg = {"claim_idle_ms": 200}
+    with DeliveryWatch(redis_url) as watch, \
+            thread_worker(redis_url, "flaky", sim_engine("sim:step_ms=20"), **cfg) as a:
+        _submit(client, jobs)
+        wait_for(lambda: all(client.xlen(KEYS.out(j)) >= 2 for j in jobs), what="tokens")
+        real_flush = a.worker.publisher.flush
+        fail_until = time.monotonic() + 1.0  # five times claim-idle of failed publishes
+
+        def flaky_flush(*args: object) -> object:
+            if time.monotonic() < fail_until:
+                raise redis.ConnectionError("injected: connection reset")
+            return real_flush(*args)  # type: ignore[arg-type]
+
+        a.worker.publisher.flush = flaky_flush  # type: ignore[method-assign]
+        with thread_worker(redis_url, "peer", sim_engine("sim:step_ms=2"), **cfg) as peer:
+            got = wait_terminal(client, jobs, timeout=30)
+            assert peer.stop() == 0
+        assert a.stop() == 0
+    assert a.worker.metrics.redis_errors._value.get() >= 1  # it did back off
+    assert peer.worker.metrics.reclaimed._value.get() == 0
+    assert watch.doubled() == []
+    want = expected(jobs)
+    for job_id, event in got.items():
+        assert isinstance(event, DoneEvent)
+        assert (check_stream(client, job_id).text, "length") == want[job_id]
