@@ -1,13 +1,21 @@
-# qworker: `make install` sets up .venv (and a redis-server and g++ when none is on PATH; g++ builds
-# the native CPU kernels); `make test` runs the whole suite. Works on a fresh Debian/Ubuntu machine with Python 3.11.
+# qworker: `make install` sets up .venv (and a redis-server and g++ when none is on PATH), and builds
+# the native CPU kernels for every instruction-set level; `make test` runs the whole suite. Works on a fresh Debian/Ubuntu machine with Python 3.11.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install redis compiler test lint clean demo
+.PHONY: install redis compiler kernels test lint clean demo
 
-install: $(STAMP) redis compiler
+install: $(STAMP) redis compiler kernels
+
+KERNELS := qworker/model/native_lib/manifest.json
+
+kernels: $(KERNELS)
+
+# one shared library per level (AVX2, AVX-512, AVX512-BF16); the worker loads the best its CPU runs
+$(KERNELS): $(wildcard qworker/model/csrc/*) qworker/model/native_build.py | $(STAMP) compiler
+	$(BIN)/python -m qworker.model.native_build
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,4 +49,4 @@ lint: install
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis qworker/model/native_lib

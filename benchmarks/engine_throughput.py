@@ -15,19 +15,23 @@ import time
 
 import torch
 
+from benchmarks.machine import machine_info
 from benchmarks.workload import WorkItem, fingerprint, standard_workload
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
+from qworker.model.hub import qworker_home, resolve_model
 from qworker.model.llama import load_model
 from qworker.model.tokenizer import Tokenizer
 
 
 def run_qworker(model_path: str, dtype: torch.dtype, items: list[WorkItem],
                 config: EngineConfig) -> dict[str, object]:
-    engine = Engine(load_model(model_path, dtype=dtype), Tokenizer.load(model_path), config)
+    model = load_model(model_path, dtype=dtype)
+    engine = Engine(model, Tokenizer.load(model_path), config)
+    model.choose_kernels(config.max_batched_tokens + config.max_num_seqs, config.max_num_seqs,
+                         qworker_home() / "kernels")  # as Engine.from_config does
     engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
     engine.runner.forward_seconds, engine.num_steps, engine.num_preemptions = 0.0, 0, 0
     for i, item in enumerate(items):
@@ -103,7 +107,7 @@ def main() -> None:
     for name in args.dtype:
         dtype = resolve_dtype(name, "cpu")
         common = {"dtype": name, "workload": "v1", "fingerprint": fingerprint(items),
-                  "threads": args.threads}
+                  "threads": args.threads, **machine_info()}
         ours = run_qworker(path, dtype, items, config)
         print(json.dumps({**common, **ours}), flush=True)
         if not args.no_baseline:

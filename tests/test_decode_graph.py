@@ -130,3 +130,24 @@ def test_a_weight_changed_in_place_is_followed(
     assert graph_calls == [2] * 4
     assert not torch.equal(before[-1][2], after[-1][2])
     _assert_same(after, _layer_by_layer(model, sequences, schedule))
+
+
+def test_the_graph_serves_only_buckets_whose_layers_were_chosen_native(
+    graph_calls: list[int],
+) -> None:
+    from qworker.model.kernel_choice import BUCKETS
+    from qworker.model.linear import Linear
+
+    model = tiny_model(VOCAB, dtype=torch.float32, seed=5)
+    sequences = [list(range(3, 20)), list(range(40, 52))]
+    schedule: list[Step] = [[(0, 10), (1, 10)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
+    want = run_schedule(model, sequences, schedule, block_size=4)
+    other = "onednn" if "onednn" in model.lm_head.kernels() else "plain"
+    for layer in model.modules():  # two rows fall in bucket 0: chosen oneDNN there, native above
+        if isinstance(layer, Linear):
+            layer.set_choice((other,) + ("native",) * (len(BUCKETS) - 1))
+    model.decode_graph.reset()
+    got = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [2, 2]  # the first run's two decode steps; none in the second
+    for (_, _, a), (_, _, b) in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -4,8 +4,9 @@
 It runs the kernels of the layer-by-layer path, in the same order on the same kinds of buffers, so
 its results are the same; what it saves is that path's per-op Python, tensor allocations and
 thread wake-ups (a single-stream step: 11.6 -> 7.9 ms here). It serves steps whose every row is a
-single-token decode, on models whose projections and LM head all take the native GEMM; others (and
-any step it declines) go layer by layer.
+single-token decode, at a row count for which every projection and the LM head run the native GEMM
+(as `kernel_choice` measured, or by default); others (and any step it declines) go layer by
+layer.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qworker.model import native
+from qworker.model import kernel_choice, native
 from qworker.model.config import ModelConfig
 from qworker.model.kv_cache import KVCache
 
@@ -32,6 +33,7 @@ class _LayerTable:
     versions: tuple[int, ...]  # of every weight, when the table was made
     addresses: torch.Tensor | None  # [layers, 9]; None: this model is not served
     lm_head: torch.Tensor | None  # its pack
+    buckets: frozenset[int]  # the kernel_choice buckets at which every layer runs native
     keep: tuple[torch.Tensor, ...]  # what the addresses point into
 
 
@@ -47,6 +49,10 @@ class DecodeGraph:
         self.enabled = True  # off: every step goes layer by layer (benchmarks compare the two)
         self._table: _LayerTable | None = None
 
+    def reset(self) -> None:
+        """Forget the table (after the layers' kernel choice changed)."""
+        self._table = None
+
     def run(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache) -> torch.Tensor | None:
         """Logits of the batch's `logits_indices` rows, in the model's dtype (x, the residual
         stream, is updated in place); None, with x untouched, where this step or model is not
@@ -58,6 +64,8 @@ class DecodeGraph:
             return None
         table = self._layer_table(cache)
         if table.addresses is None or table.lm_head is None:
+            return None
+        if kernel_choice.bucket(x.shape[0]) not in table.buckets:
             return None
         c = self.config
         tables, lens = _in_row_order(batch.decodes, x.shape[0])
@@ -76,23 +84,28 @@ class DecodeGraph:
         return table
 
     def _make_table(self, cache: KVCache, versions: tuple[int, ...]) -> _LayerTable:
+        linears = [self.lm_head]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears += (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        buckets = frozenset(b for b, size in enumerate(kernel_choice.BUCKETS)
+                            if all(lin.kind_for(size) == "native" for lin in linears))
         rows, keep = [], []
         for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            packs = [lin.pack() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                            mlp.down_proj)]
-            if any(kind != "native" for kind, _ in packs) or not native.serves(k):
-                return _LayerTable(cache, versions, None, None, ())
-            (_, qkv), (_, o), (_, gate_up), (_, down) = packs
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            packs = [lin.packed("native") for lin in projections] if buckets else [None]
+            if any(pack is None for pack in packs) or not native.serves(k):
+                return _LayerTable(cache, versions, None, None, frozenset(), ())
+            qkv, o, gate_up, down = packs
             bias = attn.qkv_proj.bias
             parts = [layer.input_layernorm.weight, qkv, bias, o,
                      layer.post_attention_layernorm.weight, gate_up, down, k, v]
             assert all(p is None or p.is_contiguous() for p in parts)
             rows.append([0 if p is None else p.data_ptr() for p in parts])
             keep.extend(p for p in parts if p is not None)
-        kind, lm_head = self.lm_head.pack()
         return _LayerTable(cache, versions, torch.tensor(rows, dtype=torch.int64),
-                           lm_head if kind == "native" else None, tuple(keep))
+                           self.lm_head.packed("native"), buckets, tuple(keep))
 
 
 def _in_row_order(groups: tuple[DecodeGroup, ...], rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,20 +1,25 @@
-"""A linear layer whose weight is repacked once, on the CPU, into the layout of the fastest matmul
-there. A pack is a copy, redone whenever the weight changes in place.
+"""A linear layer whose weight is repacked, on the CPU, into the layout of the matmul it runs.
+A pack is a copy, made on first use and redone whenever the weight changes in place.
 
-- bfloat16 and float32 on AVX-512: the native GEMM (`native.gemm`), 1.1-3x oneDNN's speed at
-  decode batch sizes on the development machine and level with it at 2,048 rows;
-- elsewhere on the CPU: oneDNN's blocked layout, packed once (`F.linear` reorders the weight on
-  every call: up to 2x slower at decode batch sizes);
-- anything else (CUDA, float64): `F.linear`.
+The kernels ("kinds") a layer can run:
+- "native": the native GEMM of the loaded instruction-set level (`native.gemm`), bfloat16 and
+  float32, widths in blocks of 16;
+- "onednn": oneDNN through torch with the weight prepacked once (`F.linear` reorders it on every
+  call: up to 2x slower at decode batch sizes); on AMX CPUs this is oneDNN's AMX path;
+- "plain": `F.linear` (CUDA, float64, and what neither of the others takes).
+Which one runs for a step of m rows is measured at warm-up (`kernel_choice`); until then, or where
+`QWORKER_KERNELS` forces a family, the first of `kernels()`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.model import native
+from qworker.model import kernel_choice, native
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # rows oneDNN tunes its layout for; any row count works
@@ -24,28 +29,74 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks this dtype here (bfloat16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT;
+    on an AVX2-only CPU its reorder raises)."""
+    if dtype not in ONEDNN_DTYPES or not packing_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
 class Linear(nn.Linear):
-    _pack_state: tuple[int, str, torch.Tensor | None] | None = None  # weight version, kind, pack
+    _packs: tuple[int, dict[str, torch.Tensor | None]] | None = None  # weight version, packs
+    choice: tuple[str, ...] | None = None  # the kind per kernel_choice bucket, once measured
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kind, packed = self.pack()
+        return self.run(self.kind_for(x.shape[0]), x)
+
+    def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed(kind)
         if kind == "native" and x.shape[0] > 0:
+            assert packed is not None
             return native.gemm(x, packed, self.bias)
         if kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-    def pack(self) -> tuple[str, torch.Tensor | None]:
-        """("native" | "onednn" | "plain", the packed weight), packed on first use."""
-        version = self.weight._version
-        if self._pack_state is None or self._pack_state[0] != version:
-            self._pack_state = (version, *self._make_pack())
-        return self._pack_state[1], self._pack_state[2]
+    def kind_for(self, rows: int) -> str:
+        if self.choice is not None:
+            return self.choice[kernel_choice.bucket(rows)]
+        return self.kernels()[0]
 
-    def _make_pack(self) -> tuple[str, torch.Tensor | None]:
+    def kernels(self) -> tuple[str, ...]:
+        """The kinds this layer can run here, the unmeasured default first."""
         weight = self.weight
-        if (packed := native.gemm_pack(weight)) is not None:
-            return "native", packed
-        if weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and packing_available():
-            return "onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-        return "plain", None
+        if weight.device.type != "cpu":
+            return ("plain",)
+        kinds = ["native"] if native.gemm_serves(weight) else []
+        if not (kinds and native.status().forced):
+            kinds.append("onednn" if onednn_packs(weight.dtype) else "plain")
+        return tuple(kinds)
+
+    def set_choice(self, choice: tuple[str, ...]) -> None:
+        assert all(kind in self.kernels() for kind in choice), choice
+        self.choice = choice
+        if self._packs is not None:  # packs no bucket runs go
+            self._packs[1].clear()
+
+    def pack(self) -> tuple[str, torch.Tensor | None]:
+        """The unmeasured default kind and its pack."""
+        kind = self.kind_for(1) if self.choice is not None else self.kernels()[0]
+        return kind, self.packed(kind)
+
+    def packed(self, kind: str) -> torch.Tensor | None:
+        version = self.weight._version
+        if self._packs is None or self._packs[0] != version:
+            self._packs = (version, {})
+        packs = self._packs[1]
+        if kind not in packs:
+            packs[kind] = self._make_pack(kind)
+        return packs[kind]
+
+    def _make_pack(self, kind: str) -> torch.Tensor | None:
+        weight = self.weight.detach()
+        if kind == "native":
+            return native.gemm_pack(weight)
+        if kind == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        return None

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.model import native
+from qworker.model import kernel_choice, native
 from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
@@ -20,6 +21,8 @@ from qworker.model.decode_graph import DecodeGraph
 from qworker.model.kv_cache import KVCache
 from qworker.model.linear import Linear
 from qworker.model.rope import RotaryTable, rotate
+
+log = structlog.get_logger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -158,6 +161,19 @@ class LlamaModel(nn.Module):
         _, x = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows],
                                       plan.fused)
         return self.lm_head(x)
+
+    def choose_kernels(self, max_rows: int, max_logit_rows: int,
+                       cache_dir: Path | None = None) -> dict[str, tuple[str, ...]]:
+        """Measures every linear layer's kernels (`kernel_choice`) for steps of up to `max_rows`
+        tokens, `max_logit_rows` of which sample; the choice by shape, logged once."""
+        layers = [(m, max_rows) for m in self.modules()
+                  if isinstance(m, Linear) and m is not self.lm_head]
+        chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir)
+        self.decode_graph.reset()
+        status = native.status()
+        log.info("kernels_chosen", native=status.level or f"none ({status.reason})",
+                 **kernel_choice.describe(chosen))
+        return chosen
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up)."""

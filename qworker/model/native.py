@@ -1,34 +1,29 @@
-"""Native CPU kernels (paged attention, fused elementwise ops, GEMM), compiled from `csrc/` with
-the system's C++ compiler on first use.
+"""Native CPU kernels (paged attention, fused elementwise ops, GEMM), loaded with ctypes from
+the build for the best instruction-set level this CPU runs (`native_build.py`).
 
-The shared library is cached under the qworker home, keyed by source, flags and CPU, and loaded
-with ctypes: no Python headers, no torch headers, a one-second build. It links OpenMP, which
-resolves to the runtime torch already loaded, so both share one thread pool. Without a compiler
-(or with `QWORKER_NATIVE=0`) callers get None and use their torch path.
+The library comes from the install-time build in the package (`make install`, the wheel, the
+image), else from the qworker home, built there on first use with the system's C++ compiler. It
+needs no Python or torch headers, and links OpenMP, which resolves to the runtime torch already
+loaded, so both share one thread pool. `QWORKER_KERNELS=torch|avx2|avx512` forces a family
+(`QWORKER_NATIVE=0` is `torch`). Without a library, callers get None and use their torch path,
+and `status()` says why: the worker reports it at start and in its metrics.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
+from qworker.model import native_build as nb
 from qworker.model.hub import qworker_home
 
-SOURCES = Path(__file__).with_name("csrc")
-# -ffast-math for the compile only: linking with it adds crtfastmath, which at load would switch
-# the whole process to flush-to-zero floats (torch and every other library with it)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17")
-LINK_FLAGS = ("-shared", "-fopenmp")
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
@@ -38,26 +33,76 @@ SIGNATURES = {
     "qw_rope_store": [_P] * 7 + [_I] * 6,
     "qw_silu_mul": [_P, _P, _I, _I],
 }
+KERNEL_FAMILIES = ("auto", "torch", *nb.FAMILIES)
 
 log = structlog.get_logger(__name__)
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
+@dataclass(frozen=True)
+class NativeStatus:
+    """Which native build this process runs, or why none."""
+
+    level: str | None  # e.g. "avx2"; None: no native kernels
+    origin: str  # "installed" | "home" (built or found in the qworker home) | ""
+    reason: str  # why there is no library ("" when there is one)
+    forced: bool  # QWORKER_KERNELS named a family: no measured choice
+
+
+def kernel_family() -> str:
+    family = os.environ.get("QWORKER_KERNELS", "auto").strip().lower() or "auto"
     if os.environ.get("QWORKER_NATIVE", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        log.warning("native_kernels_unavailable", reason="no C++ compiler (set CXX)")
-        return None
-    target = qworker_home() / "native" / f"qworker-kernels-{_build_key(compiler)}.so"
-    if not target.exists():
-        try:
-            _compile(compiler, target)
-        except (OSError, subprocess.SubprocessError) as exc:  # failed or timed out
-            log.warning("native_kernels_unavailable", reason=str(exc))
-            return None
-    lib = ctypes.CDLL(str(target))
+        family = "torch"
+    if family == "amx":
+        raise ValueError("QWORKER_KERNELS=amx: there are no native AMX kernels yet; oneDNN's AMX "
+                         "path is the torch family (QWORKER_KERNELS=torch)")
+    if family not in KERNEL_FAMILIES:
+        raise ValueError(f"QWORKER_KERNELS={family!r}: choose one of {', '.join(KERNEL_FAMILIES)}")
+    return family
+
+
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, NativeStatus]:
+    family = kernel_family()
+    forced = family != "auto"
+    if family == "torch":
+        return None, NativeStatus(None, "", "QWORKER_KERNELS=torch", forced)
+    levels = [lv for lv in nb.runnable_levels()
+              if family == "auto" or lv.name in nb.FAMILIES[family]]
+    if not levels:
+        of = "" if family == "auto" else f" of {family}"
+        reason = f"this CPU runs no native kernel level{of}"
+        return None, NativeStatus(None, "", reason, forced)
+    level = levels[0]
+    path, origin = nb.installed_library(level), "installed"
+    if path is None:
+        path, origin = qworker_home() / "native" / nb.library_name(level), "home"
+        if not path.exists():
+            reason = _build_in_home(level, path)
+            if reason:
+                log.error("native_kernels_missing", level=level.name, reason=reason,
+                          fix="run `make install` (or python -m qworker.model.native_build)")
+                return None, NativeStatus(None, "", reason, forced)
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return lib, NativeStatus(level.name, origin, "", forced)
+
+
+def _build_in_home(level: nb.Level, path: Path) -> str:
+    """Builds `level` at `path`; the reason it could not, or ""."""
+    cxx = nb.compiler()
+    if cxx is None:
+        return "no installed build for these sources and no C++ compiler (set CXX) to build one"
+    try:
+        nb.build(level, path, cxx)
+    except (OSError, subprocess.SubprocessError) as exc:  # failed, timed out, unwritable home
+        return f"building into {path.parent} failed: {exc}"
+    for old in path.parent.glob("qworker-kernels-*.so"):  # earlier sources' builds
+        if old != path and old.name.startswith(f"qworker-kernels-{level.name}-"):
+            old.unlink(missing_ok=True)  # a process still using one keeps its mapping
+    return ""
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     for name, argtypes in SIGNATURES.items():
         for suffix in SUFFIXES.values():
             getattr(lib, f"{name}_{suffix}").argtypes = argtypes
@@ -67,11 +112,14 @@ def library() -> ctypes.CDLL | None:
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
         getattr(lib, name).argtypes = [_P, _P, _I, _P, _P, _P, _I, _P] + [_P] * 6 + [_I, _P, _D, _D]
         getattr(lib, name).restype = ctypes.c_int
-    return lib
 
 
-def _sources() -> list[Path]:
-    return sorted(SOURCES.glob("*.cpp"))
+def library() -> ctypes.CDLL | None:
+    return _loaded()[0]
+
+
+def status() -> NativeStatus:
+    return _loaded()[1]
 
 
 def _kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
@@ -80,38 +128,9 @@ def _kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
     return getattr(lib, f"{name}_{SUFFIXES[dtype]}")
 
 
-def _build_key(compiler: str) -> str:
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    sources = [p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.is_file()]  # headers too
-    parts = [*sources, " ".join(FLAGS + LINK_FLAGS).encode(), compiler.encode(),
-             platform.machine().encode(), flags.encode()]
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-
-
-def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target, then rename: concurrent workers never load a half-written file
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        objects = []
-        for source in _sources():
-            objects.append(str(Path(tmp) / f"{source.stem}.o"))
-            _run([compiler, *FLAGS, "-c", str(source), "-o", objects[-1]])
-        _run([compiler, *LINK_FLAGS, *objects, "-o", str(built)])
-        os.replace(built, target)
-    for old in target.parent.glob("qworker-kernels-*.so"):  # earlier versions' builds
-        if old != target:  # a process still using one keeps its mapping
-            old.unlink(missing_ok=True)
-
-
 def serves(cache: torch.Tensor) -> bool:
     """Whether the native kernels take a cache of this dtype and device."""
     return cache.device.type == "cpu" and cache.dtype in SUFFIXES and library() is not None
-
-
-def _run(command: list[str]) -> None:
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
 
 
 def decode_attention(
@@ -161,15 +180,21 @@ def prefill_attention(
 GEMM_DTYPES = {torch.float32: ("qw_gemm_f32", 1, 1), torch.bfloat16: ("qw_gemm_bf16", 2, 2)}
 
 
+def gemm_serves(weight: torch.Tensor) -> bool:
+    """Whether `gemm` takes this [n, k] weight here (dtype, device, CPU, block-sized width)."""
+    spec = GEMM_DTYPES.get(weight.dtype)
+    n, k = weight.shape
+    return not (spec is None or weight.device.type != "cpu" or (lib := library()) is None
+                or not lib.qw_gemm_available() & spec[1] or n % 16 or k % spec[2])
+
+
 def gemm_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """[n, k] weight -> [n/16, k/step, 16, step] (step 2 for bfloat16: pairs along k), the
     layout `gemm` reads; None where `gemm` does not serve this weight here."""
-    spec = GEMM_DTYPES.get(weight.dtype)
-    n, k = weight.shape
-    if (spec is None or weight.device.type != "cpu" or (lib := library()) is None
-            or not lib.qw_gemm_available() & spec[1] or n % 16 or k % spec[2]):
+    if not gemm_serves(weight):
         return None
-    step = spec[2]
+    n, k = weight.shape
+    step = GEMM_DTYPES[weight.dtype][2]
     return weight.detach().view(n // 16, 16, k // step, step).permute(0, 2, 1, 3).contiguous()
 
 

@@ -1,0 +1,148 @@
+"""Which matmul each linear layer runs, chosen by measurement on this CPU, not by assumption.
+
+At warm-up every distinct (output, input, dtype) shape of the model is timed with each kernel
+this CPU can run for it (the native GEMM of the loaded level, oneDNN through torch with the weight
+prepacked) at a few token counts (`BUCKETS`); each layer then runs, for a step of m rows, the
+fastest kernel of m's bucket. The choice is cached on disk, keyed by CPU, flags, threads, torch,
+native build and shapes, so a restart does not measure again. `QWORKER_KERNELS` set to a family
+skips the measurement: that family wherever it serves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from qworker.model import native
+from qworker.model import native_build as nb
+
+if TYPE_CHECKING:
+    from qworker.model.linear import Linear
+
+BUCKETS = (1, 8, 32, 128, 512)  # rows a step's matmul is timed at
+_EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
+REPEATS = 5
+Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -> seconds
+
+log = structlog.get_logger(__name__)
+
+
+def bucket(rows: int) -> int:
+    """Index of the bucket nearest to `rows` on a log scale."""
+    return bisect.bisect_left(_EDGES, rows)
+
+
+def fastest(timings: Mapping[str, Sequence[float | None]]) -> tuple[str, ...]:
+    """Per bucket, the kernel with the least time; None marks one not measured there (a bucket
+    no kernel was measured at takes the fastest of the nearest bucket below it)."""
+    kinds = list(timings)
+    chosen: list[str] = []
+    for b in range(len(BUCKETS)):
+        times = {k: t[b] for k in kinds if (t := timings[k])[b] is not None}
+        if times:
+            chosen.append(min(times, key=lambda k: times[k]))  # type: ignore[arg-type,return-value]
+        else:
+            chosen.append(chosen[-1] if chosen else kinds[0])
+    return tuple(chosen)
+
+
+def best_time(kind: str, rows: int, run: Callable[[], object]) -> float:
+    run()  # first call: packing, page faults
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def measure(layer: Linear, max_rows: int,
+            timer: Timer = best_time) -> dict[str, list[float | None]]:
+    """Seconds per call of each kernel the layer can run, at every bucket up to max_rows."""
+    generator = torch.Generator().manual_seed(0)
+    out: dict[str, list[float | None]] = {}
+    for kind in layer.kernels():
+        out[kind] = []
+        for rows in BUCKETS:
+            if rows > max(max_rows, 1):
+                out[kind].append(None)
+                continue
+            x = torch.randn(rows, layer.in_features, generator=generator).to(layer.weight.dtype)
+            with torch.inference_mode():
+                out[kind].append(timer(kind, rows, lambda k=kind, x=x: layer.run(k, x)))
+    return out
+
+
+def shape_key(layer: Linear) -> str:
+    dtype = str(layer.weight.dtype).removeprefix("torch.")
+    return f"{layer.out_features}x{layer.in_features}:{dtype}"
+
+
+def choose(layers: Iterable[tuple[Linear, int]], cache_dir: Path | None,
+           timer: Timer = best_time) -> dict[str, tuple[str, ...]]:
+    """Sets every layer's `choice` (layers given with the most rows a step gives each); returns
+    the choice by shape. Layers of one shape share one measurement."""
+    by_shape: dict[str, list[Linear]] = {}
+    rows_of: dict[str, int] = {}
+    for layer, rows in layers:
+        if len(layer.kernels()) > 1:
+            key = shape_key(layer)
+            by_shape.setdefault(key, []).append(layer)
+            rows_of[key] = max(rows_of.get(key, 0), rows)
+    path = _cache_path(cache_dir, rows_of)
+    chosen = _read(path)
+    if chosen is None or set(chosen) != set(by_shape):
+        chosen = {key: fastest(measure(group[0], rows_of[key], timer))
+                  for key, group in by_shape.items()}
+        _write(path, chosen)
+    for key, group in by_shape.items():
+        for layer in group:
+            layer.set_choice(chosen[key])
+    return chosen
+
+
+def _cache_path(cache_dir: Path | None, rows_of: Mapping[str, int]) -> Path | None:
+    if cache_dir is None:
+        return None
+    status = native.status()
+    parts = [nb.cpu_model(), " ".join(sorted(nb.cpu_flags())), str(torch.get_num_threads()),
+             torch.__version__, str(status.level), nb.source_hash(),
+             json.dumps(sorted(rows_of.items())), str(BUCKETS)]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return cache_dir / f"kernels-{key}.json"
+
+
+def _read(path: Path | None) -> dict[str, tuple[str, ...]] | None:
+    try:
+        data = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    return {k: tuple(v) for k, v in data.items()
+            if isinstance(v, list) and len(v) == len(BUCKETS)}
+
+
+def _write(path: Path | None, chosen: Mapping[str, tuple[str, ...]]) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({k: list(v) for k, v in chosen.items()}, indent=1) + "\n")
+    except OSError as exc:  # a read-only home: measured again at the next start
+        log.warning("kernel_choice_not_cached", path=str(path), reason=str(exc))
+
+
+def describe(chosen: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    """shape -> "kernel@bucket,...", for logs and the info metric."""
+    return {key: ",".join(f"{k}@{b}" for k, b in zip(kinds, BUCKETS, strict=True))
+            for key, kinds in chosen.items()}
