@@ -172,18 +172,23 @@ class Worker:
         self._track()
         self.heartbeat.start()
         try:
+            code = self._loop()
+        finally:  # also on a bug: the heartbeat must not outlive the loop
+            self._leave()
+        self.log.info("worker stopped", exit_code=code)
+        return code
+
+    def _loop(self) -> int:
+        try:
             while not self._finished():
                 self.iterate()
         except CannotWork as exc:
             self.log.error("cannot work with this Redis, exiting", error=str(exc),
                            exit_code=EXIT_CODE, jobs_left_pending=len(self.active))
-            self._leave()
             return EXIT_CODE
         if self.active:
             self.log.warning("exiting with unpublished jobs; they stay pending for reclaim",
                              jobs=sorted(self.active))
-        self._leave()
-        self.log.info("worker stopped")
         return 0
 
     def _leave(self) -> None:
