@@ -15,6 +15,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     redis.TimeoutError,
     ConnectionError,
 )
+# Subclasses of those that no retry can mend: a wrong password or user.
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (redis.AuthenticationError,)
 
 
 @dataclass
@@ -28,7 +30,10 @@ class Backoff:
     _first_failure: float | None = field(default=None, repr=False)
 
     def failed(self, exc: BaseException) -> float:
-        """Record a failure: the delay to sleep, or `exc` re-raised once it is time to stop."""
+        """Record a failure: the delay to sleep, or `exc` re-raised once it is time to stop (at
+        once for a permanent one)."""
+        if isinstance(exc, PERMANENT_ERRORS):
+            raise exc
         now = time.monotonic()
         if self._first_failure is None:
             self._first_failure = now

@@ -377,10 +377,12 @@ def test_authenticated_url(redis_url: str, client: redis.Redis) -> None:
         with Producer(url) as prod:
             prod.submit("authed")
         assert client.xlen("qw:jobs") == 1
+        started = time.monotonic()
         with pytest.raises(redis.AuthenticationError), Producer(
             redis_url.replace("redis://", f"redis://{user}:wrong@")
         ) as bad:
             bad.submit("x")
+        assert time.monotonic() - started < 5, "a wrong password is not retried"
     finally:
         client.acl_deluser(user)
 
