@@ -280,7 +280,7 @@ def test_the_metrics_port_is_loopback_unless_a_manifest_says_otherwise(
         assert metrics._server.server_address[0] == "127.0.0.1"
     finally:
         metrics.close()
-    for where, env in list(all_qworker_envs())[1:]:  # compose's and k8s' (probes, scrapes)
+    for where, env in all_qworker_envs():  # the image's, compose's, k8s' (probes, scrapes)
         assert env["QWORKER_METRICS_HOST"] == "0.0.0.0", where
 
 
