@@ -292,3 +292,32 @@ def test_worker_isolates_a_reclaimed_entry_and_not_a_fresh_one(redis_url: str) -
         assert w.stop() == 0
     assert added == {"orphan": True, "fresh": False}
     assert check_stream(client, "orphan").completion_tokens == 4
+
+
+def test_an_isolated_prompt_waits_for_room_and_nobody_starves(smollm2_tokenizer: Tokenizer,
+                                                              model: LlamaModel) -> None:
+    """A cache too small for everyone: the isolated request starts only once its whole prompt
+    has room (so it never preempts itself between its chunks), and everyone finishes."""
+    engine = tiny_engine(smollm2_tokenizer, model, num_blocks=8, block_size=4, max_num_seqs=4,
+                         max_batched_tokens=16, prefill_chunk=4)
+    engine.runner.run = lambda work: {  # type: ignore[method-assign]
+        seq: 100 for seq, n in work if seq.num_computed + n == len(seq.token_ids)}
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for rid in ("a", "b"):
+        engine.add(Request(rid, [7] * 8, params))
+    for _ in range(4):  # a and b hold 6 of the 8 blocks: room for a chunk of iso, not its prompt
+        engine.step()
+    engine.add(Request("iso", [7] * 16, params, isolate=True))
+    iso = engine._seqs["iso"]
+    finished: set[str] = set()
+    alone: list[int] = []
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        isolated = iso.isolate
+        finished |= {out.request_id for out in engine.step() if out.finished}
+        work = engine.last_schedule.work
+        if isolated and any(seq is iso for seq, _ in work):
+            alone.append(len(work))
+    assert finished == {"a", "b", "iso"}, "a request starved"
+    assert alone == [1, 1, 1, 1]  # four chunks of its prompt, each alone, none repeated

@@ -9,7 +9,7 @@ allow; nothing is admitted in a step that had to preempt.
 
 Isolation: a sequence with `isolate` set (a job whose earlier runs may have crashed their process)
 runs in steps of its own until it has sampled a token: when it is running, or at the head of the
-waiting queue with room to start, the step is that sequence alone and the others wait one step;
+waiting queue with room for its whole prefill, the step is that sequence alone and the others wait;
 otherwise nothing is admitted behind it. So whatever it does to a step, no other sequence was in it.
 """
 
@@ -79,10 +79,12 @@ class Scheduler:
             if not self.waiting or not self.waiting[0].isolate:
                 return False
             seq = self.waiting[0]
-            n = min(seq.num_pending, self.limits.prefill_chunk, budget)
+            # room for its whole prefill: nobody else runs meanwhile, so it never has to
+            # preempt itself between chunks (and start over, alone again, for ever)
+            need = self.blocks.blocks_needed(seq, len(seq.token_ids))
             reserve = self.limits.watermark_blocks if self.running else 0
-            if (len(self.running) >= self.limits.max_num_seqs
-                    or self.blocks.blocks_needed(seq, n) + reserve > self.blocks.num_free):
+            full = len(self.running) >= self.limits.max_num_seqs
+            if full or need + reserve > self.blocks.num_free:
                 return False  # no room yet: the others run, and admission stops at it
             self.waiting.pop(0)
             seq.status = Status.RUNNING

@@ -246,7 +246,7 @@ class SimulatedEngine:
                     or len(self._running) >= self.config.max_num_seqs:
                 return None
             seq = self._waiting[0]
-            need = self._blocks_for(seq.computed + self._work(seq, budget)) - seq.blocks
+            need = self._blocks_for(len(seq.tokens)) - seq.blocks  # its whole prefill
             if need > self._free_blocks - (self._watermark_blocks if self._running else 0):
                 return None
             self._running.append(self._waiting.pop(0))
