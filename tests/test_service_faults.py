@@ -321,3 +321,59 @@ def test_error_replies_are_sorted_by_scope() -> None:
                          E.ReadOnlyError("READONLY replica")):
         with pytest.raises(type(not_the_jobs)):
             job_error(not_the_jobs)
+
+
+def test_hostile_mix_costs_exactly_the_hostile_entries(redis_url: str) -> None:
+    """Hundreds of hostile entries of every kind, between innocent jobs, to one worker."""
+    from tests.test_service_bad_jobs import BAD, BAD_IDS
+
+    client = redis.Redis.from_url(redis_url)
+    with_event: list[str] = []  # hostile jobs with a usable id: they get an error event
+    hostile = 0
+
+    def add(fields: dict[bytes, bytes], job_id: str | None) -> None:
+        nonlocal hostile
+        client.xadd(KEYS.jobs, fields)
+        hostile += 1
+        if job_id:
+            with_event.append(job_id)
+
+    innocent: dict[str, dict[str, object]] = {}
+    for copy in range(5):
+        for name, fields, _ in BAD:
+            add({b"id": f"{name}.{copy}".encode(), **fields}, f"{name}.{copy}")
+        for _, fields in BAD_IDS:
+            add(fields, None)
+        for k in range(4):
+            add({b"id": f"nl{copy}-{k}\n".encode(), b"prompt": b"x"}, None)  # id with newline
+            add({b"id": f"vocab{copy}-{k}".encode(), b"prompt_token_ids": b"[99999999]"},
+                f"vocab{copy}-{k}")
+            foreign = f"foreign{copy}-{k}"
+            client.set(KEYS.out(foreign), "x")
+            add({b"id": foreign.encode(), b"prompt": b"x"}, None)  # only a dead letter
+            add({b"id": f"wide{copy}-{k}".encode(),
+                 **{f"w{j}".encode(): b"1" for j in range(500)}}, f"wide{copy}-{k}")
+        innocent.update({f"ok{copy}-{k}": {"prompt": f"innocent {copy} {k}", "max_tokens": 8}
+                         for k in range(10)})
+        _submit_jobs(client, {k: v for k, v in innocent.items() if k.startswith(f"ok{copy}-")})
+    add({b"id": b"huge", b"prompt": b"h" * (40 * MiB)}, "huge")
+    engine = sim_engine("sim:step_ms=1,max_model_len=256")  # as the table of bad jobs wants
+    with thread_worker(redis_url, "mix", engine) as w:
+        wait_terminal(client, [*innocent, *with_event], timeout=120)
+        wait_for(lambda: client.xlen(KEYS.dead) >= hostile, what=f"{hostile} dead letters")
+        assert w.thread.is_alive()
+        assert w.stop() == 0
+    want = expected(innocent)
+    for job_id in innocent:
+        assert (check_stream(client, job_id).text, "length") == want[job_id], job_id
+    assert all(isinstance(terminal(client, j), ErrorEvent) for j in with_event)
+    assert client.xlen(KEYS.dead) == hostile
+    assert group_pending(client) == 0 and client.xlen(KEYS.jobs) == 0
+    assert client.memory_usage(KEYS.dead) < 4 * MiB
+    print(f"FIGURES hostile-mix: entries={hostile + len(innocent)} hostile={hostile} "
+          f"innocent={len(innocent)} lost=0 exits=0 dead={client.xlen(KEYS.dead)}")
+
+
+def _submit_jobs(client: redis.Redis, jobs: dict[str, dict[str, object]]) -> None:
+    for job_id, fields in jobs.items():
+        client.xadd(KEYS.jobs, {"id": job_id, **{k: str(v) for k, v in fields.items()}})
