@@ -63,6 +63,15 @@ HOSTILE: dict[str, tuple[dict[str, str], str, str]] = {
     "prompt-1m": ({"prompt": MILLION}, "prompt_too_long", "1000000 characters does not fit"),
 }
 FAULT_AFTER = 2  # the injected fault hits the "fault" job's step once it has this many tokens
+# odd but valid: each must finish with all its tokens
+ODD: dict[str, dict[str, str]] = {
+    "ids-edges": {"prompt_token_ids": f"[0, {VOCAB - 1}, 1]", "ignore_eos": "true"},
+    "sampler-extremes": {"prompt": "Once upon a time", "top_k": "1000000", "min_p": "1",
+                         "repetition_penalty": "10", "frequency_penalty": "-2",
+                         "presence_penalty": "2", "temperature": "5", "ignore_eos": "true"},
+    "stop-ids-in-vocab": {"prompt": "Count: 1, 2, 3,", "stop_token_ids": f"[0, 1, 2, {VOCAB - 1}]",
+                          "min_tokens": str(MAX_TOKENS), "ignore_eos": "false"},
+}
 
 
 def chat(topic: str) -> str:
@@ -150,7 +159,9 @@ def test_hostile_entries_cost_only_themselves_on_the_real_model(
                        temperature=0)
         submit(client, "tiny-temperature", messages=innocents["tiny-temperature"],
                max_tokens=MAX_TOKENS, temperature=1e-300, seed=3)
-        got = wait_terminal(client, [*innocents, *HOSTILE], timeout=120)
+        for name, fields in ODD.items():
+            submit(client, name, max_tokens=MAX_TOKENS, **fields)
+        got = wait_terminal(client, [*innocents, *HOSTILE, *ODD], timeout=120)
         wait_for(lambda: group_pending(client) == 0, what="every entry acked")
         assert w.thread.is_alive(), "the worker died"
         assert w.stop() == 0
@@ -159,6 +170,8 @@ def test_hostile_entries_cost_only_themselves_on_the_real_model(
         assert isinstance(got[name], DoneEvent), (name, got[name])
         check_stream(client, name)
         assert token_ids(client, name) == ids, name
+    for name in ODD:
+        assert check_stream(client, name).completion_tokens == MAX_TOKENS, (name, got[name])
     dead = {f[b"source_id"].decode(): f for _, f in client.xrange(KEYS.dead)}
     entry_of = {f[b"id"].decode(): sid for sid, f in dead.items() if b"id" in f}
     for name, (_, code, says) in HOSTILE.items():
@@ -174,6 +187,7 @@ def test_hostile_entries_cost_only_themselves_on_the_real_model(
     assert len(million) == 5 and max(million.values()) < 0.05, million  # refused in milliseconds
     assert worker_engine.blocks.num_free == worker_engine.blocks.num_blocks
     assert group_pending(client) == 0
-    print(f"\nhostile suite: {len(HOSTILE) + len(innocents)} entries ({len(HOSTILE)} hostile), "
+    print(f"\nhostile suite: {len(HOSTILE) + len(innocents) + len(ODD)} entries "
+          f"({len(HOSTILE)} hostile, {len(ODD)} odd but valid), "
           f"0 lost, 0 worker exits, {elapsed:.1f}s; 1M-character prompts refused in at most "
           f"{max(million.values()) * 1000:.1f} ms")
