@@ -137,7 +137,7 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(
 
 
 def test_tokenizer_without_a_sure_bound_is_not_bounded(smollm2_tokenizer: Tokenizer) -> None:
-    from tokenizers import normalizers
+    from tokenizers import normalizers, pre_tokenizers
 
     class Wrapped:
         def __init__(self, backend: object) -> None:
@@ -147,6 +147,13 @@ def test_tokenizer_without_a_sure_bound_is_not_bounded(smollm2_tokenizer: Tokeni
     clone = type(backend).from_str(backend.to_str())
     clone.normalizer = normalizers.Strip()  # drops characters: no token bound is sure
     assert max_token_chars(Wrapped(clone)) is None
+    split = type(backend).from_str(backend.to_str())
+    split.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.ByteLevel()])
+    assert max_token_chars(Wrapped(split)) is None  # a million spaces would be no token at all
+    split.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(" ", behavior="isolated"), pre_tokenizers.ByteLevel()])
+    assert max_token_chars(Wrapped(split)) == 81
     assert max_token_chars(object()) is None
 
 

@@ -74,11 +74,24 @@ def max_token_chars(tokenizer: Any) -> int | None:
     if backend is None:
         return None
     spec = json.loads(backend.to_str())
-    pre = json.dumps(spec.get("pre_tokenizer"))
+    pre = spec.get("pre_tokenizer")
     if spec.get("normalizer") is not None or spec.get("model", {}).get("type") != "BPE" \
-            or '"ByteLevel"' not in pre:
+            or not _keeps_every_byte(pre) or '"ByteLevel"' not in json.dumps(pre):
         return None
     return max(len(token) for token in backend.get_vocab(with_added_tokens=True))
+
+
+def _keeps_every_byte(pre: Any) -> bool:
+    """Pre-tokenizers that only cut text into pieces, dropping nothing (a `Removed` split or a
+    whitespace split would drop characters, and with them any bound)."""
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_byte(p) for p in pre.get("pretokenizers", []))
+    if kind == "Split":
+        return pre.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Digits", "Punctuation")
 
 
 def _check_length(request: Request, limits: ModelLimits) -> None:
