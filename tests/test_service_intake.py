@@ -247,3 +247,14 @@ def test_worker_backs_off_on_transient_errors_and_raises_on_bugs() -> None:
             worker._guard(lambda r=reply: fail(redis.ResponseError(r)))
     with pytest.raises(KeyError):  # a bug is not a Redis error
         worker._guard(lambda: fail(KeyError("bug")))
+
+
+def test_heartbeat_snapshot_follows_what_the_worker_holds() -> None:
+    from qworker.service.worker import Worker
+
+    worker = Worker(_engine(), ServiceConfig(redis_url="redis://fake"),
+                    client=fakeredis.FakeRedis())
+    worker._track([Entry(KEYS.jobs, "1-0", {})])  # being admitted
+    assert [h.entry_id for h in worker.heartbeat._held] == ["1-0"]
+    worker._track()  # rejected, or finished: no longer beaten, so never held forever
+    assert worker.heartbeat._held == ()

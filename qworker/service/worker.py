@@ -131,7 +131,7 @@ class Worker:
         self._last_reclaim = float("-inf")
         self._last_cleanup = time.monotonic()  # dead consumers: first look after a while
         self._last_info = float("-inf")
-        self._tracked: tuple[str, ...] = ()  # job ids of the heartbeat's last snapshot
+        self._tracked: tuple[str, ...] | None = None  # job ids of the heartbeat's snapshot
         self._started_ms = now_ms()
         self._stop_requests = 0  # request_stop() calls, and how many the loop has acted on
         self._stops_taken = 0
@@ -458,7 +458,7 @@ class Worker:
         holding = tuple(self.active)
         if holding == self._tracked and not admitting and info is None:
             return
-        self._tracked = () if admitting else holding
+        self._tracked = None if admitting else holding  # None: rebuilt at the next turn
         held = [Held(j.entry.stream, j.entry.entry_id, j.job_id) for j in self.active.values()]
         held += [Held(e.stream, e.entry_id, e.entry_id) for e in admitting]
         self.heartbeat.track(held, info)
