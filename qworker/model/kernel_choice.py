@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 BUCKETS = (1, 8, 32, 128, 512)  # rows a step's matmul is timed at
 _EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
-REPEATS = 5
-Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -> seconds
+ROUNDS = 7
+Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -> s of one call
 
 log = structlog.get_logger(__name__)
 
@@ -47,39 +47,49 @@ def fastest(timings: Mapping[str, Sequence[float | None]]) -> tuple[str, ...]:
     kinds = list(timings)
     chosen: list[str] = []
     for b in range(len(BUCKETS)):
-        times = {k: t[b] for k in kinds if (t := timings[k])[b] is not None}
+        times = {k: t for k in kinds if (t := timings[k][b]) is not None}
         if times:
-            chosen.append(min(times, key=lambda k: times[k]))  # type: ignore[arg-type,return-value]
+            chosen.append(min(times, key=times.__getitem__))
         else:
             chosen.append(chosen[-1] if chosen else kinds[0])
     return tuple(chosen)
 
 
-def best_time(kind: str, rows: int, run: Callable[[], object]) -> float:
-    run()  # first call: packing, page faults
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
 
 
 def measure(layer: Linear, max_rows: int,
-            timer: Timer = best_time) -> dict[str, list[float | None]]:
-    """Seconds per call of each kernel the layer can run, at every bucket up to max_rows."""
+            timer: Timer = one_call) -> dict[str, list[float | None]]:
+    """Seconds per call of each kernel the layer can run, at every bucket up to max_rows: the
+    best of ROUNDS calls, the kernels taking turns (a busy neighbour slows them alike)."""
     generator = torch.Generator().manual_seed(0)
-    out: dict[str, list[float | None]] = {}
-    for kind in layer.kernels():
-        out[kind] = []
-        for rows in BUCKETS:
-            if rows > max(max_rows, 1):
+    kinds = layer.kernels()
+    out: dict[str, list[float | None]] = {kind: [] for kind in kinds}
+    for rows in BUCKETS:
+        if rows > max(max_rows, 1):
+            for kind in kinds:
                 out[kind].append(None)
-                continue
-            x = torch.randn(rows, layer.in_features, generator=generator).to(layer.weight.dtype)
-            with torch.inference_mode():
-                out[kind].append(timer(kind, rows, lambda k=kind, x=x: layer.run(k, x)))
+            continue
+        x = torch.randn(rows, layer.in_features, generator=generator).to(layer.weight.dtype)
+        runs = {kind: (lambda k=kind, x=x: layer.run(k, x)) for kind in kinds}
+        with torch.inference_mode():
+            for run in runs.values():
+                run()  # first call: packing, page faults
+            best = _rounds(runs, rows, timer)
+        for kind in kinds:
+            out[kind].append(best[kind])
     return out
+
+
+def _rounds(runs: Mapping[str, Callable[[], object]], rows: int, timer: Timer) -> dict[str, float]:
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(ROUNDS):
+        for kind, run in runs.items():
+            best[kind] = min(best[kind], timer(kind, rows, run))
+    return best
 
 
 def shape_key(layer: Linear) -> str:
@@ -88,7 +98,7 @@ def shape_key(layer: Linear) -> str:
 
 
 def choose(layers: Iterable[tuple[Linear, int]], cache_dir: Path | None,
-           timer: Timer = best_time) -> dict[str, tuple[str, ...]]:
+           timer: Timer = one_call) -> dict[str, tuple[str, ...]]:
     """Sets every layer's `choice` (layers given with the most rows a step gives each); returns
     the choice by shape. Layers of one shape share one measurement."""
     by_shape: dict[str, list[Linear]] = {}
