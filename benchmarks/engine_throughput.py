@@ -21,17 +21,15 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import qworker_home, resolve_model
+from qworker.model.hub import resolve_model
 from qworker.model.llama import load_model
 from qworker.model.tokenizer import Tokenizer
 
 
 def run_qworker(model_path: str, dtype: torch.dtype, items: list[WorkItem],
                 config: EngineConfig) -> dict[str, object]:
-    model = load_model(model_path, dtype=dtype)
-    engine = Engine(model, Tokenizer.load(model_path), config)
-    model.choose_kernels(config.max_batched_tokens + config.max_num_seqs, config.max_num_seqs,
-                         qworker_home() / "kernels")  # as Engine.from_config does
+    engine = Engine(load_model(model_path, dtype=dtype), Tokenizer.load(model_path), config)
+    engine.warm_up()  # the measured kernel choice, as Engine.from_config does
     engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
     engine.runner.forward_seconds, engine.num_steps, engine.num_preemptions = 0.0, 0, 0
     for i, item in enumerate(items):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.machine import machine_info
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.dtypes import resolve_dtype
 from qworker.model.hub import resolve_model
@@ -91,7 +92,7 @@ def main() -> None:
         "layer_by_layer_forward_ms": round(layer_by_layer * 1000, 1),
         "torch_matmuls_ms": round(torch_mm * 1000, 1), "own_matmuls_ms": round(own_mm * 1000, 1),
         "forward_over_torch_matmuls": round(forward / torch_mm, 2),
-        "forward_over_own_matmuls": round(forward / own_mm, 2),
+        "forward_over_own_matmuls": round(forward / own_mm, 2), **machine_info(),
     }), flush=True)
 
 

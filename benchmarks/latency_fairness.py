@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
@@ -109,6 +110,7 @@ def run_config(model: LlamaModel, tokenizer: Tokenizer, name: str, chunk: int,
                           max_batched_tokens=chunk, kv_cache_gb=0.5, decode_stretch=stretch,
                           max_model_len=scenario.long_prompt + 512)
     engine = Engine(model, tokenizer, config)
+    engine.warm_up()  # the measured kernel choice, as `qworker serve` starts
     vocab = model.config.vocab_size
     warm_up(engine, vocab)
     decoders = set(add_decoders(engine, scenario, vocab))
@@ -198,7 +200,7 @@ def main() -> None:
     with torch.inference_mode():
         for name, size, stretch in configs:
             result = run_config(model, tokenizer, name, size, stretch, scenario)
-            print(json.dumps(result), flush=True)
+            print(json.dumps({**result, **machine_info()}), flush=True)
             gc.collect()  # the previous engine's KV cache goes before the next one's
 
 

@@ -43,6 +43,7 @@ from types import FrameType
 import redis
 
 from benchmarks.local_redis import local_redis
+from benchmarks.machine import machine_info
 from producer import Producer
 from qworker.protocol import Keys
 
@@ -269,7 +270,8 @@ def main() -> None:
             print(json.dumps({"step_ms": settings.step_ms, **row,
                               "speedup": round(speedup, 2), "efficiency": round(speedup / k, 3),
                               "step_bound_tok_s": round(ideal, 1),
-                              "share_of_step_bound": round(float(row["tok_s"]) / ideal, 3)}),
+                              "share_of_step_bound": round(float(row["tok_s"]) / ideal, 3),
+                              **machine_info()}),
                   flush=True)
 
 

@@ -24,6 +24,7 @@ from redis.connection import Connection
 
 from benchmarks.engine_throughput import run_qworker
 from benchmarks.local_redis import local_redis
+from benchmarks.machine import machine_info
 from benchmarks.workload import WorkItem, fingerprint, standard_workload
 from producer import Producer
 from qworker.engine.config import EngineConfig
@@ -143,7 +144,7 @@ def main() -> None:
     config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True)
     in_process = run_qworker(path, dtype, items, config)
     engine = Engine(load_model(path, dtype=dtype), Tokenizer.load(path), config)
-    engine.runner.warm_up()  # as Engine.from_config does for `qworker serve`
+    engine.warm_up()  # as Engine.from_config does for `qworker serve`
     with local_redis() as url:
         service = run_service(url, engine, items)
     ratio = service["useful_out_tok_s"] / in_process["useful_out_tok_s"]  # type: ignore[operator]
@@ -151,7 +152,7 @@ def main() -> None:
                       "threads": torch.get_num_threads(),
                       "in_process_useful_out_tok_s": in_process["useful_out_tok_s"],
                       "end_to_end_useful_out_tok_s": service["useful_out_tok_s"],
-                      "ratio": round(ratio, 3), **service}), flush=True)
+                      "ratio": round(ratio, 3), **service, **machine_info()}), flush=True)
 
 
 if __name__ == "__main__":

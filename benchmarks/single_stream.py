@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
@@ -82,7 +83,7 @@ def main() -> None:
     path = str(resolve_model(args.model))
     model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"))
     engine = Engine(model, Tokenizer.load(path), EngineConfig(max_num_seqs=1, kv_cache_gb=0.25))
-    engine.runner.warm_up()
+    engine.warm_up()
     rng = random.Random(0)
     prompt = [rng.randrange(32, model.config.vocab_size) for _ in range(PROMPT_TOKENS)]
     runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
@@ -95,7 +96,7 @@ def main() -> None:
     ms = {graph: statistics.median(r[1] for r in runs[graph]) * 1000 for graph in runs}
     figures = {
         "dtype": args.dtype, "threads": args.threads, "prompt_tokens": PROMPT_TOKENS,
-        "new_tokens": NEW_TOKENS, "runs": args.runs,
+        "new_tokens": NEW_TOKENS, "runs": args.runs, **machine_info(),
         "ms_per_token": round(ms[True], 2),
         "layer_by_layer_ms_per_token": round(ms[False], 2),
         "ttft_ms": round(statistics.median(r[0] for r in runs[True]) * 1000, 1),

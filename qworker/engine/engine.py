@@ -75,18 +75,25 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         from qworker.model.dtypes import resolve_dtype
-        from qworker.model.hub import qworker_home, resolve_model
+        from qworker.model.hub import resolve_model
         from qworker.model.llama import load_model
 
         path = resolve_model(config.model)
         model = load_model(path, dtype=resolve_dtype(config.dtype, config.device),
                            device=config.device)
         engine = cls(model, Tokenizer.load(path), config)
-        # each linear layer's matmul, measured on this CPU (cached in the home)
-        model.choose_kernels(config.max_batched_tokens + config.max_num_seqs, config.max_num_seqs,
-                             qworker_home() / "kernels")
-        engine.runner.warm_up()
+        engine.warm_up()
         return engine
+
+    def warm_up(self) -> None:
+        """Chooses each linear layer's matmul by measuring them on this CPU (cached in the
+        qworker home), then runs one tiny forward, so no request pays for either."""
+        from qworker.model.hub import qworker_home
+
+        config = self.config
+        self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs,
+                                         config.max_num_seqs, qworker_home() / "kernels")
+        self.runner.warm_up()
 
     def add(self, request: Request) -> None:
         if request.request_id in self._seqs:
