@@ -393,6 +393,7 @@ class WorkerInfo(BaseModel):
     running: int = 0
     free_slots: int = 0
     draining: bool = False
+    native: str = ""  # the native CPU kernels' level, or "missing: <why>"
 
 
 def entry_ms(entry_id: str) -> int | None:

@@ -208,3 +208,46 @@ def test_every_metric_is_documented() -> None:
     for family in Metrics().registry.collect():
         name = family.name + ("_total" if family.type == "counter" else "")
         assert f"| `{name}` | {family.type} |" in doc, name
+
+
+class NoKernelsEngine(SimulatedEngine):
+    """Reports what a real engine reports where the native build is missing."""
+
+    def kernel_report(self) -> dict[str, str]:
+        return {"native": "missing: no installed build and no C++ compiler", "attention": "torch"}
+
+
+def test_missing_native_kernels_are_said_at_start_in_metrics_and_in_stats(
+        redis_url: str, capsys: Any) -> None:
+    from producer.stats import collect_stats
+    from qworker.commands.stats import render
+    from tests.service_harness import KEYS
+
+    sim = sim_engine()
+    engine = NoKernelsEngine(sim.config, sim.options)
+    with metered_worker(redis_url, engine) as w:
+        samples = scrape_until(w.port, lambda s: any(
+            name == "qworker_native_kernels_loaded" for name, _ in s), 10, "the kernel gauge")
+        level = "missing: no installed build and no C++ compiler"
+        assert value(samples, "qworker_native_kernels_loaded", level=level) == 0
+        assert value(samples, "qworker_kernel", op="attention", kernel="torch") == 1
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        stats = wait_for(lambda: (s := collect_stats(client, KEYS)).workers and s, 10,
+                         what="the worker's liveness key")
+        assert f"kernels={level}" in render(stats)
+    logged = capsys.readouterr()
+    assert "native CPU kernels missing" in logged.out + logged.err
+
+
+def test_a_real_engine_reports_its_kernels(smollm2_tokenizer: Any) -> None:
+    import torch
+
+    from qworker.model import native
+    from tests.engine_fixtures import tiny_engine, tiny_model
+
+    engine = tiny_engine(smollm2_tokenizer, tiny_model(128, dtype=torch.float32, seed=1))
+    report = engine.kernel_report()
+    status = native.status()
+    assert report["native"] == (status.level or f"missing: {status.reason}")
+    linear = [k for k in report if k.startswith("linear ")]
+    assert linear and all(report[k].count("@") == 5 for k in linear)

@@ -56,4 +56,6 @@ def _worker_line(worker: dict) -> str:
                if k in worker]
     if worker.get("draining"):
         details.append("draining")
+    if worker.get("native"):
+        details.append(f"kernels={worker['native']}")
     return " ".join([str(worker["name"]), *details])

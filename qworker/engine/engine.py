@@ -130,6 +130,11 @@ class Engine:
             self.scheduler.remove(seq)
         self._ready = [out for out in self._ready if out.request_id != request_id]
 
+    def kernel_report(self) -> dict[str, str]:
+        """Which kernel runs each op (`LlamaModel.kernel_report`), for the worker's logs,
+        metrics and liveness key."""
+        return self.runner.model.kernel_report()
+
     def free_slots(self) -> int:
         """How many more requests admission would take now."""
         if self.blocks.num_free <= self.scheduler.limits.watermark_blocks:

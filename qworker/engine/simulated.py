@@ -186,6 +186,9 @@ class SimulatedEngine:
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
 
+    def kernel_report(self) -> dict[str, str]:
+        return {"native": "none: simulated engine"}
+
     def free_slots(self) -> int:
         slots = self.config.max_num_seqs - len(self._running) - len(self._waiting)
         reserved = sum(self._blocks_for(min(len(s.tokens), self.config.prefill_chunk))

@@ -170,10 +170,24 @@ class LlamaModel(nn.Module):
                   if isinstance(m, Linear) and m is not self.lm_head]
         chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir)
         self.decode_graph.reset()
-        status = native.status()
-        log.info("kernels_chosen", native=status.level or f"none ({status.reason})",
-                 **kernel_choice.describe(chosen))
+        log.info("kernels_chosen", **self.kernel_report())
         return chosen
+
+    def kernel_report(self) -> dict[str, str]:
+        """What runs each op here, in words: the native level (or why there is none), the
+        attention path, and each linear shape's kernel per token bucket."""
+        status = native.status()
+        on_cpu = self.device.type == "cpu"
+        report = {"native": (status.level or f"missing: {status.reason}") if on_cpu else "cuda",
+                  "attention": "native" if native.serves(self.norm.weight) else "torch"}
+        shapes: dict[str, Linear] = {}
+        for module in self.modules():
+            if isinstance(module, Linear):
+                shapes.setdefault(kernel_choice.shape_key(module), module)
+        for key, layer in shapes.items():
+            kinds = layer.choice or tuple(layer.kind_for(b) for b in kernel_choice.BUCKETS)
+            report[f"linear {key}"] = kernel_choice.describe({key: kinds})[key]
+        return report
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up)."""

@@ -108,6 +108,12 @@ class Metrics:
                                       buckets=_TOKEN_BUCKETS)
         self.step_seconds = Histogram("qworker_step_seconds", "Engine step time", registry=r,
                                       buckets=_LATENCY_BUCKETS)
+        self.kernels = Gauge("qworker_kernel", "1 for the kernel each op runs (linear shapes: "
+                             "kernel@rows per token bucket), as measured at start",
+                             ["op", "kernel"], registry=r)
+        self.native_kernels = Gauge("qworker_native_kernels_loaded", "1 when the native CPU "
+                                    "kernels are loaded; 0: every op runs the slow torch path",
+                                    ["level"], registry=r)
 
     def _latency(self) -> None:
         r = self.registry
@@ -162,6 +168,12 @@ class Metrics:
                 self._last_token.pop(out.request_id, None)
         for job_id in [j for j in self._last_token if j not in active]:
             del self._last_token[job_id]  # cancelled, requeued at shutdown, lost
+
+    def set_kernels(self, report: dict[str, str]) -> None:
+        for op, kernel in report.items():
+            self.kernels.labels(op, kernel).set(1)
+        native = report.get("native", "")
+        self.native_kernels.labels(native).set(0 if native.startswith("missing") else 1)
 
     def redis_succeeded(self) -> None:
         self.health.redis_succeeded()

@@ -61,6 +61,7 @@ class EngineLike(Protocol):
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[StepOutput]: ...
     def free_slots(self) -> int: ...
+    def kernel_report(self) -> dict[str, str]: ...
     def has_unfinished(self) -> bool: ...
 
 
@@ -122,6 +123,7 @@ class Worker:
         self.heartbeat = Heartbeat(self.client, self.keys, config, scripts, self.token)
         self.backoff = Backoff(config.backoff_min_s, config.backoff_max_s)
         self.log = get_logger(worker=config.name)
+        self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
         self.active: dict[str, ActiveJob] = {}
         self.draining = False
         self.requeue_now = False
@@ -169,6 +171,7 @@ class Worker:
         self.metrics.serve(self.config.metrics_port)
         self.log.info("worker started", group=self.config.group, prefix=self.config.prefix,
                       model=self.config.model, token=self.token)
+        self._report_kernels()
         self._track()
         self.heartbeat.start()
         try:
@@ -510,8 +513,21 @@ class Worker:
         self.engine.check_prompt_text(text)  # far too long for the context: rejected untokenized
         return list(tokenizer.encode(text, add_special_tokens=False))
 
+    def _report_kernels(self) -> None:
+        """Once at start: which kernels run (in the log and /metrics); loudly when the native
+        CPU kernels are missing, since then every op takes the slow torch path."""
+        report = self.kernels
+        self.metrics.set_kernels(report)
+        if report.get("native", "").startswith("missing"):
+            self.log.error("native CPU kernels missing: every op runs the slow torch path",
+                           reason=report["native"], fix="reinstall with `make install` or the "
+                           "wheel (they carry the build), or give the worker a C++ compiler")
+        else:
+            self.log.info("kernels", **report)
+
     def _info(self) -> WorkerInfo:
         return WorkerInfo(name=self.config.name, host=socket.gethostname(), pid=os.getpid(),
                           model=self.config.model, group=self.config.group,
                           started_ms=self._started_ms, running=len(self.active),
-                          free_slots=self.engine.free_slots(), draining=self.draining)
+                          free_slots=self.engine.free_slots(), draining=self.draining,
+                          native=self.kernels.get("native", ""))
