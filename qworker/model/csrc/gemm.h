@@ -159,29 +159,39 @@ template <> struct GemmOp<bf16> {
   }
 };
 
-// MR rows x one block of 16 columns
+// MR rows x one block of 16 columns (two accumulator arrays, not one 2-D array: GCC keeps those
+// in registers, where it spilled half of a [MR][2] array to the stack every k step)
 template <typename T, int MR>
 void gemm_tile(const T* x, const T* wp, const T* bias, T* out, int64_t k, int64_t n, int64_t m0,
                int64_t nb) {
   using Op = GemmOp<T>;
   constexpr int S = Op::kStep;
-  __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  __m256 lo[MR], hi[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   const T* block = wp + nb * k * 16;
+  const T* rows = x + m0 * k;
   for (int64_t p = 0; p < k / S; ++p) {
     __m256 w[2 * S];
     Op::weights(block + p * S * 16, w);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       __m256 xs[S];
-      Op::broadcast(x + (m0 + i) * k + p * S, xs);
-      for (int h = 0; h < 2; ++h)
-        for (int s = 0; s < S; ++s) acc[i][h] = _mm256_fmadd_ps(xs[s], w[h * S + s], acc[i][h]);
+      Op::broadcast(rows + i * k + p * S, xs);
+#pragma GCC unroll 2
+      for (int s = 0; s < S; ++s) {
+        lo[i] = _mm256_fmadd_ps(xs[s], w[s], lo[i]);
+        hi[i] = _mm256_fmadd_ps(xs[s], w[S + s], hi[i]);
+      }
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t col = nb * 16 + 8 * h;
-    const __m256 b = bias != nullptr ? Op::widen(bias + col) : _mm256_setzero_ps();
-    for (int i = 0; i < MR; ++i) Op::narrow(out + (m0 + i) * n + col, _mm256_add_ps(acc[i][h], b));
+  const int64_t col = nb * 16;
+  const __m256 b_lo = bias != nullptr ? Op::widen(bias + col) : _mm256_setzero_ps();
+  const __m256 b_hi = bias != nullptr ? Op::widen(bias + col + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    Op::narrow(out + (m0 + i) * n + col, _mm256_add_ps(lo[i], b_lo));
+    Op::narrow(out + (m0 + i) * n + col + 8, _mm256_add_ps(hi[i], b_hi));
   }
 }
 
