@@ -321,3 +321,15 @@ def test_an_isolated_prompt_waits_for_room_and_nobody_starves(smollm2_tokenizer:
             alone.append(len(work))
     assert finished == {"a", "b", "iso"}, "a request starved"
     assert alone == [1, 1, 1, 1]  # four chunks of its prompt, each alone, none repeated
+
+
+def test_generate_reports_the_failed_one_and_completes_the_rest(smollm2_tokenizer: Tokenizer,
+                                                                model: LlamaModel) -> None:
+    want = clean_run(smollm2_tokenizer, model)
+    engine = tiny_engine(smollm2_tokenizer, model)
+    failing_runner(engine, lambda s: s.request_id == "generate-2", ValueError("bad row"))
+    done = engine.generate(TEXTS, GREEDY)
+    assert done[2].error == "ValueError: bad row" and done[2].finish_reason == ""
+    for k, c in enumerate(done):
+        if k != 2:
+            assert c.error is None and c.token_ids == want[f"r{k}"], k

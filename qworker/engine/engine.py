@@ -36,7 +36,8 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str  # "" when it failed
+    error: str | None = None  # the exception its step raised (see StepOutput.error)
 
 
 class Engine:
@@ -232,7 +233,7 @@ class Engine:
                     done[out.request_id] = out
         return [
             Completion(rid, ids[i], tokens[rid], done[rid].text or "",
-                       done[rid].finish_reason or "")
+                       done[rid].finish_reason or "", done[rid].error)
             for i, rid in enumerate(tokens)
         ]
 
