@@ -5,7 +5,9 @@
 // Cache of one layer: [kv_heads, num_blocks, block_size, head_dim]. q: [seqs, heads, head_dim]
 // with a row stride of q_stride elements; out: [seqs, heads, head_dim], contiguous. The `group`
 // query heads that share a KV head are served together, so each key and value row is read once.
-// With AVX-512 the inner loops are vectorised by hand; elsewhere the compiler does what it can.
+// With AVX-512, or AVX2 + FMA, the inner loops are vectorised by hand (16 or 8 key rows per dot
+// pass, register tiles of query rows for the weighted values); elsewhere the compiler does what
+// it can.
 #pragma once
 
 #include <algorithm>
@@ -15,7 +17,7 @@
 
 #include "common.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -179,6 +181,103 @@ void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t 
 }
 #endif
 
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define QW_ATTENTION_AVX2 1
+constexpr int64_t kMaxHeadDim = 256;
+
+inline bool vectorised(int64_t d) { return d % 16 == 0 && d <= kMaxHeadDim; }
+
+inline __m256 load8(const bf16* p) {  // 8 bf16 -> 8 floats
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// 8 vectors -> one vector of their 8 horizontal sums
+inline __m256 sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), e = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);  // per lane: 4 half sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
+}
+
+// 8 key rows at a time (widened to float once, unless float already), dotted with every query
+// head of the group
+template <typename T>
+void dots(const float* q, const T* keys, int64_t n, int64_t d, int64_t group, int64_t stride,
+          float* scores) {
+  int64_t j = 0;
+  if (vectorised(d)) {
+    alignas(32) float wide[std::is_same_v<T, float> ? 1 : 8 * kMaxHeadDim];
+    for (; j + 8 <= n; j += 8) {
+      const float* rows = wide;
+      if constexpr (std::is_same_v<T, float>) {
+        rows = keys + j * d;
+      } else {
+        for (int64_t i = 0; i < 8 * d; i += 8) _mm256_store_ps(wide + i, load8(keys + j * d + i));
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        __m256 acc[8];
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + g * d + i);
+          for (int t = 0; t < 8; ++t)
+            acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + t * d + i), acc[t]);
+        }
+        _mm256_storeu_ps(scores + g * stride + j, sum8(acc));
+      }
+    }
+  }
+  dots_scalar(q, keys + j * d, n - j, d, group, stride, scores + j);
+}
+
+// R query rows over 16 dimensions, their sums held in registers across the tokens; each value
+// row is widened once for all R
+template <int R, typename T>
+void weigh_tile(const float* weights, const T* values, int64_t n, int64_t d, int64_t stride,
+                float* acc) {
+  for (int64_t k = 0; k < d; k += 16) {
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm256_loadu_ps(acc + r * d + k);
+      hi[r] = _mm256_loadu_ps(acc + r * d + k + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v_lo = load8(values + j * d + k), v_hi = load8(values + j * d + k + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = _mm256_broadcast_ss(weights + r * stride + j);
+        lo[r] = _mm256_fmadd_ps(p, v_lo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(p, v_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * d + k, lo[r]);
+      _mm256_storeu_ps(acc + r * d + k + 8, hi[r]);
+    }
+  }
+}
+
+template <typename T, int R = 6>
+void weigh_rows_tiled(const float* weights, const T* values, int64_t n, int64_t d, int64_t rows,
+                      int64_t stride, float* acc) {
+  if constexpr (R > 0) {
+    for (; rows >= R; rows -= R, weights += R * stride, acc += R * d)
+      weigh_tile<R>(weights, values, n, d, stride, acc);
+    if (rows > 0) weigh_rows_tiled<T, R - 1>(weights, values, n, d, rows, stride, acc);
+  }
+}
+
+template <typename T>
+void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t rows,
+           int64_t stride, float* acc) {
+  // float values: the compiler's vectorised loop was as fast on a Zen 1 (bfloat16 tiles: 1.35x)
+  if (!vectorised(d) || std::is_same_v<T, float>)
+    return weigh_scalar(weights, values, n, d, rows, stride, acc);
+  weigh_rows_tiled(weights, values, n, d, rows, stride, acc);
+}
+#endif
+
 template <typename T, typename A>
 void score_rows(const T* q, const A* qf, const T* keys, int64_t n, int64_t d, int64_t group,
                 int64_t stride, double scale, A* scores) {
@@ -192,7 +291,7 @@ void score_rows(const T* q, const A* qf, const T* keys, int64_t n, int64_t d, in
     }
   }
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(QW_ATTENTION_AVX2)
   if constexpr (!std::is_same_v<A, double>) return dots(qf, keys, n, d, group, stride, scores);
 #endif
   dots_scalar(qf, keys, n, d, group, stride, scores);
@@ -201,7 +300,7 @@ void score_rows(const T* q, const A* qf, const T* keys, int64_t n, int64_t d, in
 template <typename T, typename A>
 void weigh_rows(const A* weights, const T* values, int64_t n, int64_t d, int64_t group,
                 int64_t stride, A* acc) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(QW_ATTENTION_AVX2)
   if constexpr (!std::is_same_v<A, double>) return weigh(weights, values, n, d, group, stride, acc);
 #endif
   weigh_scalar(weights, values, n, d, group, stride, acc);
