@@ -226,6 +226,7 @@ def test_missing_native_kernels_are_said_at_start_in_metrics_and_in_stats(
     sim = sim_engine()
     engine = NoKernelsEngine(sim.config, sim.options)
     with metered_worker(redis_url, engine) as w:
+        wait_for(lambda: health(w.port)[0] == 200, 10, what="the metrics endpoint")
         samples = scrape_until(w.port, lambda s: any(
             name == "qworker_native_kernels_loaded" for name, _ in s), 10, "the kernel gauge")
         level = "missing: no installed build and no C++ compiler"
