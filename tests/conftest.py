@@ -97,3 +97,11 @@ def smollm2_tokenizer(smollm2_path: Path) -> Tokenizer:
     from qworker.model.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_path)
+
+
+def pings(client: redis.Redis) -> bool:
+    """Whether the server answers (False while it is not up, or refuses the connection)."""
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False

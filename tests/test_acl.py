@@ -17,7 +17,7 @@ import redis
 from producer import JobError, Producer
 from producer.batch import run_batch
 from qworker.protocol import Keys
-from tests.conftest import free_port
+from tests.conftest import free_port, pings
 from tests.service_harness import thread_worker, wait_for
 
 OPERATING = Path(__file__).resolve().parents[1] / "docs" / "operating.md"
@@ -55,7 +55,7 @@ def acl_redis(tmp_path: Path) -> Iterator[AclRedis]:
                              str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     admin = redis.Redis(port=port, password=admin_password, decode_responses=True)
     try:
-        wait_for(lambda: _pings(admin), 10, what="redis-server")
+        wait_for(lambda: pings(admin), 10, what="redis-server")
         passwords = {user: os.urandom(8).hex() for user in USERS}
         setinfo = tuple(int(v) for v in admin.info("server")["redis_version"].split(".")[:2])
         for user, words in acl_rules().items():
@@ -69,13 +69,6 @@ def acl_redis(tmp_path: Path) -> Iterator[AclRedis]:
         admin.close()
         proc.terminate()
         proc.wait(10)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
 
 
 def test_worker_and_producer_run_jobs_as_their_acl_users(acl_redis: AclRedis,

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from producer import Producer
-from tests.conftest import free_port
+from tests.conftest import free_port, pings
 from tests.service_harness import ROOT, wait_for
 
 URL_LINE = re.compile(r"qworker up: Redis at (redis://\S+) \((.*)\)$")
@@ -169,18 +169,11 @@ def password_redis(tmp_path: Path) -> Iterator[str]:
     url = f"redis://:{password}@127.0.0.1:{port}/0"
     try:
         client = redis.Redis.from_url(url)
-        wait_for(lambda: _pings(client), 10, what="redis-server with a password")
+        wait_for(lambda: pings(client), 10, what="redis-server with a password")
         yield url
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
 
 
 def test_up_never_prints_the_password_it_was_given(password_redis: str) -> None:
