@@ -11,6 +11,7 @@ layer.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ import torch
 
 from qworker.model import kernel_choice, native
 from qworker.model.config import ModelConfig
+from qworker.model.decode_abi import DecodeDims, DecodeLayer, field_names
 from qworker.model.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -31,10 +33,10 @@ if TYPE_CHECKING:
 class _LayerTable:
     cache: KVCache  # held, so that a later cache can never reuse its identity
     versions: tuple[int, ...]  # of every weight, when the table was made
-    addresses: torch.Tensor | None  # [layers, 9]; None: this model is not served
+    layers: ctypes.Array[DecodeLayer] | None  # None: this model is not served
     lm_head: torch.Tensor | None  # its pack
     buckets: frozenset[int]  # the kernel_choice buckets at which every layer runs native
-    keep: tuple[torch.Tensor, ...]  # what the addresses point into
+    keep: tuple[torch.Tensor, ...]  # what the layers' pointers point into
 
 
 class DecodeGraph:
@@ -63,16 +65,17 @@ class DecodeGraph:
         if not (self.enabled and served):
             return None
         table = self._layer_table(cache)
-        if table.addresses is None or table.lm_head is None:
+        if table.layers is None or table.lm_head is None:
             return None
         if kernel_choice.bucket(x.shape[0]) not in table.buckets:
             return None
         c = self.config
         tables, lens = _in_row_order(batch.decodes, x.shape[0])
-        dims = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                cache.num_blocks, cache.block_size)
+        dims = DecodeDims(hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
+                          head_dim=c.head_dim, inter=c.intermediate_size,
+                          num_blocks=cache.num_blocks, block_size=cache.block_size)
         return native.decode_step(
-            x, table.addresses, self.norm.weight, table.lm_head, batch.logits_indices,
+            x, table.layers, self.norm.weight, table.lm_head, batch.logits_indices,
             plan.rope.cos, plan.rope.sin, batch.positions, batch.slot_mapping, tables, lens, dims,
             c.rms_norm_eps, c.head_dim**-0.5)
 
@@ -98,14 +101,21 @@ class DecodeGraph:
             if any(pack is None for pack in packs) or not native.serves(k):
                 return _LayerTable(cache, versions, None, None, frozenset(), ())
             qkv, o, gate_up, down = packs
-            bias = attn.qkv_proj.bias
-            parts = [layer.input_layernorm.weight, qkv, bias, o,
-                     layer.post_attention_layernorm.weight, gate_up, down, k, v]
-            assert all(p is None or p.is_contiguous() for p in parts)
-            rows.append([0 if p is None else p.data_ptr() for p in parts])
-            keep.extend(p for p in parts if p is not None)
-        return _LayerTable(cache, versions, torch.tensor(rows, dtype=torch.int64),
+            parts = {"input_norm": layer.input_layernorm.weight, "qkv": qkv,
+                     "qkv_bias": attn.qkv_proj.bias, "o": o,
+                     "post_norm": layer.post_attention_layernorm.weight, "gate_up": gate_up,
+                     "down": down, "k_cache": k, "v_cache": v}
+            rows.append(_pointing_at(parts))
+            keep.extend(p for p in parts.values() if p is not None)
+        return _LayerTable(cache, versions, (DecodeLayer * len(rows))(*rows),
                            self.lm_head.packed("native"), buckets, tuple(keep))
+
+
+def _pointing_at(parts: dict[str, torch.Tensor | None]) -> DecodeLayer:
+    """A layer whose every field (by its C name) points at that tensor's data; null for None."""
+    assert parts.keys() == set(field_names(DecodeLayer)), "ctypes ignores a misspelt field"
+    assert all(p is None or p.is_contiguous() for p in parts.values())
+    return DecodeLayer(**{name: None if p is None else p.data_ptr() for name, p in parts.items()})
 
 
 def _in_row_order(groups: tuple[DecodeGroup, ...], rows: int) -> tuple[torch.Tensor, torch.Tensor]:

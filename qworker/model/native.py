@@ -22,6 +22,7 @@ import structlog
 import torch
 
 from qworker.model import native_build as nb
+from qworker.model.decode_abi import DecodeDims, DecodeLayer
 from qworker.model.hub import qworker_home
 
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
@@ -110,7 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [_P] * 4 + [_I] * 3
         getattr(lib, name).restype = ctypes.c_int
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
-        getattr(lib, name).argtypes = [_P, _P, _I, _P, _P, _P, _I, _P] + [_P] * 6 + [_I, _P, _D, _D]
+        getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P, _P, _P, _I, _P,
+                                       *[_P] * 6, _I, ctypes.POINTER(DecodeDims), _D, _D]
         getattr(lib, name).restype = ctypes.c_int
 
 
@@ -248,31 +250,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-DECODE_LAYER_FIELDS = 9  # per layer: input norm, qkv, qkv bias, o, post norm, gate_up, down, k, v
-
-
 def decode_step(
-    x: torch.Tensor, layers: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
+    x: torch.Tensor, layers: ctypes.Array[DecodeLayer], norm: torch.Tensor, lm_head: torch.Tensor,
     rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-    slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, dims: tuple[int, ...],
+    slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, dims: DecodeDims,
     eps: float, scale: float,
 ) -> torch.Tensor | None:
     """Runs every decoder layer of a decode-only step, then the final norm and the LM head of the
     given rows (csrc/decoder.cpp): logits [len(rows), vocab] in x's dtype. x [m, hidden] is
-    updated in place. layers: int64 [L, 9] addresses (see DECODE_LAYER_FIELDS); lm_head: the
-    `gemm_pack` of the LM head; dims: hidden, heads, kv_heads, head_dim, intermediate,
-    num_blocks, block_size. None, computing nothing, where the build does not serve these shapes."""
+    updated in place. layers: one DecodeLayer per decoder layer; lm_head: the `gemm_pack` of the
+    LM head; dims: the model's and the cache's sizes (max_blocks and vocab are set here, from
+    tables and lm_head). None, computing nothing, where the build does not serve these shapes."""
     assert x.dtype in GEMM_DTYPES and x.is_contiguous() and norm.is_contiguous()
-    assert layers.dtype == torch.int64 and layers.shape[1] == DECODE_LAYER_FIELDS
     assert tables.dtype == lens.dtype == rows.dtype == torch.int64
     assert tables.is_contiguous() and lens.is_contiguous() and rows.is_contiguous()
     assert cos.is_contiguous() and sin.is_contiguous()
     vocab = lm_head.shape[0] * 16
     logits = torch.empty((rows.shape[0], vocab), dtype=x.dtype)
-    shape = (ctypes.c_int64 * 9)(*dims, tables.shape[1], vocab)
+    dims.max_blocks, dims.vocab = tables.shape[1], vocab
     done = _kernel("qw_decode_step", x.dtype)(
-        x.data_ptr(), layers.data_ptr(), layers.shape[0], norm.data_ptr(), lm_head.data_ptr(),
+        x.data_ptr(), layers, len(layers), norm.data_ptr(), lm_head.data_ptr(),
         rows.data_ptr(), rows.shape[0], logits.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), x.shape[0],
-        shape, eps, scale)
+        dims, eps, scale)
     return logits if done else None

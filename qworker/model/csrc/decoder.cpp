@@ -3,6 +3,7 @@
 // (so the same results), minus that path's per-op Python, tensor allocations and thread wake-ups,
 // which at one sequence cost about a quarter of a step. The CPU's stand-in for a captured CUDA
 // graph, used by qworker/model/decode_graph.py.
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
@@ -12,7 +13,10 @@
 
 namespace {
 
-// one layer's tensors, as the addresses Python passes in an int64 [layers, 9] table
+// The structs Python fills by field name (qworker/model/decode_abi.py mirrors them as ctypes
+// Structures, and checks their layout against qw_decode_abi below).
+
+// one layer's tensors
 struct Layer {
   const void* input_norm;
   const void* qkv;  // gemm-packed, as all four projections
@@ -24,10 +28,9 @@ struct Layer {
   void* k_cache;
   void* v_cache;
 };
-static_assert(sizeof(Layer) == 9 * sizeof(int64_t));
 
 struct Dims {
-  int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks;
+  int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks, vocab;
 };
 
 // the model's last steps: final norm and LM head, for the rows that sample
@@ -88,7 +91,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
 }
 
 template <typename T>
-int run(void* x, const int64_t* layers, int64_t num_layers, const Head& head, const void* cos,
+int run(void* x, const Layer* layers, int64_t num_layers, const Head& head, const void* cos,
         const void* sin, const int64_t* positions, const int64_t* slots, const int64_t* tables,
         const int64_t* lens, int64_t m, const Dims& d, double eps, double scale) {
   const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
@@ -98,27 +101,50 @@ int run(void* x, const int64_t* layers, int64_t num_layers, const Head& head, co
                       qw::gemm_serves<T>(m, d.hidden, d.inter) &&
                       qw::gemm_serves<T>(1, head.vocab, d.hidden) && head.num_rows <= m;
   if (!served) return 0;
-  decode_step(static_cast<T*>(x), reinterpret_cast<const Layer*>(layers), num_layers, head,
+  decode_step(static_cast<T*>(x), layers, num_layers, head,
               static_cast<const T*>(cos), static_cast<const T*>(sin), positions, slots, tables,
               lens, m, d, eps, scale);
   return 1;
 }
 
+struct AbiEntry {
+  const char* name;  // "Struct" (its size) or "Struct.field" (its offset)
+  int64_t value;
+};
+
+#define QW_SIZE(S) AbiEntry{#S, static_cast<int64_t>(sizeof(S))}
+#define QW_FIELD(S, f) AbiEntry{#S "." #f, static_cast<int64_t>(offsetof(S, f))}
+const AbiEntry kAbi[] = {
+    QW_SIZE(Layer), QW_FIELD(Layer, input_norm), QW_FIELD(Layer, qkv),
+    QW_FIELD(Layer, qkv_bias), QW_FIELD(Layer, o), QW_FIELD(Layer, post_norm),
+    QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
+    QW_FIELD(Layer, v_cache),
+    QW_SIZE(Dims), QW_FIELD(Dims, hidden), QW_FIELD(Dims, heads), QW_FIELD(Dims, kv_heads),
+    QW_FIELD(Dims, head_dim), QW_FIELD(Dims, inter), QW_FIELD(Dims, num_blocks),
+    QW_FIELD(Dims, block_size), QW_FIELD(Dims, max_blocks), QW_FIELD(Dims, vocab),
+};
+
 }  // namespace
 
-// dims: hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks, vocab.
+// The size of a struct ("Layer") or the offset of a field ("Layer.qkv") as this build lays them
+// out; -1 for a name it does not know.
+extern "C" int64_t qw_decode_abi(const char* name) {
+  for (const AbiEntry& e : kAbi)
+    if (std::strcmp(e.name, name) == 0) return e.value;
+  return -1;
+}
+
 // Each returns 0 when it did not compute (shape or CPU not served): the caller takes the
 // layer-by-layer path.
 #define QW_EXPORT_DECODE(suffix, T)                                                            \
   extern "C" int qw_decode_step_##suffix(                                                     \
-      void* x, const int64_t* layers, int64_t num_layers, const void* norm, const void* lm_head, \
+      void* x, const Layer* layers, int64_t num_layers, const void* norm, const void* lm_head, \
       const int64_t* rows, int64_t num_rows, void* logits, const void* cos, const void* sin,   \
       const int64_t* positions, const int64_t* slots, const int64_t* tables,                   \
-      const int64_t* lens, int64_t m, const int64_t* dims, double eps, double scale) {         \
-    const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7]};      \
-    const Head head{norm, lm_head, rows, num_rows, dims[8], logits};                           \
-    return run<T>(x, layers, num_layers, head, cos, sin, positions, slots, tables, lens, m, d,  \
-                  eps, scale);                                                                 \
+      const int64_t* lens, int64_t m, const Dims* dims, double eps, double scale) {            \
+    const Head head{norm, lm_head, rows, num_rows, dims->vocab, logits};                       \
+    return run<T>(x, layers, num_layers, head, cos, sin, positions, slots, tables, lens, m,    \
+                  *dims, eps, scale);                                                          \
   }
 
 QW_EXPORT_DECODE(f32, float)

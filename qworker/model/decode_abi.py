@@ -1,0 +1,53 @@
+"""The decode graph's ABI: ctypes mirrors of the structs `csrc/decoder.cpp` takes, field by field
+under the C names, so that Python fills them by name, never by position.
+
+`layout_mismatches` compares them with the layout the loaded build reports (`qw_decode_abi`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's tensors (C `Layer`): the four projections are `gemm_pack`s; qkv_bias
+    may be null."""
+
+    _fields_ = [
+        ("input_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("post_norm", _P),
+        ("gate_up", _P), ("down", _P), ("k_cache", _P), ("v_cache", _P),
+    ]
+
+
+class DecodeDims(ctypes.Structure):
+    """The model's and the step's sizes (C `Dims`)."""
+
+    _fields_ = [
+        ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+        ("num_blocks", _I), ("block_size", _I), ("max_blocks", _I), ("vocab", _I),
+    ]
+
+
+def field_names(mirror: type[ctypes.Structure]) -> list[str]:
+    return [name for name, *_ in mirror._fields_]
+
+
+MIRRORS: dict[str, type[ctypes.Structure]] = {"Layer": DecodeLayer, "Dims": DecodeDims}
+
+
+def layout_mismatches(lib: ctypes.CDLL) -> list[str]:
+    """Every size or field offset where a mirror differs from the library's struct; [] when
+    they agree."""
+    report = lib.qw_decode_abi
+    report.argtypes, report.restype = [ctypes.c_char_p], ctypes.c_int64
+    wrong = []
+    for c_name, mirror in MIRRORS.items():
+        places = {c_name: ctypes.sizeof(mirror)}
+        places |= {f"{c_name}.{name}": getattr(mirror, name).offset for name in field_names(mirror)}
+        for place, ours in places.items():
+            theirs = report(place.encode())
+            if theirs != ours:
+                wrong.append(f"{place}: {ours} here, {theirs} in the library")
+    return wrong
