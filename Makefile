@@ -17,11 +17,13 @@ kernels: $(KERNELS)
 $(KERNELS): $(wildcard qworker/model/csrc/*) qworker/model/native_build.py | $(STAMP) compiler
 	$(BIN)/python -m qworker.model.native_build
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml producer/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build this project is tested with
 	$(BIN)/python -m pip install --quiet torch==2.13.0
+	# the client (producer/, qworker-client) first, so the worker's pin on it resolves here
+	$(BIN)/python -m pip install --quiet -e ./producer
 	$(BIN)/python -m pip install --quiet -e '.[worker,test]'
 	touch $(STAMP)
 

@@ -44,8 +44,8 @@ import redis
 
 from benchmarks.local_redis import local_redis
 from benchmarks.machine import machine_info
-from producer import Producer
-from qworker.protocol import Keys
+from qworker_client import Producer
+from qworker_client.protocol import Keys
 
 KEYS = Keys()
 POLL_S = 0.05

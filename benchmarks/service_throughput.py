@@ -26,16 +26,16 @@ from benchmarks.engine_throughput import run_qworker
 from benchmarks.local_redis import local_redis
 from benchmarks.machine import machine_info
 from benchmarks.workload import WorkItem, fingerprint, standard_workload
-from producer import Producer
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.model.dtypes import resolve_dtype
 from qworker.model.hub import resolve_model
 from qworker.model.llama import load_model
 from qworker.model.tokenizer import Tokenizer
-from qworker.protocol import Keys
 from qworker.service.config import ServiceConfig
 from qworker.service.worker import Worker
+from qworker_client import Producer
+from qworker_client.protocol import Keys
 
 
 class CountingConnection(Connection):

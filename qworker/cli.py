@@ -1,36 +1,13 @@
-"""`qworker` command line: dispatches to one module per sub-command in `qworker.commands`."""
+"""`qworker` from the worker's side: the client's command line (`qworker_client.cli`), which finds
+this distribution's sub-commands through its `qworker.commands` entry points (pyproject.toml)."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import sys
 
-COMMAND_MODULES = (
-    "qworker.commands.model",
-    "qworker.commands.generate",
-    "qworker.commands.submit",
-    "qworker.commands.tail",
-    "qworker.commands.stats",
-    "qworker.commands.serve",
-    "qworker.commands.up",
-    "qworker.commands.demo",
-    "qworker.commands.batch",
-)
+from qworker_client.cli import build_parser, main
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qworker", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
-
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import redis
 
-from qworker.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, event_to_fields
+from qworker_client.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, event_to_fields
 
 Event = TokenEvent | DoneEvent | ErrorEvent
 

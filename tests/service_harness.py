@@ -20,9 +20,16 @@ import redis
 from qworker.engine.config import EngineConfig
 from qworker.engine.request import Request
 from qworker.engine.simulated import SimulatedEngine, run_offline
-from qworker.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, parse_event, parse_job_fields
 from qworker.service.config import ServiceConfig
 from qworker.service.worker import Worker, sampling_params
+from qworker_client.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    Keys,
+    TokenEvent,
+    parse_event,
+    parse_job_fields,
+)
 
 KEYS = Keys("qw")
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import JobError, Producer
-from producer.batch import run_batch
-from qworker.protocol import Keys
+from qworker_client import JobError, Producer
+from qworker_client.batch import run_batch
+from qworker_client.protocol import Keys
 from tests.conftest import free_port, pings
 from tests.service_harness import thread_worker, wait_for
 

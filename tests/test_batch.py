@@ -1,5 +1,5 @@
-"""`qworker batch run` / `producer.batch`: bad lines, duplicates, back-pressure, resuming after
-Ctrl-C and kill -9 without submitting a line twice; against a real redis-server."""
+"""`qworker batch run` / `qworker_client.batch`: bad lines, duplicates, back-pressure, resuming
+after Ctrl-C and kill -9 without submitting a line twice; against a real redis-server."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from producer import Producer
-from producer.batch import (
+from qworker_client import Producer
+from qworker_client.batch import (
     BatchLine,
     NoProgress,
     Submitter,
@@ -27,7 +27,7 @@ from producer.batch import (
     read_jsonl_repairing,
     run_batch,
 )
-from qworker.protocol import DoneEvent, Keys, TokenEvent, event_to_fields
+from qworker_client.protocol import DoneEvent, Keys, TokenEvent, event_to_fields
 from tests.service_harness import ROOT, wait_for
 from tests.worker_process import sim_worker
 

@@ -16,12 +16,12 @@ import pytest
 import redis
 import yaml
 
-from producer.stats import collect_stats
 from qworker.cli import build_parser
 from qworker.commands.serve import env_name
-from qworker.protocol import DEFAULT_GROUP, Keys
 from qworker.service.metrics import Metrics
 from qworker.service.worker import EXIT_GRACE_S
+from qworker_client.protocol import DEFAULT_GROUP, Keys
+from qworker_client.stats import collect_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -430,10 +430,19 @@ def test_the_keda_signal_counts_the_backlog_where_the_lag_is_null(redis_url: str
 def test_dockerfile_builds_the_package_as_a_non_root_user() -> None:
     assert dockerfile("FROM") == ["python:3.11-slim"]
     runs = " ".join(dockerfile("RUN"))
-    pinned = re.search(r'"torch==([\d.]+)"', (ROOT / "pyproject.toml").read_text())
-    assert pinned and f"torch=={pinned.group(1)} --index-url" in runs
+    pinned = re.search(r"install --quiet torch==([\d.]+)", (ROOT / "Makefile").read_text())
+    assert pinned and f"torch=={pinned.group(1)} --index-url" in runs, "the pin of make install"
     assert "download.pytorch.org/whl/cpu" in runs
-    assert "pip install '.[worker]'" in runs
+    assert "pip install ./producer '.[worker]'" in runs, "the client first, then the worker"
+
+
+def test_the_docker_context_holds_every_copied_path() -> None:
+    allowed = {line.lstrip("!").rstrip("/") for line in
+               (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    copied = {source for rest in dockerfile("COPY") for source in rest.split()[:-1]
+              if not source.startswith("--")}
+    assert copied and copied <= allowed, copied - allowed
     users = dockerfile("USER")
     assert users and users[-1] not in ("root", "0")
     assert dockerfile_env()["QWORKER_HOME"] == "/models"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.scripts import SUBMIT_SCRIPT
-from qworker.protocol import DoneEvent
+from qworker_client.protocol import DoneEvent
+from qworker_client.scripts import SUBMIT_SCRIPT
 from tests.service_harness import ROOT, spawn_worker, stop_process, terminal, wait_for
 
 EXAMPLES = ROOT / "examples"

@@ -24,7 +24,7 @@ from qworker.engine.request import SamplingParams
 from qworker.engine.sequence import Sequence
 from qworker.model.llama import LlamaModel, load_model
 from qworker.model.tokenizer import Tokenizer
-from qworker.protocol import DoneEvent, ErrorEvent, Job, TokenEvent
+from qworker_client.protocol import DoneEvent, ErrorEvent, Job, TokenEvent
 from tests.service_harness import (
     KEYS,
     check_stream,

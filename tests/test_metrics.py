@@ -219,8 +219,8 @@ class NoKernelsEngine(SimulatedEngine):
 
 def test_missing_native_kernels_are_said_at_start_in_metrics_and_in_stats(
         redis_url: str, capsys: Any) -> None:
-    from producer.stats import collect_stats
-    from qworker.commands.stats import render
+    from qworker_client.commands.stats import render
+    from qworker_client.stats import collect_stats
     from tests.service_harness import KEYS
 
     sim = sim_engine()

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import redis
 
-from producer import (
+from qworker_client import (
     ClientOptions,
     DoneEvent,
     JobError,
@@ -20,9 +20,9 @@ from producer import (
     Producer,
     TokenEvent,
 )
-from producer.fields import job_fields
-from producer.retry import Backoff
-from qworker.protocol import ErrorEvent, Job, is_valid_id, parse_job_fields
+from qworker_client.fields import job_fields
+from qworker_client.protocol import ErrorEvent, Job, is_valid_id, parse_job_fields
+from qworker_client.retry import Backoff
 from tests.conftest import RedisServer, free_port
 from tests.producer_fakes import (
     FakeWorker,
@@ -387,12 +387,13 @@ def test_authenticated_url(redis_url: str, client: redis.Redis) -> None:
         client.acl_deluser(user)
 
 
-def test_importing_producer_does_not_import_torch() -> None:
+def test_importing_the_client_imports_neither_torch_nor_the_worker() -> None:
     code = (
-        "import sys, producer, producer.cli, producer.schema, qworker.commands.submit, "
-        "qworker.commands.tail, qworker.commands.stats\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy') "
-        "or m.startswith(('qworker.engine', 'qworker.model', 'qworker.service')))\n"
+        "import sys, qworker_client, qworker_client.cli, qworker_client.schema, "
+        "qworker_client.commands.submit, qworker_client.commands.tail, "
+        "qworker_client.commands.stats, qworker_client.commands.batch\n"
+        "heavy = sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'numpy', 'qworker'))\n"
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -8,9 +8,15 @@ import time
 import pytest
 import redis
 
-from producer import AsyncProducer, ClientOptions, JobError, JobTimeoutError, JobValidationError
-from producer.retry import Backoff
-from qworker.protocol import ErrorEvent
+from qworker_client import (
+    AsyncProducer,
+    ClientOptions,
+    JobError,
+    JobTimeoutError,
+    JobValidationError,
+)
+from qworker_client.protocol import ErrorEvent
+from qworker_client.retry import Backoff
 from tests.producer_fakes import (
     FakeWorker,
     blocked_readers,

@@ -1,8 +1,10 @@
-"""`submit`, `tail` and `stats` run as real processes (`python -m producer ...`, the same command
-modules `qworker` dispatches to) against the test redis-server, with a fake worker thread."""
+"""`submit`, `tail` and `stats` run as real processes (`python -m qworker_client ...`, the same
+command modules `qworker` dispatches to) against the test redis-server, with a fake worker
+thread."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -15,7 +17,8 @@ import pytest
 import redis
 
 import qworker.cli
-from qworker.protocol import ErrorEvent, Keys, WorkerInfo
+from qworker_client.cli import CLIENT_COMMANDS
+from qworker_client.protocol import ErrorEvent, Keys, WorkerInfo
 from tests.conftest import free_port
 from tests.producer_fakes import FakeWorker, completion, token_events, wait_for
 
@@ -27,7 +30,7 @@ def cli(*args: str, redis_url: str | None = None, env: dict[str, str] | None = N
         timeout: float = 60, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     url_args = ["--redis-url", redis_url] if redis_url else []
     return subprocess.run(
-        [sys.executable, "-m", "producer", *args, *url_args], capture_output=True, text=True,
+        [sys.executable, "-m", "qworker_client", *args, *url_args], capture_output=True, text=True,
         timeout=timeout, cwd=ROOT, env=env, input=stdin,
     )
 
@@ -47,9 +50,13 @@ def worker_for(redis_url: str, client: redis.Redis, job_id: str, events: list) -
     return worker
 
 
-def test_the_qworker_cli_dispatches_to_the_producer_commands() -> None:
-    for name in ("submit", "tail", "stats"):
-        assert f"qworker.commands.{name}" in qworker.cli.COMMAND_MODULES
+def test_the_qworker_cli_dispatches_to_the_client_and_worker_commands() -> None:
+    for name in ("submit", "tail", "stats", "batch"):
+        assert f"qworker_client.commands.{name}" in CLIENT_COMMANDS
+    parser = qworker.cli.build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = subcommands.choices["serve"]
+    assert "--redis-url" in serve.format_help(), "serve comes from the worker's entry point"
 
 
 def test_submit_prints_the_final_text(redis_url: str, client: redis.Redis) -> None:
@@ -70,7 +77,7 @@ def test_submit_stream_prints_tokens_as_they_come(redis_url: str, client: redis.
                         pause=lambda: seen_first_tokens.wait(30))
     worker.start()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "producer", "submit", "hi", "--id", "live", "--stream",
+        [sys.executable, "-m", "qworker_client", "submit", "hi", "--id", "live", "--stream",
          "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
     )
     try:
@@ -236,7 +243,7 @@ def test_ctrl_c_cancels_the_submitted_job(redis_url: str, client: redis.Redis) -
                         pause=lambda: release.wait(30))
     worker.start()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "producer", "submit", "hi", "--id", "int", "--stream",
+        [sys.executable, "-m", "qworker_client", "submit", "hi", "--id", "int", "--stream",
          "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
     )
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import DoneEvent, JobError, Producer, TokenEvent
+from qworker_client import DoneEvent, JobError, Producer, TokenEvent
 from tests.producer_fakes import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.schema import DEFAULT_DIR, DEFAULT_DOC, drifted, write
-from producer.schema_doc import field_table
-from qworker.protocol import (
+from qworker_client.protocol import (
     DEAD_META_FIELDS,
     EXPIRED,
     INTERNAL,
@@ -27,6 +25,8 @@ from qworker.protocol import (
     json_schemas,
     parse_job_fields,
 )
+from qworker_client.schema import DEFAULT_DIR, DEFAULT_DOC, drifted, write
+from qworker_client.schema_doc import field_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def docs_copy(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_checked_in_files_match_the_models() -> None:
     stale = drifted()
-    assert stale == [], f"out of date: {stale}; run `python -m producer.schema`"
+    assert stale == [], f"out of date: {stale}; run `python -m qworker_client.schema`"
     for name, schema in json_schemas().items():
         assert json.loads((DEFAULT_DIR / f"{name}.json").read_text()) == schema
 
@@ -75,7 +75,7 @@ def test_check_command(docs_copy: tuple[Path, Path]) -> None:
 
     def check() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "producer.schema", "--check", "--dir", str(schema_dir),
+            [sys.executable, "-m", "qworker_client.schema", "--check", "--dir", str(schema_dir),
              "--doc", str(doc)], capture_output=True, text=True, cwd=ROOT, timeout=60)
 
     assert check().returncode == 0

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import redis
 
-from producer import AsyncProducer, Producer
-from producer.batch import run_batch
-from qworker.protocol import DoneEvent, TokenEvent, event_to_fields
+from qworker_client import AsyncProducer, Producer
+from qworker_client.batch import run_batch
+from qworker_client.protocol import DoneEvent, TokenEvent, event_to_fields
 from tests.conftest import RedisServer
 from tests.producer_fakes import blocked_readers, done_event, wait_for
 

@@ -1,4 +1,4 @@
-"""RQ integration: `producer.rq.generate` and a batch as RQ jobs, and the worker's on-done RQ
+"""RQ integration: `qworker_client.rq.generate` and a batch as RQ jobs, and the worker's on-done RQ
 callback, each run by a real `rq worker` subprocess with the JSON serializer; and proof that
 nothing RQ keeps in Redis is a pickle."""
 
@@ -22,10 +22,10 @@ from rq import Queue
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
-from producer import Producer
-from producer.rq import GENERATE, json_queue
-from qworker.protocol import DoneEvent
 from qworker.service.on_done import OnDone, OnDoneTarget, callback_payload
+from qworker_client import Producer
+from qworker_client.protocol import DoneEvent
+from qworker_client.rq import GENERATE, json_queue
 from tests.conftest import free_port
 from tests.service_harness import ROOT, wait_for
 from tests.worker_process import rq_burst, sim_worker

@@ -8,8 +8,8 @@ import json
 
 import redis
 
-from qworker.protocol import ErrorEvent
 from qworker.service.intake import MAX_DEAD_VALUE_BYTES
+from qworker_client.protocol import ErrorEvent
 from tests.service_harness import (
     KEYS,
     check_stream,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from qworker.protocol import DoneEvent, ErrorEvent, TokenEvent
+from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
 from tests.service_harness import (
     KEYS,
     check_stream,

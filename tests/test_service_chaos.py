@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from qworker.protocol import DoneEvent
+from qworker_client.protocol import DoneEvent
 from tests.service_harness import (
     KEYS,
     check_stream,

@@ -22,11 +22,11 @@ import pytest
 import redis
 
 from qworker.commands import serve
-from qworker.protocol import DoneEvent, ErrorEvent, Keys
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import CannotWork
 from qworker.service.intake import MAX_DEAD_FIELDS, MAX_DEAD_VALUE_BYTES, Intake
 from qworker.service.scripts import Scripts
+from qworker_client.protocol import DoneEvent, ErrorEvent, Keys
 from tests.service_harness import (
     KEYS,
     check_stream,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import redis
 
-from qworker.protocol import DoneEvent, ErrorEvent, Job, Keys, TokenEvent, parse_event
 from qworker.service import publisher as pub
 from qworker.service.config import ServiceConfig
 from qworker.service.intake import Intake, Reject
 from qworker.service.job import ActiveJob
 from qworker.service.publisher import Publisher
 from qworker.service.scripts import Scripts
+from qworker_client.protocol import DoneEvent, ErrorEvent, Job, Keys, TokenEvent, parse_event
 
 KEYS = Keys()
 

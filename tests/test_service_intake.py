@@ -14,13 +14,13 @@ from qworker.commands import serve
 from qworker.engine.config import EngineConfig
 from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
-from qworker.protocol import DoneEvent, Keys, TokenEvent, event_to_fields
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import CannotWork
 from qworker.service.intake import Intake, dead_fields
 from qworker.service.job import Entry, Readback
 from qworker.service.scripts import Scripts
 from qworker.service.worker import Backoff, default_seed, sampling_params
+from qworker_client.protocol import DoneEvent, Keys, TokenEvent, event_to_fields
 
 KEYS = Keys()
 
@@ -74,8 +74,8 @@ def test_screen_sorts_out_poison_invalid_and_duplicate(intake: Intake) -> None:
 
 
 def test_only_a_job_that_never_started_expires() -> None:
-    from qworker.protocol import Job
     from qworker.service.intake import Taken
+    from qworker_client.protocol import Job
 
     entry = Entry(KEYS.jobs, "1-3", {b"id": b"late"})
     late = Job(id="late", prompt="x", deadline_ms=5)
@@ -214,7 +214,7 @@ def test_sim_rejects_what_cannot_fit() -> None:
 
 
 def test_sampling_params_map_every_job_field() -> None:
-    from qworker.protocol import parse_job_fields
+    from qworker_client.protocol import parse_job_fields
 
     job = parse_job_fields({"prompt": "x", "stop": '["a"]', "top_k": "5", "seed": "9",
                             "min_tokens": "1", "presence_penalty": "0.5"}, "1-0")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from qworker.protocol import WorkerInfo
+from qworker_client.protocol import WorkerInfo
 from tests.conftest import RedisServer
 from tests.service_harness import (
     KEYS,

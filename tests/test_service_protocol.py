@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qworker.protocol import (
+from qworker_client.protocol import (
     ID_PATTERN,
     DoneEvent,
     ErrorEvent,

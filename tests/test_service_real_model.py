@@ -10,12 +10,12 @@ import pytest
 import redis
 import torch
 
-from producer import Producer
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
 from qworker.model.llama import LlamaModel, load_model
 from qworker.model.tokenizer import Tokenizer
+from qworker_client import Producer
 from tests.service_harness import (
     KEYS,
     check_stream,

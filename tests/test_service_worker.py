@@ -6,7 +6,7 @@ import time
 
 import redis
 
-from qworker.protocol import WorkerInfo
+from qworker_client.protocol import WorkerInfo
 from tests.service_harness import (
     KEYS,
     check_stream,

@@ -17,7 +17,7 @@ from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimulatedEngine
 from qworker.model.llama import LlamaModel
 from qworker.model.tokenizer import Tokenizer
-from qworker.protocol import DoneEvent, ErrorEvent
+from qworker_client.protocol import DoneEvent, ErrorEvent
 from tests.engine_fixtures import tiny_engine, tiny_model
 from tests.service_harness import (
     KEYS,

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import redis
 
-from producer import AsyncProducer, ClientOptions, JobValidationError, Producer
-from producer.batch import BatchLine, Submitter, marker_key
-from producer.scripts import CANCEL_SCRIPT, SUBMIT_SCRIPT
-from qworker.protocol import Keys, event_to_fields, is_valid_id, parse_job_fields
+from qworker_client import AsyncProducer, ClientOptions, JobValidationError, Producer
+from qworker_client.batch import BatchLine, Submitter, marker_key
+from qworker_client.protocol import Keys, event_to_fields, is_valid_id, parse_job_fields
+from qworker_client.scripts import CANCEL_SCRIPT, SUBMIT_SCRIPT
 from tests.producer_fakes import completion, wait_for
 from tests.service_harness import check_stream, thread_worker, wait_terminal
 

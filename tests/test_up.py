@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import Producer
+from qworker_client import Producer
 from tests.conftest import free_port, pings
 from tests.service_harness import ROOT, wait_for
 

@@ -47,7 +47,8 @@ def stop_gracefully(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int
 
 def rq_burst(url: str, *queues: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """An RQ SimpleWorker (no fork) with the JSON serializer: runs what is queued, then exits.
-    Without REDIS_URL / QWORKER_REDIS_URL, so `producer.rq` uses the RQ worker's connection."""
+    Without REDIS_URL / QWORKER_REDIS_URL, so `qworker_client.rq` uses the RQ worker's
+    connection."""
     cmd = [sys.executable, "-m", "rq.cli", "worker", "--burst", "--url", url,
            "--serializer", RQ_SERIALIZER, "--worker-class", "rq.SimpleWorker", *queues]
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "QWORKER_REDIS_URL")}

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import redis
 
 from qworker.commands.up import EmbeddedRedis, LocalRedis, OwnRedis, _die_with_parent
-from qworker.protocol import Keys, parse_event
+from qworker_client.protocol import Keys, parse_event
 
 PROMPTS: tuple[tuple[str, str], ...] = (
     ("haiku", "Write a haiku about message queues."),
@@ -116,7 +116,7 @@ def wait_ready(url: str, name: str, proc: subprocess.Popen[bytes], log_path: Pat
 
 def submit_all(client: redis.Redis, max_tokens: int, stagger_s: float) -> list[Stream]:
     """The prompts as chat jobs; the later ones a moment later, so they join a running batch."""
-    from producer import Producer
+    from qworker_client import Producer
 
     producer = Producer(prefix=PREFIX, client=client)
     streams = []

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from qworker.protocol import DEFAULT_GROUP, DEFAULT_PREFIX
+from qworker_client.protocol import DEFAULT_GROUP, DEFAULT_PREFIX
 
 
 def default_worker_name() -> str:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import redis
 
-from qworker.protocol import Keys
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import CannotWork, cannot_work, is_no_group, is_transient, short
 from qworker.service.logs import get_logger
 from qworker.service.scripts import Scripts
+from qworker_client.protocol import Keys
 
 RETRY_S = 0.25  # after a failed beat, try again this soon (capped at heartbeat_s)
 

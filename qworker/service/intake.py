@@ -10,7 +10,11 @@ from typing import Any
 
 import redis
 
-from qworker.protocol import (
+from qworker.service.config import ServiceConfig
+from qworker.service.errors import job_error
+from qworker.service.job import Entry, RawFields, Readback, now_ms
+from qworker.service.scripts import Scripts
+from qworker_client.protocol import (
     DEAD_META_FIELDS,
     EXPIRED,
     INTERNAL,
@@ -24,10 +28,6 @@ from qworker.protocol import (
     event_to_fields,
     parse_job_fields,
 )
-from qworker.service.config import ServiceConfig
-from qworker.service.errors import job_error
-from qworker.service.job import Entry, RawFields, Readback, now_ms
-from qworker.service.scripts import Scripts
 
 MAX_REASON_CHARS = 1_000
 # A dead letter copies at most this much of an entry (a hostile one may hold thousands of fields

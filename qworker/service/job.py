@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qworker.protocol import DoneEvent, ErrorEvent, Job, TokenEvent, entry_ms, parse_event
+from qworker_client.protocol import DoneEvent, ErrorEvent, Job, TokenEvent, entry_ms, parse_event
 
 Event = TokenEvent | DoneEvent | ErrorEvent
 RawFields = dict[bytes, bytes]

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from qworker.protocol import DoneEvent
 from qworker.service.logs import get_logger
+from qworker_client.protocol import DoneEvent
 
 if TYPE_CHECKING:
     from qworker.service.job import ActiveJob

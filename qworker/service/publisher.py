@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import redis
 
-from qworker.protocol import Keys, event_to_fields
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import job_error
 from qworker.service.job import ActiveJob
 from qworker.service.scripts import JobAppend, Scripts, decode_status
+from qworker_client.protocol import Keys, event_to_fields
 
 # Outcome of a flush, per job id:
 OK = "ok"  # events written (or already there); the job goes on

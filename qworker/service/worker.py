@@ -29,7 +29,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
-from qworker.protocol import INTERNAL, INVALID_REQUEST, DoneEvent, ErrorEvent, Job, Keys, WorkerInfo
 from qworker.service import publisher as pub
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import (
@@ -48,6 +47,15 @@ from qworker.service.metrics import Metrics
 from qworker.service.on_done import OnDone
 from qworker.service.publisher import Publisher
 from qworker.service.scripts import Scripts
+from qworker_client.protocol import (
+    INTERNAL,
+    INVALID_REQUEST,
+    DoneEvent,
+    ErrorEvent,
+    Job,
+    Keys,
+    WorkerInfo,
+)
 
 EXIT_GRACE_S = 5.0  # after a drain/requeue deadline, how long to keep retrying Redis writes
 

@@ -1,9 +1,9 @@
 """The protocol's JSON Schemas as checked-in files, generated from the pydantic models
-(`qworker.protocol.json_schemas`): one `docs/schema/<name>.json` per schema, and the generated
-blocks (field tables, embedded schemas) of `docs/protocol.md`.
+(`qworker_client.protocol.json_schemas`): one `docs/schema/<name>.json` per schema, and the
+generated blocks (field tables, embedded schemas) of `docs/protocol.md`.
 
-`python -m producer.schema` rewrites them; `python -m producer.schema --check` exits 1 when any
-of them differs from the models.
+`python -m qworker_client.schema` rewrites them; `python -m qworker_client.schema --check` exits 1
+when any of them differs from the models.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from producer.schema_doc import block_names, render_blocks, schema_text
-from qworker.protocol import json_schemas
+from qworker_client.protocol import json_schemas
+from qworker_client.schema_doc import block_names, render_blocks, schema_text
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"  # the checkout's docs/ (producer/../docs)
 DEFAULT_DIR = DOCS / "schema"
 DEFAULT_DOC = DOCS / "protocol.md"
 
@@ -64,7 +64,7 @@ def _doc_current(doc: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m producer.schema", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m qworker_client.schema", description=__doc__)
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="schema files' folder")
     parser.add_argument("--doc", type=Path, default=DEFAULT_DOC, help="protocol document")
     parser.add_argument("--check", action="store_true", help="exit 1 when a file drifted")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         stale = drifted(args.dir, args.doc)
         for path in stale:
-            print(f"{path}: out of date (run python -m producer.schema)")
+            print(f"{path}: out of date (run python -m qworker_client.schema)")
         return 1 if stale else 0
     for path in write(args.dir, args.doc):
         print(path)

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from qworker.protocol import Job, encode_value, parse_job_fields
+from qworker_client.protocol import Job, encode_value, parse_job_fields
 
 # Validation runs on the encoded strings, through the same parser a worker runs, so a job that
 # passes here is exactly a job the worker accepts.
@@ -23,8 +23,8 @@ def job_fields(spec: JobInput) -> tuple[str, dict[str, str]]:
     """(job id, wire fields) for one job given as keyword fields or a `protocol.Job`.
 
     Fields set to None are left out (the worker's default applies). A missing `id` gets a fresh
-    uuid4 hex. Raises `qworker.protocol.JobValidationError` (a ValueError) on anything the worker
-    would reject, and TypeError for a value that has no wire encoding.
+    uuid4 hex. Raises `qworker_client.protocol.JobValidationError` (a ValueError) on anything the
+    worker would reject, and TypeError for a value that has no wire encoding.
     """
     raw = spec.to_fields() if isinstance(spec, Job) else _encode(spec)
     raw.setdefault("id", new_job_id())

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from producer.cli import (
+from qworker_client.cli import (
     EXIT_USAGE,
     add_connection_args,
     connect,

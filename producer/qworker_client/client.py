@@ -9,25 +9,9 @@ from typing import Any
 
 import redis
 
-from producer.connect import READ_COUNT, ClientOptions, redis_url_from_env, sync_client
-from producer.fields import JobInput, job_fields
-from producer.result import (
-    START_ID,
-    JobTimeoutError,
-    OutputState,
-    Result,
-    stream_entries,
-)
-from producer.retry import TRANSIENT_ERRORS, Backoff, capped
-from producer.scripts import (
-    CANCEL_SCRIPT,
-    SUBMIT_SCRIPT,
-    cancel_call,
-    submit_call,
-    submitted,
-)
-from producer.stats import Stats, collect_stats
-from qworker.protocol import (
+from qworker_client.connect import READ_COUNT, ClientOptions, redis_url_from_env, sync_client
+from qworker_client.fields import JobInput, job_fields
+from qworker_client.protocol import (
     DEFAULT_GROUP,
     DEFAULT_PREFIX,
     ID_PATTERN,
@@ -37,6 +21,22 @@ from qworker.protocol import (
     TokenEvent,
     is_valid_id,
 )
+from qworker_client.result import (
+    START_ID,
+    JobTimeoutError,
+    OutputState,
+    Result,
+    stream_entries,
+)
+from qworker_client.retry import TRANSIENT_ERRORS, Backoff, capped
+from qworker_client.scripts import (
+    CANCEL_SCRIPT,
+    SUBMIT_SCRIPT,
+    cancel_call,
+    submit_call,
+    submitted,
+)
+from qworker_client.stats import Stats, collect_stats
 
 
 class Producer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from qworker.protocol import DoneEvent, ErrorEvent, TokenEvent, parse_event
+from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent, parse_event
 
 OutputEvent = TokenEvent | DoneEvent | ErrorEvent
 

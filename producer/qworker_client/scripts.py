@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qworker.protocol import Keys
+from qworker_client.protocol import Keys
 
 # KEYS: the jobs stream, then per job: its output stream, its submit marker.
 # ARGV: the marker's TTL in seconds, then per job: 2n, then its n field / value pairs.

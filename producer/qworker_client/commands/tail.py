@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from producer.cli import (
+from qworker_client.cli import (
     EXIT_USAGE,
     add_connection_args,
     connect,
@@ -12,7 +12,7 @@ from producer.cli import (
     report_error,
     reports_redis_errors,
 )
-from producer.result import START_ID
+from qworker_client.result import START_ID
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

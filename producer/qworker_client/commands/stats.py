@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from producer.cli import add_connection_args, connect, print_json, reports_redis_errors
-from producer.stats import Stats, StreamStats
-from qworker.protocol import DEFAULT_GROUP
+from qworker_client.cli import add_connection_args, connect, print_json, reports_redis_errors
+from qworker_client.protocol import DEFAULT_GROUP
+from qworker_client.stats import Stats, StreamStats
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

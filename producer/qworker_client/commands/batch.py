@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from producer.batch import DEFAULT_MAX_IN_FLIGHT, BatchInputError, make_progress, run_batch
-from producer.cli import (
+from qworker_client.batch import DEFAULT_MAX_IN_FLIGHT, BatchInputError, make_progress, run_batch
+from qworker_client.cli import (
     EXIT_INTERRUPTED,
     EXIT_JOB_ERROR,
     EXIT_USAGE,
@@ -15,7 +15,7 @@ from producer.cli import (
     report_error,
     reports_redis_errors,
 )
-from producer.connect import redis_url_from_env
+from qworker_client.connect import redis_url_from_env
 
 DEFAULT_RQ_JOB_TIMEOUT_S = 24 * 3600
 DEFAULT_RQ_RESULT_TTL_S = 7 * 24 * 3600
@@ -59,8 +59,8 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
 def _register_submit_rq(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "submit-rq", help="enqueue the batch as one RQ job (JSON serializer)",
-        description="Enqueue `producer.rq.run_batch` on an RQ queue; an RQ worker started with "
-                    "`--serializer rq.serializers.JSONSerializer` runs it. Paths are made "
+        description="Enqueue `qworker_client.rq.run_batch` on an RQ queue; an RQ worker started "
+                    "with `--serializer rq.serializers.JSONSerializer` runs it. Paths are made "
                     "absolute and must be readable (input) and writable (output) by that worker.")
     _add_files(parser)
     parser.add_argument("--queue", required=True, help="RQ queue name")
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 @reports_redis_errors
 def submit_rq(args: argparse.Namespace) -> int:
-    from producer.rq import enqueue_batch
+    from qworker_client.rq import enqueue_batch
 
     job_id = enqueue_batch(
         args.redis_url or redis_url_from_env(), args.queue, args.input.resolve(),

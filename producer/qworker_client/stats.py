@@ -10,7 +10,7 @@ import redis
 import redis.asyncio
 from pydantic import ValidationError
 
-from qworker.protocol import DEFAULT_GROUP, Keys, WorkerInfo
+from qworker_client.protocol import DEFAULT_GROUP, Keys, WorkerInfo
 
 SCAN_COUNT = 1000
 

@@ -1,4 +1,4 @@
-"""The asyncio twin of `producer.client`: the same API over `redis.asyncio`, with `async`."""
+"""The asyncio twin of `qworker_client.client`: the same API over `redis.asyncio`, with `async`."""
 
 from __future__ import annotations
 
@@ -10,19 +10,9 @@ from typing import Any
 
 import redis.asyncio
 
-from producer.connect import READ_COUNT, ClientOptions, async_client, redis_url_from_env
-from producer.fields import JobInput, job_fields
-from producer.result import START_ID, JobTimeoutError, OutputState, Result, stream_entries
-from producer.retry import TRANSIENT_ERRORS, Backoff, capped
-from producer.scripts import (
-    CANCEL_SCRIPT,
-    SUBMIT_SCRIPT,
-    cancel_call,
-    submit_call,
-    submitted,
-)
-from producer.stats import Stats, collect_stats_async
-from qworker.protocol import (
+from qworker_client.connect import READ_COUNT, ClientOptions, async_client, redis_url_from_env
+from qworker_client.fields import JobInput, job_fields
+from qworker_client.protocol import (
     DEFAULT_GROUP,
     DEFAULT_PREFIX,
     ID_PATTERN,
@@ -32,6 +22,16 @@ from qworker.protocol import (
     TokenEvent,
     is_valid_id,
 )
+from qworker_client.result import START_ID, JobTimeoutError, OutputState, Result, stream_entries
+from qworker_client.retry import TRANSIENT_ERRORS, Backoff, capped
+from qworker_client.scripts import (
+    CANCEL_SCRIPT,
+    SUBMIT_SCRIPT,
+    cancel_call,
+    submit_call,
+    submitted,
+)
+from qworker_client.stats import Stats, collect_stats_async
 
 
 class AsyncProducer:
@@ -110,7 +110,7 @@ class AsyncProducer:
 
 
 class AsyncJob:
-    """See `producer.client.Job`."""
+    """See `qworker_client.client.Job`."""
 
     def __init__(self, producer: AsyncProducer, job_id: str, entry_id: str | None = None,
                  new: bool = True) -> None:

@@ -5,11 +5,11 @@
     from rq.serializers import JSONSerializer
 
     queue = Queue("llm", connection=Redis(), serializer=JSONSerializer)
-    job = queue.enqueue("producer.rq.generate", kwargs={"prompt": "Hi", "max_tokens": 32})
+    job = queue.enqueue("qworker_client.rq.generate", kwargs={"prompt": "Hi", "max_tokens": 32})
 
 and an RQ worker started with `--serializer rq.serializers.JSONSerializer`. Arguments and results
 are plain JSON values: never pickle. `generate` submits to qworker, waits and returns the result
-as a dict; `run_batch` runs a whole batch file (see `producer.batch`) and returns its summary.
+as a dict; `run_batch` runs a whole batch file (see `qworker_client.batch`) and returns its summary.
 
 Which Redis qworker is on: the `redis_url` argument, else `$QWORKER_REDIS_URL`, else the RQ
 worker's own connection, else `$REDIS_URL`. Pass no password in job arguments: RQ stores them.
@@ -27,15 +27,15 @@ import redis
 from rq import Queue, get_current_job
 from rq.serializers import JSONSerializer
 
-from producer import batch
-from producer.client import Producer
-from producer.connect import ClientOptions, redis_url_from_env, sync_client
-from producer.result import Result
-from qworker.protocol import DEFAULT_PREFIX
+from qworker_client import batch
+from qworker_client.client import Producer
+from qworker_client.connect import ClientOptions, redis_url_from_env, sync_client
+from qworker_client.protocol import DEFAULT_PREFIX
+from qworker_client.result import Result
 
 SERIALIZER = JSONSerializer
-GENERATE = "producer.rq.generate"
-RUN_BATCH = "producer.rq.run_batch"
+GENERATE = "qworker_client.rq.generate"
+RUN_BATCH = "qworker_client.rq.run_batch"
 
 
 def generate(
@@ -49,7 +49,7 @@ def generate(
     **params: Any,
 ) -> dict[str, Any]:
     """Submit one job, wait for it (at most `timeout` s), return `{id, text, finish_reason,
-    usage, timings}`. A job that fails raises `producer.JobError`, so RQ marks it failed."""
+    usage, timings}`. A job that fails raises `qworker_client.JobError`, so RQ marks it failed."""
     with Producer(prefix=prefix, client=qworker_client(redis_url)) as producer:
         job = producer.submit(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                               **params)

@@ -28,11 +28,9 @@ from typing import Any, Protocol, TypeVar
 
 import redis
 
-from producer.connect import READ_COUNT, ClientOptions, redis_url_from_env, sync_client
-from producer.fields import job_fields
-from producer.result import START_ID
-from producer.retry import TRANSIENT_ERRORS, Backoff
-from qworker.protocol import (
+from qworker_client.connect import READ_COUNT, ClientOptions, redis_url_from_env, sync_client
+from qworker_client.fields import job_fields
+from qworker_client.protocol import (
     DEFAULT_PREFIX,
     INVALID_REQUEST,
     DoneEvent,
@@ -40,6 +38,8 @@ from qworker.protocol import (
     Keys,
     parse_event,
 )
+from qworker_client.result import START_ID
+from qworker_client.retry import TRANSIENT_ERRORS, Backoff
 
 CUSTOM_ID = "custom_id"
 DEFAULT_MAX_IN_FLIGHT = 256

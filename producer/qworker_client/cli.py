@@ -1,7 +1,6 @@
-"""Shared pieces of the producer's commands (`qworker submit | tail | stats`).
-
-`python -m producer ...` runs the same commands without the rest of the `qworker` CLI.
-"""
+"""The `qworker` command (`qworker_client.cli:main`, also `python -m qworker_client`) and the
+pieces its client commands share. The worker's commands join it where `qworker-llm` is installed
+(see `commands/worker.py`)."""
 
 from __future__ import annotations
 
@@ -16,15 +15,16 @@ from typing import Any, TextIO
 
 import redis
 
-from producer.client import Job, Producer
-from producer.connect import redis_url_from_env
-from producer.result import JobError, JobTimeoutError, Result
-from qworker.protocol import DEFAULT_PREFIX, DoneEvent, ErrorEvent, TokenEvent
+from qworker_client.client import Job, Producer
+from qworker_client.connect import redis_url_from_env
+from qworker_client.protocol import DEFAULT_PREFIX, DoneEvent, ErrorEvent, TokenEvent
+from qworker_client.result import JobError, JobTimeoutError, Result
 
-PRODUCER_COMMANDS = (
-    "qworker.commands.submit",
-    "qworker.commands.tail",
-    "qworker.commands.stats",
+CLIENT_COMMANDS = (
+    "qworker_client.commands.submit",
+    "qworker_client.commands.tail",
+    "qworker_client.commands.stats",
+    "qworker_client.commands.batch",
 )
 EXIT_JOB_ERROR = 1
 EXIT_USAGE = 2
@@ -118,10 +118,15 @@ def print_result(result: Result, as_json: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m producer", description=__doc__)
+    from qworker_client.commands.worker import register_worker_commands  # it imports this module
+
+    parser = argparse.ArgumentParser(
+        prog="qworker", description="Queue-driven LLM inference: client and worker commands."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in PRODUCER_COMMANDS:
+    for name in CLIENT_COMMANDS:
         importlib.import_module(name).register(subparsers)
+    register_worker_commands(subparsers)
     return parser
 
 
