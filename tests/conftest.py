@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,57 +9,27 @@ from typing import TYPE_CHECKING
 import pytest
 import redis
 
+from qworker_client.local_redis import RedisProcess, free_port
+
 if TYPE_CHECKING:
     from qworker.model.tokenizer import Tokenizer
 
+__all__ = ["RedisServer", "free_port", "pings"]
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# every write fsynced to the AOF before the reply: a test may copy or restart it at any point
+DURABLE = ("--appendonly", "yes", "--appendfsync", "always", "--save", "", "--loglevel", "warning")
 
 
-class RedisServer:
-    """A redis-server process of our own, on a free port, with AOF in its own folder."""
+class RedisServer(RedisProcess):
+    """A redis-server process of our own, with AOF in its own folder, on a port chosen at once
+    (its URL is known before it starts, and stays the same across restarts)."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(workdir, DURABLE, port=free_port())
 
     @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary, "redis-server not on PATH (make install puts it there)"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-             "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+    def workdir(self) -> Path:
+        return self.data_dir
 
 
 @pytest.fixture(scope="session")
