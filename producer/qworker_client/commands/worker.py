@@ -29,7 +29,7 @@ def _register_one(
     subparsers: argparse._SubParsersAction, name: str, entry: EntryPoint | None
 ) -> None:
     if entry is None:
-        _register_missing(subparsers, name, "the worker is not installed")
+        _register_missing(subparsers, name, "not installed")
         return
     try:
         register = entry.load()
@@ -42,10 +42,9 @@ def _register_one(
 
 
 def _register_missing(subparsers: argparse._SubParsersAction, name: str, reason: str) -> None:
-    """A stand-in that takes any arguments (even `--help`) and prints the install hint."""
+    """A stand-in that takes any arguments (even `--help`: see `cli.main`) and prints the hint."""
     parser = subparsers.add_parser(name, add_help=False, help=f"needs the worker: {INSTALL_HINT}")
-    parser.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    parser.set_defaults(func=lambda _args: not_installed(name, reason))
+    parser.set_defaults(func=lambda _args: not_installed(name, reason), takes_any_arguments=True)
 
 
 def _hints_missing_modules(name: str, run: Run) -> Run:
@@ -65,5 +64,5 @@ def _hints_missing_modules(name: str, run: Run) -> Run:
 
 
 def not_installed(name: str, reason: str) -> int:
-    report_error(f"`{name}` runs the worker, and {reason}: {INSTALL_HINT}")
+    report_error(f"`{name}` needs the worker ({reason}): {INSTALL_HINT}")
     return EXIT_USAGE
