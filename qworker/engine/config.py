@@ -2,29 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+SIM_HELP = ("model name, HF folder or .gguf file; `sim` or `sim:step_ms=5,max_model_len=4096,"
+            "eos_every=0,token_us=0` selects the built-in simulated engine (no torch: a byte "
+            "tokenizer and a deterministic fake model with the real scheduling, for tests and "
+            "scale-out benchmarks)")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2"  # a name the model hub knows, a HF folder or a .gguf file
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: bfloat16 where the CPU has AVX512-BF16/AMX or on CUDA, else float32
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 2048  # prefill tokens per step (decode tokens do not count)
-    prefill_chunk: int = 512  # prefill tokens per sequence per step
+    """The engine's settings. The metadata (`help`; `flag`: None for no flag) makes each field a
+    `qworker serve` flag (see qworker/commands/config_flags.py); the engine reads none of it."""
+
+    # a name the model hub knows, a HF folder or a .gguf file
+    model: str = field(default="smollm2", metadata={"help": SIM_HELP})
+    device: str = field(default="cpu", metadata={"help": "engine device",
+                                                  "choices": ("cpu", "cuda")})
+    # auto: bfloat16 where the CPU has AVX512-BF16/AMX or on CUDA, else float32
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
+    # decode tokens do not count
+    max_batched_tokens: int = field(default=2048, metadata={"help": "prefill tokens per step"})
+    prefill_chunk: int = field(default=512, metadata={
+        "help": "prefill tokens per sequence per step"})
     # tokens per KV block. 128 as vLLM's CPU backend: attention reads each block as one contiguous
     # run, and on the development machine long runs made a decode step's attention ~35% faster
     # than 16-token blocks (workload v1: +2% in bfloat16, +5-10% in float32)
-    block_size: int = 128
-    num_blocks: int | None = None  # None: derived from kv_cache_gb
-    kv_cache_gb: float = 1.0
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    watermark: float = 0.01  # share of blocks kept free at admission, against preemption storms
-    requeue_preempted: bool = False  # True: hand preempted requests back instead of re-waiting
+    block_size: int = field(default=128, metadata={"help": "tokens per KV block"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "KV cache blocks (default: from --kv-cache-gb)"})
+    kv_cache_gb: float = field(default=1.0, metadata={"help": "KV cache size"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context limit (default: the model's)"})
+    # share of blocks kept free at admission, against preemption storms (a tuning of the
+    # scheduler, not an operator's setting)
+    watermark: float = field(default=0.01, metadata={"flag": None})
+    # True: hand preempted requests back instead of re-waiting (a worker always does)
+    requeue_preempted: bool = field(default=False, metadata={"flag": None})
     # pace prefill beside decodes so that such a step takes about this many times a decode-only
     # step (keeps inter-token latency even while a long prompt arrives); None: no pacing
-    decode_stretch: float | None = None
+    decode_stretch: float | None = field(default=None, metadata={
+        "help": "pace prefill so a step with decodes takes about this many times a decode-only "
+                "step (even inter-token latency while long prompts arrive; default: off)"})
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batched_tokens", "prefill_chunk", "block_size"):

@@ -1,4 +1,5 @@
-"""Settings of the Redis service around the engine: the `qworker serve` flags but the engine's."""
+"""Settings of the Redis service around the engine: the `qworker serve` flags but the engine's
+(`qworker/commands/config_flags.py` makes the flags from these fields)."""
 
 from __future__ import annotations
 
@@ -13,31 +14,60 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def _flag(help: str, **more: object) -> dict[str, object]:
+    """Field metadata read by `qworker.commands.config_flags`: the flag's help, and `flag`, its
+    name where it is not the field's (None: no flag)."""
+    return {"help": help, **more}
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = DEFAULT_PREFIX
-    group: str = DEFAULT_GROUP
-    name: str = field(default_factory=default_worker_name)
-    model: str = ""  # shown in the worker's liveness key
-    claim_idle_ms: int = 30_000  # entries idle longer than this are reclaimed by any worker
-    max_deliveries: int = 5  # delivered more often than this: dead-lettered as poison
-    drain_timeout: float = 30.0  # seconds of stepping after SIGTERM before requeueing the rest
-    result_ttl: int = 3_600  # seconds an output stream lives after its last event
-    metrics_port: int = 0  # 0: no Prometheus endpoint
-    block_ms: int = 1_000  # XREADGROUP BLOCK while idle
-    backoff_min_s: float = 0.05
-    backoff_max_s: float = 2.0
-    dead_maxlen: int = 10_000  # `<prefix>:dead` is trimmed to about this many entries
-    # No finished loop turn for this long: the loop is stuck, so the heartbeat stops and peers
-    # reclaim the jobs. Must exceed the longest legitimate engine step.
-    stall_timeout_s: float = 60.0
+    """The service's settings; each field with a flag is a `qworker serve` flag and variable."""
+
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_flag(
+        "redis://[user:password@]host:port/db, rediss:// for TLS"))
+    prefix: str = field(default=DEFAULT_PREFIX, metadata=_flag(
+        "key prefix; nothing is written outside it"))
+    group: str = field(default=DEFAULT_GROUP, metadata=_flag("consumer group"))
+    name: str = field(default_factory=default_worker_name, metadata=_flag(
+        "consumer name (default: host-pid)"))
+    # shown in the worker's liveness key: the engine's model, given by the engine's flag
+    model: str = field(default="", metadata=_flag("the engine's model", flag=None))
+    claim_idle_ms: int = field(default=30_000, metadata=_flag(
+        "reclaim entries idle this long (their worker died or stalled); a thread re-claims a "
+        "live worker's entries every claim-idle/4 s (at most 10 s), whatever its steps"))
+    max_crashes: int = field(default=3, metadata=_flag(
+        "a job whose worker died (or stalled) this often while it ran alone is dead-lettered "
+        "as a poison job; the jobs beside it are not charged"))
+    max_deliveries: int = field(default=5, metadata=_flag(
+        "last resort: an entry delivered more often is dead-lettered as a poison job (not "
+        "counting deliveries after a worker died while it ran another job alone)"))
+    drain_timeout: float = field(default=30.0, metadata=_flag(
+        "seconds to finish running jobs after SIGTERM before requeueing them"))
+    result_ttl: int = field(default=3_600, metadata=_flag(
+        "seconds an output stream lives after its last event"))
+    metrics_port: int = field(default=0, metadata=_flag(
+        "port of /metrics (Prometheus), /healthz and /livez (0: off)"))
+    metrics_host: str = field(default="127.0.0.1", metadata=_flag(
+        "interface of the metrics port (0.0.0.0: all, as a container or pod needs)"))
+    block_ms: int = field(default=1_000, metadata=_flag("XREADGROUP BLOCK while idle", flag=None))
+    backoff_min_s: float = field(default=0.05, metadata=_flag(
+        "first wait after a Redis error", flag=None))
+    backoff_max_s: float = field(default=2.0, metadata=_flag(
+        "longest wait between retries of Redis", flag=None))
+    dead_maxlen: int = field(default=10_000, metadata=_flag(
+        "the dead-letter stream is trimmed to about this many entries"))
+    # no finished loop turn for this long: the loop is stuck, so the heartbeat stops and peers
+    # reclaim the jobs
+    stall_timeout_s: float = field(default=60.0, metadata=_flag(
+        "seconds without a finished loop turn before /healthz and /livez fail and the heartbeat "
+        "stops (so peers reclaim the jobs); must exceed the longest step", flag="--stall-timeout"))
 
     def __post_init__(self) -> None:
         if self.claim_idle_ms < 100:
             raise ValueError("claim_idle_ms must be >= 100")
-        if self.max_deliveries < 1:
-            raise ValueError("max_deliveries must be >= 1")
+        if self.max_deliveries < 1 or self.max_crashes < 1:
+            raise ValueError("max_deliveries and max_crashes must be >= 1")
         if self.drain_timeout < 0 or self.result_ttl < 1 or self.block_ms < 1:
             raise ValueError("drain_timeout must be >= 0, result_ttl and block_ms >= 1")
         if self.dead_maxlen < 1 or self.stall_timeout_s <= 0:

@@ -105,13 +105,20 @@ def default_seed(job_id: str) -> int:
     return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") >> 1
 
 
+# the fields of a job that say what to run and when, not how to sample: every other field of a
+# Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
+JOB_NOT_SAMPLING = frozenset({"id", "prompt", "messages", "prompt_token_ids", "priority",
+                              "deadline_ms"})
+
+
 def sampling_params(job: Job, job_id: str) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
-        min_p=job.min_p, seed=job.seed if job.seed is not None else default_seed(job_id),
-        stop=tuple(job.stop), stop_token_ids=tuple(job.stop_token_ids), ignore_eos=job.ignore_eos,
-        min_tokens=job.min_tokens, repetition_penalty=job.repetition_penalty,
-        presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty)
+    """The job's sampling fields by name (lists as tuples); a job without a seed gets its own."""
+    values = {name: getattr(job, name) for name in Job.model_fields
+              if name not in JOB_NOT_SAMPLING}
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
+    if values["seed"] is None:
+        values["seed"] = default_seed(job_id)
+    return SamplingParams(**values)
 
 
 class Worker:
