@@ -35,7 +35,8 @@ from qworker.model.tokenizer import Tokenizer
 from qworker.service.config import ServiceConfig
 from qworker.service.worker import Worker
 from qworker_client import Producer
-from qworker_client.protocol import Keys
+from qworker_client.multiplex import Multiplexer
+from qworker_client.protocol import Keys, TokenEvent
 
 
 class CountingConnection(Connection):
@@ -51,23 +52,17 @@ class CountingConnection(Connection):
 def read_streams(url: str, ids: list[str], started: Any, out: Any) -> None:
     """Consumer process: follow every job's output stream, note when each token arrives."""
     client = redis.Redis.from_url(url, socket_timeout=30)
-    keys = Keys()
-    last = {keys.out(i): "0-0" for i in ids}
+    reader = Multiplexer(client, Keys(), block_ms=5000, count=1000)
+    for job_id in ids:
+        reader.follow(job_id)
     arrivals: dict[str, list[float]] = {i: [] for i in ids}
     started.set()
-    while last:
-        reply = client.xread(last, block=5000, count=1000)
-        now = time.time()
-        for stream, entries in reply or []:
-            stream = stream.decode()
-            job = stream.removeprefix(keys.out(""))
-            for entry_id, fields in entries:
-                last[stream] = entry_id
-                kind = fields[b"type"]
-                if kind == b"token":
-                    arrivals[job].append(now)
-                else:
-                    del last[stream]
+    while reader:
+        events = reader.read()
+        now = reader.replied_at  # when the XREAD returned, as each of its tokens arrived
+        for job, event in events:
+            if isinstance(event, TokenEvent):
+                arrivals[job].append(now)
     out.put(arrivals)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import redis
 
@@ -17,6 +19,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 # Subclasses of those that no retry can mend: a wrong password or user.
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (redis.AuthenticationError,)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,3 +52,13 @@ def capped(delay: float, deadline: float | None) -> float:
     if deadline is None:
         return delay
     return max(0.0, min(delay, deadline - time.monotonic()))
+
+
+def with_retry(call: Callable[[], T], give_up_s: float) -> T:
+    """Run an idempotent Redis call, retrying dropped connections with backoff."""
+    backoff = Backoff(give_up_s=give_up_s)
+    while True:
+        try:
+            return call()
+        except TRANSIENT_ERRORS as exc:
+            time.sleep(backoff.failed(exc))

@@ -20,12 +20,15 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import redis
 
-from qworker.commands.up import EmbeddedRedis, LocalRedis, OwnRedis, _die_with_parent
-from qworker_client.protocol import Keys, parse_event
+from qworker.commands.up import EmbeddedRedis, LocalRedis, OwnRedis
+from qworker_client.local_redis import die_with_parent
+from qworker_client.multiplex import Multiplexer
+from qworker_client.protocol import Keys
+from qworker_client.result import OutputEvent
 
 PROMPTS: tuple[tuple[str, str], ...] = (
     ("haiku", "Write a haiku about message queues."),
@@ -82,7 +85,7 @@ def worker_process(url: str, model: str, log_path: Path) -> Iterator[subprocess.
            "--prefix", PREFIX, "--name", name, "--max-num-seqs", "8", "--drain-timeout", "3"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
     try:
         wait_ready(url, name, proc, log_path)
         yield proc
@@ -131,29 +134,22 @@ def submit_all(client: redis.Redis, max_tokens: int, stagger_s: float) -> list[S
 
 
 def read_events(client: redis.Redis, streams: list[Stream], timeout_s: float
-                ) -> Iterator[tuple[Stream, dict[str, str]]]:
+                ) -> Iterator[tuple[Stream, OutputEvent]]:
     """Every job's events as they come (one XREAD over all the open output streams)."""
-    keys = Keys(PREFIX)
-    by_key = {keys.out(s.job_id): s for s in streams}
-    last = dict.fromkeys(by_key, "0-0")
+    by_id = {s.job_id: s for s in streams}
+    reader = Multiplexer(client, Keys(PREFIX), block_ms=1000)
+    for job_id in by_id:
+        reader.follow(job_id)
     deadline = time.monotonic() + timeout_s
-    while any(s.ended is None for s in streams):
+    while reader:
         if time.monotonic() > deadline:
             raise TimeoutError(f"jobs not done within {timeout_s:.0f} s")
-        open_keys = {k: last[k] for k, s in by_key.items() if s.ended is None}
-        for key, entries in client.xread(open_keys, count=512, block=1000) or []:  # RESP2
-            for entry_id, fields in entries:
-                last[_s(key)] = _s(entry_id)
-                yield by_key[_s(key)], {_s(k): _s(v) for k, v in fields.items()}
+        for job_id, event in reader.read():
+            yield by_id[job_id], event
 
 
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def apply(stream: Stream, fields: dict[str, str]) -> str:
+def apply(stream: Stream, event: OutputEvent) -> str:
     """Updates the job from one event; returns the new text."""
-    event = parse_event(fields)
     now = time.monotonic()
     if event.type == "token":
         stream.tokens += 1
@@ -279,8 +275,8 @@ def _run(args: argparse.Namespace) -> int:
         streams = submit_all(client, args.max_tokens, args.stagger)
         say(f"submitted {len(streams)} chat jobs; their tokens as they stream:")
         show = (Panel if sys.stdout.isatty() and not args.lines else Lines)(streams, sys.stdout)
-        for stream, fields in read_events(client, streams, args.timeout):
-            show.update(stream, apply(stream, fields))
+        for stream, event in read_events(client, streams, args.timeout):
+            show.update(stream, apply(stream, event))
         show.close()
         report(streams, started, sys.stdout)
         say("stopping the worker and the Redis it started")
