@@ -19,6 +19,7 @@ from qworker_client.client import Job, Producer
 from qworker_client.connect import redis_url_from_env
 from qworker_client.protocol import DEFAULT_PREFIX, DoneEvent, ErrorEvent, TokenEvent
 from qworker_client.result import JobError, JobTimeoutError, Result
+from qworker_client.version import add_version_flag
 
 CLIENT_COMMANDS = (
     "qworker_client.commands.submit",
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qworker", description="Queue-driven LLM inference: client and worker commands."
     )
+    add_version_flag(parser)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in CLIENT_COMMANDS:
         importlib.import_module(name).register(subparsers)
