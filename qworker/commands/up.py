@@ -14,31 +14,24 @@ extra (pip install 'qworker-llm[embedded]').
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import fcntl
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
-
 from qworker.commands import serve
 from qworker.commands.config_flags import add_config_flags, config_values
 from qworker.engine.config import EngineConfig
+from qworker_client.local_redis import RedisProcess, RedisProcessError, free_port, wait_until_up
 
 DEFAULT_MAXMEMORY = "1gb"
 EXIT_NO_REDIS = 2
 EMBEDDED_EXTRA = "pip install 'qworker-llm[embedded]'"  # fakeredis with Lua (pyproject.toml)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -56,44 +49,12 @@ class UpConfig:
                 "where redis-server exists"})
 
 
-class RedisProcessError(RuntimeError):
-    """The local Redis could not be started."""
-
-
 class OwnRedis(Protocol):
     url: str
     description: str
 
     def start(self) -> str: ...
     def stop(self) -> None: ...
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when our process dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def wait_until_up(url: str, timeout: float, alive: Any = lambda: True) -> None:
-    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:  # refused, or still loading its AOF
-                if not alive() or time.monotonic() > deadline:
-                    raise RedisProcessError(f"no Redis answered at {url}") from None
-                time.sleep(0.05)
-    finally:
-        client.close()
 
 
 @dataclass
@@ -105,23 +66,27 @@ class LocalRedis:
     port: int = 0  # 0: a free one
     maxmemory: str = DEFAULT_MAXMEMORY  # redis.conf size ("1gb", "512mb"); "0": no limit
     start_timeout: float = 60.0
-    proc: subprocess.Popen[bytes] | None = None
     url: str = ""
+    _server: RedisProcess | None = field(default=None, repr=False)
     _lock: IO[str] | None = field(default=None, repr=False)
 
     @property
     def description(self) -> str:
-        pid = self.proc.pid if self.proc else "-"
+        pid = self._server.proc.pid if self._server and self._server.proc else "-"
         return f"redis-server (pid {pid}, AOF in {self.data_dir})"
 
     def start(self) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
+        options = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                   "--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction")
+        # detached: the terminal's Ctrl-C must not stop Redis before the worker has drained
+        self._server = RedisProcess(self.data_dir, options, self.port, binary=self.binary,
+                                    log_file=self.log_path, start_timeout=self.start_timeout,
+                                    detached=True)
         try:
-            for _ in range(3 if self.port == 0 else 1):  # a free port can be taken meanwhile
-                if self._try_start(self.port or free_port()):
-                    return self.url
-            raise RedisProcessError(f"redis-server did not start; see {self.log_path}")
+            self.url = self._server.start()
+            return self.url
         except BaseException:
             self.stop()
             raise
@@ -140,38 +105,10 @@ class LocalRedis:
             raise RedisProcessError(f"another qworker up uses {self.data_dir}; pass another "
                                     "--data-dir, or its URL as --redis-url") from None
 
-    def _try_start(self, port: int) -> bool:
-        cmd = [self.binary, "--port", str(port), "--bind", "127.0.0.1",
-               "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "everysec",
-               "--save", "", "--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction",
-               "--daemonize", "no", "--logfile", str(self.log_path)]
-        # own session: the terminal's Ctrl-C must not stop Redis before the worker has drained
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
-        self.url = f"redis://127.0.0.1:{port}/0"
-        proc = self.proc
-        try:
-            wait_until_up(self.url, self.start_timeout, alive=lambda: proc.poll() is None)
-            return True
-        except RedisProcessError:
-            self._stop_process()
-            return False
-
-    def _stop_process(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()  # redis-server's SIGTERM: fsync the AOF, then exit
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
     def stop(self) -> None:
-        self._stop_process()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
         if self._lock is not None:
             self._lock.close()
             self._lock = None
