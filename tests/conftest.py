@@ -14,7 +14,7 @@ from qworker_client.local_redis import RedisProcess, free_port
 if TYPE_CHECKING:
     from qworker.model.tokenizer import Tokenizer
 
-__all__ = ["RedisServer", "free_port", "pings"]
+__all__ = ["RedisServer", "free_port"]
 
 # every write fsynced to the AOF before the reply: a test may copy or restart it at any point
 DURABLE = ("--appendonly", "yes", "--appendfsync", "always", "--save", "", "--loglevel", "warning")
@@ -63,11 +63,3 @@ def smollm2_tokenizer(smollm2_path: Path) -> Tokenizer:
     from qworker.model.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_path)
-
-
-def pings(client: redis.Redis) -> bool:
-    """Whether the server answers (False while it is not up, or refuses the connection)."""
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False

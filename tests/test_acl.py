@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,8 @@ import redis
 
 from qworker_client import JobError, Producer
 from qworker_client.batch import run_batch
+from qworker_client.local_redis import RedisProcess
 from qworker_client.protocol import Keys
-from tests.conftest import free_port, pings
 from tests.service_harness import thread_worker, wait_for
 
 OPERATING = Path(__file__).resolve().parents[1] / "docs" / "operating.md"
@@ -48,14 +47,10 @@ class AclRedis:
 
 @pytest.fixture
 def acl_redis(tmp_path: Path) -> Iterator[AclRedis]:
-    admin_password = os.urandom(8).hex()
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--requirepass", admin_password, "--save", "", "--dir",
-                             str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    admin = redis.Redis(port=port, password=admin_password, decode_responses=True)
+    server = RedisProcess(tmp_path, ("--save", ""), password=os.urandom(8).hex())
+    server.start()
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
     try:
-        wait_for(lambda: pings(admin), 10, what="redis-server")
         passwords = {user: os.urandom(8).hex() for user in USERS}
         setinfo = tuple(int(v) for v in admin.info("server")["redis_version"].split(".")[:2])
         for user, words in acl_rules().items():
@@ -64,11 +59,10 @@ def acl_redis(tmp_path: Path) -> Iterator[AclRedis]:
                 words.append("+client|setinfo")
             admin.execute_command(*words)
         admin.acl_log_reset()
-        yield AclRedis(port, admin, passwords)
+        yield AclRedis(server.port, admin, passwords)
     finally:
         admin.close()
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def test_worker_and_producer_run_jobs_as_their_acl_users(acl_redis: AclRedis,

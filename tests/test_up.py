@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from qworker_client import Producer
-from tests.conftest import free_port, pings
+from qworker_client.local_redis import RedisProcess
 from tests.service_harness import ROOT, wait_for
 
 URL_LINE = re.compile(r"qworker up: Redis at (redis://\S+) \((.*)\)$")
@@ -161,19 +161,11 @@ def test_up_with_a_given_redis_leaves_it_running(redis_url: str) -> None:
 @pytest.fixture
 def password_redis(tmp_path: Path) -> Iterator[str]:
     """A redis-server of our own that asks for a password: its URL, password included."""
-    password = "pw-" + os.urandom(8).hex()
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--requirepass", password, "--save", "", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    server = RedisProcess(tmp_path, ("--save", ""), password="pw-" + os.urandom(8).hex())
     try:
-        client = redis.Redis.from_url(url)
-        wait_for(lambda: pings(client), 10, what="redis-server with a password")
-        yield url
+        yield server.start()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def test_up_never_prints_the_password_it_was_given(password_redis: str) -> None:
