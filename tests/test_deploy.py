@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from qworker.cli import build_parser
 from qworker.commands.serve import env_name
 from qworker.service.metrics import Metrics
 from qworker.service.worker import EXIT_GRACE_S
+from qworker_client.local_redis import free_port
 from qworker_client.protocol import DEFAULT_GROUP, Keys
 from qworker_client.stats import collect_stats
 
@@ -274,7 +274,7 @@ def test_the_metrics_port_is_loopback_unless_a_manifest_says_otherwise(
                          monkeypatch)
     assert args.metrics_host == "127.0.0.1"
     metrics = Metrics()
-    metrics.serve(free_tcp_port())
+    metrics.serve(free_port())
     try:
         assert metrics._server is not None
         assert metrics._server.server_address[0] == "127.0.0.1"
@@ -282,12 +282,6 @@ def test_the_metrics_port_is_loopback_unless_a_manifest_says_otherwise(
         metrics.close()
     for where, env in all_qworker_envs():  # the image's, compose's, k8s' (probes, scrapes)
         assert env["QWORKER_METRICS_HOST"] == "0.0.0.0", where
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_probes_and_scrapes_use_the_metrics_port() -> None:
