@@ -19,7 +19,8 @@ from qworker.commands import up
 from qworker.commands.serve import LOG_LEVELS
 from qworker.engine.request import SamplingParams
 from qworker.service.logs import configure_logging
-from qworker_client.protocol import DoneEvent, Job, Keys, parse_event
+from qworker_client import Producer
+from qworker_client.protocol import Job, Keys
 from tests.service_harness import ROOT
 from tests.worker_process import sim_worker
 
@@ -99,11 +100,12 @@ def test_the_readme_example_prints_the_answer_once(redis_url: str) -> None:
         ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert ran.returncode == 0, ran.stderr
-    client = redis.Redis.from_url(redis_url)
-    (key,) = client.keys(Keys().out("*"))
-    done = parse_event(client.xrange(key)[-1][1])
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    (key,) = client.scan_iter(match=Keys().out("*"))
     client.close()
-    assert isinstance(done, DoneEvent) and done.completion_tokens > 0
+    with Producer(redis_url) as producer:
+        done = producer.job(str(key).split(":out:", 1)[1]).result(timeout=10)
+    assert done.usage.completion_tokens > 0
     assert ran.stdout == done.text + "\n"
 
 

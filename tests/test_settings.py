@@ -9,6 +9,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,10 +172,10 @@ def test_an_empty_worker_name_is_the_host_pid_default(monkeypatch: pytest.Monkey
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # one value for each sampling field, none of them the default
-SAMPLED = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1,
-           "seed": 11, "stop": ["zz"], "stop_token_ids": [5], "ignore_eos": True,
-           "min_tokens": 2, "repetition_penalty": 1.2, "presence_penalty": 0.3,
-           "frequency_penalty": 0.4}
+SAMPLED: dict[str, Any] = {
+    "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "seed": 11,
+    "stop": ["zz"], "stop_token_ids": [5], "ignore_eos": True, "min_tokens": 2,
+    "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.4}
 
 
 def test_a_jobs_sampling_fields_are_the_sampling_params_fields() -> None:
