@@ -25,6 +25,7 @@ from typing import TextIO
 import redis
 
 from qworker.commands.up import EmbeddedRedis, LocalRedis, OwnRedis
+from qworker.engine.config import EngineConfig
 from qworker_client.local_redis import die_with_parent
 from qworker_client.multiplex import Multiplexer
 from qworker_client.protocol import Keys
@@ -287,7 +288,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run a local worker and stream a few chat jobs",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="model (default smollm2; `sim` for none)")
+    p.add_argument("--model", default=EngineConfig.model,
+                   help=f"model (default {EngineConfig.model}; `sim` for none)")
     p.add_argument("--max-tokens", type=int, default=80, help="tokens per job at most")
     p.add_argument("--stagger", type=float, default=0.5,
                    help="seconds before the second half of the jobs is submitted")
