@@ -72,20 +72,29 @@ class Scheduler:
             "an isolated sequence shares a step"
         return step
 
+    def next_alone(self) -> Sequence | None:
+        """The isolated sequence that the next step runs alone, if any (nothing changes)."""
+        seq = next((s for s in self.running if s.isolate), None)
+        if seq is not None:
+            return seq
+        if not self.waiting or not self.waiting[0].isolate:
+            return None
+        seq = self.waiting[0]
+        # room for its whole prefill: nobody else runs meanwhile, so it never has to
+        # preempt itself between chunks (and start over, alone again, for ever)
+        need = self.blocks.blocks_needed(seq, len(seq.token_ids))
+        reserve = self.limits.watermark_blocks if self.running else 0
+        full = len(self.running) >= self.limits.max_num_seqs
+        if full or need + reserve > self.blocks.num_free:
+            return None  # no room yet: the others run, and admission stops at it
+        return seq
+
     def _schedule_alone(self, step: ScheduledStep, budget: int) -> bool:
         """A step of one isolated sequence, if one is running or may start now."""
-        seq = next((s for s in self.running if s.isolate), None)
+        seq = self.next_alone()
         if seq is None:
-            if not self.waiting or not self.waiting[0].isolate:
-                return False
-            seq = self.waiting[0]
-            # room for its whole prefill: nobody else runs meanwhile, so it never has to
-            # preempt itself between chunks (and start over, alone again, for ever)
-            need = self.blocks.blocks_needed(seq, len(seq.token_ids))
-            reserve = self.limits.watermark_blocks if self.running else 0
-            full = len(self.running) >= self.limits.max_num_seqs
-            if full or need + reserve > self.blocks.num_free:
-                return False  # no room yet: the others run, and admission stops at it
+            return False
+        if seq.status is Status.WAITING:
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
