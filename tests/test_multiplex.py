@@ -22,8 +22,7 @@ def done(text: str) -> DoneEvent:
 
 def write(client: redis.Redis, job_id: str, *events: OutputEvent | dict[str, str]) -> None:
     for event in events:
-        fields = event if isinstance(event, dict) else event_to_fields(event)
-        client.xadd(KEYS.out(job_id), fields)  # type: ignore[arg-type]
+        client.xadd(KEYS.out(job_id), event if isinstance(event, dict) else event_to_fields(event))
 
 
 def read_all(reader: Multiplexer, turns: int = 10) -> list[tuple[str, OutputEvent]]:
@@ -83,7 +82,9 @@ def test_an_entry_outside_the_protocol(redis_url: str) -> None:
 def test_a_stream_followed_from_an_entry_id(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     write(client, "r", token(0, "a"))
-    first = client.xrange(KEYS.out("r"))[0][0]
+    entries = client.xrange(KEYS.out("r"))
+    assert entries
+    first = str(entries[0][0])
     write(client, "r", token(1, "b"), done("ab"))
     reader = Multiplexer(client, KEYS, block_ms=50)
     reader.follow("r", last_id=first)

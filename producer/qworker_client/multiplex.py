@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.typing import KeyT, StreamIdT
 
 from qworker_client.connect import DEFAULT_BLOCK_MS, READ_COUNT
 from qworker_client.protocol import ErrorEvent, Keys
@@ -68,7 +69,8 @@ class Multiplexer:
         event to pass on, in stream order per job. A job whose end was read is no longer open."""
         if not self.open:
             return []
-        streams = {self.keys.out(job_id): s.last_id for job_id, s in self.open.items()}
+        streams: dict[KeyT, StreamIdT] = {self.keys.out(job_id): s.last_id
+                                          for job_id, s in self.open.items()}
         reply = self._xread(streams)
         self.replied_at = time.time()
         events: list[tuple[str, OutputEvent]] = []
@@ -80,7 +82,7 @@ class Multiplexer:
                 del self.open[job_id]
         return events
 
-    def _xread(self, streams: dict[str, str]) -> object:
+    def _xread(self, streams: dict[KeyT, StreamIdT]) -> object:
         def call() -> object:
             return self.client.xread(streams, count=self.count, block=self.block_ms)
 

@@ -93,7 +93,8 @@ class DecodeGraph:
             linears += (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         buckets = frozenset(b for b, size in enumerate(kernel_choice.BUCKETS)
                             if all(lin.kind_for(size) == "native" for lin in linears))
-        rows, keep = [], []
+        rows: list[DecodeLayer] = []
+        keep: list[torch.Tensor] = []
         for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
