@@ -170,7 +170,8 @@ def test_importing_the_client_imports_neither_torch_nor_numpy(client_bin: Path) 
         "import importlib, importlib.util, pkgutil, sys, qworker_client\n"
         "assert importlib.util.find_spec('torch') is None, 'the venv has torch'\n"
         "for m in pkgutil.walk_packages(qworker_client.__path__, 'qworker_client.'):\n"
-        "    if m.name not in ('qworker_client.rq', 'qworker_client.__main__'):  # rq: its extra\n"
+        "    extra = m.name == 'qworker_client.rq' or m.name.startswith('qworker_client.gateway')\n"
+        "    if not extra and m.name != 'qworker_client.__main__':  # rq, gateway: their extras\n"
         "        importlib.import_module(m.name)\n"
         "importlib.import_module('qworker_client.cli').build_parser()\n"
         f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
@@ -186,3 +187,10 @@ def test_the_worker_without_its_extra_names_what_is_missing(worker_bin: Path) ->
     assert (proc.returncode, proc.stdout) == (2, "")
     hint = f"qworker: `generate` needs the worker (torch is missing): {INSTALL_HINT}\n"
     assert proc.stderr == hint
+
+
+def test_the_gateway_without_its_extra_says_what_to_install(client_bin: Path) -> None:
+    proc = subprocess.run([client_bin / "qworker", "gateway", "--port", "1"], capture_output=True,
+                          text=True, timeout=60, cwd=client_bin)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.count("\n") == 1 and "qworker-client[gateway]" in proc.stderr, proc.stderr

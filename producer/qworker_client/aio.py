@@ -32,6 +32,7 @@ from qworker_client.scripts import (
     submitted,
 )
 from qworker_client.stats import Stats, collect_stats_async
+from qworker_client.status import JobStatus, job_status_async
 
 
 class AsyncProducer:
@@ -95,6 +96,13 @@ class AsyncProducer:
 
     async def stats(self, group: str = DEFAULT_GROUP) -> Stats:
         return await collect_stats_async(self.redis, self.keys, group)
+
+    async def status(self, job_id: str) -> JobStatus:
+        """Queued, running, done (with its result), error, or unknown (docs/protocol.md,
+        "Asking a job's status")."""
+        if not is_valid_id(job_id):
+            raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
+        return await job_status_async(self.redis, self.keys, job_id)
 
     async def close(self) -> None:
         await self.redis.aclose()

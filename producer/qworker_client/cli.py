@@ -26,6 +26,8 @@ CLIENT_COMMANDS = (
     "qworker_client.commands.tail",
     "qworker_client.commands.stats",
     "qworker_client.commands.batch",
+    "qworker_client.commands.status",
+    "qworker_client.commands.gateway",
 )
 EXIT_JOB_ERROR = 1
 EXIT_USAGE = 2

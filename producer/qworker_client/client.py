@@ -37,6 +37,7 @@ from qworker_client.scripts import (
     submitted,
 )
 from qworker_client.stats import Stats, collect_stats
+from qworker_client.status import JobStatus, job_status
 
 
 class Producer:
@@ -114,6 +115,13 @@ class Producer:
 
     def stats(self, group: str = DEFAULT_GROUP) -> Stats:
         return collect_stats(self.redis, self.keys, group)
+
+    def status(self, job_id: str) -> JobStatus:
+        """Queued, running, done (with its result), error, or unknown (docs/protocol.md,
+        "Asking a job's status")."""
+        if not is_valid_id(job_id):
+            raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
+        return job_status(self.redis, self.keys, job_id)
 
     def close(self) -> None:
         self.redis.close()

@@ -1,0 +1,71 @@
+"""`qworker gateway`: the OpenAI-compatible HTTP API over the queue (extra `[gateway]`).
+
+Every flag can also come from `QWORKER_<FLAG>` (dashes as underscores, upper case), e.g.
+`QWORKER_PORT`, `QWORKER_MAX_QUEUED`; `QWORKER_API_KEY` may hold several keys, comma-separated.
+A flag on the command line wins."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from qworker_client.cli import EXIT_USAGE, add_connection_args, report_error
+from qworker_client.connect import DEFAULT_RESULT_TTL_S, redis_url_from_env
+from qworker_client.protocol import DEFAULT_PREFIX
+
+INSTALL_HINT = "pip install 'qworker-client[gateway]'"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"QWORKER_{name}", default)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = _env(name)
+    return default if raw in (None, "") else int(raw)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "gateway", help="serve an OpenAI-compatible HTTP API over the queue",
+        description="OpenAI-compatible HTTP API (chat and text completions, models, job status "
+                    "and resumable streams) in front of the queue: needs " + INSTALL_HINT,
+    )
+    add_connection_args(parser)
+    parser.set_defaults(prefix=_env("PREFIX", DEFAULT_PREFIX))
+    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=_env_int("PORT", 8000))
+    parser.add_argument("--max-queued", type=int, default=_env_int("MAX_QUEUED", None),
+                        help="refuse requests (429) once this many jobs are unfinished")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="require `Authorization: Bearer KEY` (repeatable)")
+    parser.add_argument("--result-ttl", type=int,
+                        default=_env_int("RESULT_TTL", DEFAULT_RESULT_TTL_S),
+                        help="the workers' --result-ttl, in seconds (default: 3600)")
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
+    parser.set_defaults(func=run)
+
+
+def api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    if flags:
+        return tuple(flags)
+    return tuple(k.strip() for k in (_env("API_KEY") or "").split(",") if k.strip())
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from qworker_client.gateway.app import create_app
+        from qworker_client.gateway.config import GatewayConfig
+    except ModuleNotFoundError as exc:
+        report_error(f"`gateway` needs its extra ({exc.name} is missing): {INSTALL_HINT}")
+        return EXIT_USAGE
+    config = GatewayConfig(
+        redis_url=args.redis_url or redis_url_from_env(), prefix=args.prefix, host=args.host,
+        port=args.port, max_queued=args.max_queued, api_keys=api_keys(args.api_key),
+        result_ttl_s=args.result_ttl,
+    )
+    uvicorn.run(create_app(config), host=config.host, port=config.port,
+                log_level=args.log_level, lifespan="on")
+    return 0

@@ -1,0 +1,44 @@
+"""`qworker status JOB_ID`: queued, running, done, error or unknown (docs/protocol.md, "Asking a
+job's status"); with the result when the job has ended. Exits 0 whatever the status."""
+
+from __future__ import annotations
+
+import argparse
+
+from qworker_client.cli import (
+    EXIT_USAGE,
+    add_connection_args,
+    connect,
+    print_json,
+    report_error,
+    reports_redis_errors,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "status", help="a job's status", description="Print a job's status (and its result).",
+    )
+    parser.add_argument("job_id")
+    parser.add_argument("--json", action="store_true", help="the status object, as JSON")
+    add_connection_args(parser)
+    parser.set_defaults(func=run)
+
+
+@reports_redis_errors
+def run(args: argparse.Namespace) -> int:
+    with connect(args) as producer:
+        try:
+            found = producer.status(args.job_id)
+        except ValueError as exc:
+            report_error(str(exc))
+            return EXIT_USAGE
+    if args.json:
+        print_json(found.to_dict())
+    elif found.result is not None:
+        print(f"done ({found.result.finish_reason})")
+    elif found.error is not None:
+        print(f"error: {found.error.code}: {found.error.message}")
+    else:
+        print(found.status)
+    return 0

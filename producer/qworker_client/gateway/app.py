@@ -1,0 +1,103 @@
+"""The gateway's ASGI app: routes, auth, metrics and errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from qworker_client.gateway import jobs
+from qworker_client.gateway.auth import RequireKey
+from qworker_client.gateway.catalog import model_card, model_list
+from qworker_client.gateway.completions import complete
+from qworker_client.gateway.config import GatewayConfig
+from qworker_client.gateway.errors import APIError
+from qworker_client.gateway.metrics import CountResponses
+from qworker_client.gateway.service import Gateway
+
+log = logging.getLogger("qworker.gateway")
+Handler = Callable[[Gateway, Request], Awaitable[Any]]
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gateway = Gateway(config)
+
+    def route(path: str, handler: Handler, method: str = "GET") -> Route:
+        async def endpoint(request: Request) -> Any:
+            return await handler(gateway, request)
+
+        return Route(path, endpoint, methods=[method])
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await gateway.close()
+
+    routes = [
+        route("/v1/chat/completions", lambda g, r: complete(g, r, "chat"), "POST"),
+        route("/v1/completions", lambda g, r: complete(g, r, "completion"), "POST"),
+        route("/v1/models", _models),
+        route("/v1/models/{model:path}", _model),
+        route("/v1/jobs/{job_id}", jobs.status),
+        route("/v1/jobs/{job_id}/stream", jobs.resume),
+        route("/health", _health),
+        route("/metrics", _metrics),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan,
+        middleware=[Middleware(CountResponses, metrics=gateway.metrics),
+                    Middleware(RequireKey, keys=config.api_keys)],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                            Exception: _server_error},
+    )
+    app.state.gateway = gateway
+    return app
+
+
+async def _models(gateway: Gateway, _: Request) -> JSONResponse:
+    return JSONResponse(model_list(await gateway.catalog.models()))
+
+
+async def _model(gateway: Gateway, request: Request) -> JSONResponse:
+    model = request.path_params["model"]
+    await gateway.catalog.check(model)
+    return JSONResponse(model_card(model, (await gateway.catalog.models())[model]))
+
+
+async def _health(gateway: Gateway, _: Request) -> JSONResponse:
+    try:
+        await gateway.redis.ping()
+    except redis.RedisError as exc:
+        return JSONResponse({"status": "redis unreachable", "error": str(exc)}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def _metrics(gateway: Gateway, _: Request) -> Response:
+    gateway.metrics.queue_depth.set(await gateway.gate.unfinished())
+    content, media_type = gateway.metrics.exposition()
+    return Response(content, media_type=media_type)
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+
+async def _server_error(_: Request, exc: Exception) -> Response:
+    log.exception("request failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()

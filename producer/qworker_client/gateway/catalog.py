@@ -1,0 +1,69 @@
+"""The models the fleet serves: what the live workers' keys (`<prefix>:worker:<name>`) name,
+looked up at most once per `cache_s`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis.asyncio
+
+from qworker_client.gateway.errors import APIError
+from qworker_client.protocol import Keys
+from qworker_client.stats import SCAN_COUNT
+
+
+class Catalog:
+    def __init__(self, client: redis.asyncio.Redis, keys: Keys, cache_s: float) -> None:
+        self.client = client
+        self.keys = keys
+        self.cache_s = cache_s
+        self._models: dict[str, int] = {}  # model -> earliest start (unix s) of its workers
+        self._workers = 0
+        self._at = -float("inf")
+
+    async def models(self) -> dict[str, int]:
+        if time.monotonic() - self._at > self.cache_s:
+            await self._refresh()
+        return self._models
+
+    async def check(self, model: str) -> None:
+        """503 when no worker is live, 404 when none serves `model`."""
+        models = await self.models()
+        if model in models:
+            return
+        if not self._workers:
+            raise APIError(503, "no live worker: nothing can run this request now",
+                           type="server_error", code="no_live_worker")
+        raise APIError(404, f"the model `{model}` does not exist (served: "
+                       f"{', '.join(sorted(models))})", param="model", code="model_not_found")
+
+    async def _refresh(self) -> None:
+        names = [n async for n in self.client.scan_iter(match=self.keys.worker_pattern,
+                                                       count=SCAN_COUNT)]
+        values = await self.client.mget(names) if names else []
+        infos = [_info(v) for v in values if v is not None]
+        models: dict[str, int] = {}
+        for info in infos:
+            model, started = info.get("model"), info.get("started_ms", 0)
+            if isinstance(model, str) and model:
+                started_s = int(started) // 1000 if isinstance(started, int) else 0
+                models[model] = min(models.get(model, started_s), started_s)
+        self._models, self._workers, self._at = models, len(infos), time.monotonic()
+
+
+def _info(raw: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def model_list(models: dict[str, int]) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(m, c) for m, c in sorted(models.items())]}
+
+
+def model_card(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "qworker"}

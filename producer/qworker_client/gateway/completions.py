@@ -1,0 +1,66 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: jobs queued, their output returned."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
+
+from qworker_client.gateway import streams
+from qworker_client.gateway.disconnect import EventStream, until_disconnect
+from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.reader import OutputReader
+from qworker_client.gateway.service import Gateway
+from qworker_client.gateway.shaping import Shape
+from qworker_client.gateway.translate import GatewayRequest, Kind, translate
+from qworker_client.result import START_ID
+
+JOB_ID_HEADER = "x-qworker-job-id"
+CLIENT_CLOSED = 499  # nginx's status for a client that left first: never seen by that client
+
+
+async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
+    req = translate(kind, await read_json(request), gateway.config.max_n)
+    await gateway.catalog.check(req.model)
+    await gateway.gate.admit(len(req.choices))
+    gateway.metrics.queue_depth.set(gateway.gate.seen)
+    shape = Shape(kind, req.response_id, req.model, int(time.time()))
+    await gateway.submit(req, shape)
+    job_ids = [c.job_id for c in req.choices]
+    headers = {JOB_ID_HEADER: ",".join(job_ids)}
+
+    async def abort() -> None:
+        if not req.detach:
+            await gateway.cancel(job_ids)
+
+    reader = OutputReader(gateway.redis, gateway.keys, dict.fromkeys(job_ids, START_ID))
+    follow = _follow(gateway, req, shape)
+    if req.stream:
+        return EventStream(streams.frames(reader, follow, gateway.metrics), abort, headers)
+    result = await until_disconnect(request.receive, lambda: streams.body(reader, follow), abort)
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(result, headers=headers)
+
+
+def _follow(gateway: Gateway, req: GatewayRequest, shape: Shape) -> streams.Follow:
+    return streams.Follow(
+        shape=shape,
+        index={c.job_id: c.index for c in req.choices},
+        prompt={c.job_id: c.prompt_index for c in req.choices},
+        include_usage=req.include_usage,
+        tagged=len(req.choices) > 1,
+        cancel=gateway.cancel,
+    )
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None

@@ -1,0 +1,75 @@
+"""Work that stops when the client goes: a request's jobs are cancelled on a disconnect (unless
+the request detached them), while they wait in the queue as much as while they stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+from qworker_client.gateway.sse import HEADERS, MEDIA_TYPE
+
+T = TypeVar("T")
+Abort = Callable[[], Awaitable[None]]
+
+
+async def _watch(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]],
+                           on_abort: Abort) -> T | None:
+    """`work()`'s value, or None (after `on_abort()`) when the client disconnected first."""
+    result: list[T] = []
+    failed: list[Exception] = []
+    async with anyio.create_task_group() as group:
+        async def run() -> None:
+            try:
+                result.append(await work())
+            except Exception as exc:  # raised below, not as an exception group
+                failed.append(exc)
+            group.cancel_scope.cancel()
+
+        group.start_soon(run)
+        group.start_soon(_watch, receive, group.cancel_scope)
+    if failed:
+        raise failed[0]
+    if not result:
+        with anyio.CancelScope(shield=True):
+            await on_abort()
+        return None
+    return result[0]
+
+
+class EventStream:
+    """An ASGI response sending server-sent events from `frames`; `on_abort` runs when the client
+    left before the last frame (or sending failed)."""
+
+    def __init__(self, frames: AsyncIterator[str], on_abort: Abort,
+                 headers: dict[str, str] | None = None) -> None:
+        self.frames = frames
+        self.on_abort = on_abort
+        self.headers = {**HEADERS, **(headers or {}), "content-type": MEDIA_TYPE}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        finished = await until_disconnect(receive, lambda: self._send_all(send), self.on_abort)
+        if finished is None:
+            with anyio.CancelScope(shield=True):
+                await self.frames.aclose()  # type: ignore[attr-defined]
+
+    async def _send_all(self, send: Send) -> bool:
+        try:
+            async for text in self.frames:
+                await send({"type": "http.response.body", "body": text.encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the connection broke under the send
+            await self.on_abort()
+            return False
+        return True

@@ -1,0 +1,82 @@
+"""`GET /v1/jobs/{job_id}` (its status) and `GET /v1/jobs/{job_id}/stream` (its stream again,
+after `Last-Event-ID`, in the chunks it was first sent in). A resumed stream never cancels its
+job when the client goes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp
+
+from qworker_client.gateway import meta, streams
+from qworker_client.gateway.completions import JOB_ID_HEADER
+from qworker_client.gateway.disconnect import EventStream
+from qworker_client.gateway.errors import APIError, bad_request
+from qworker_client.gateway.reader import OutputReader
+from qworker_client.gateway.service import Gateway
+from qworker_client.gateway.sse import DONE
+from qworker_client.protocol import ID_PATTERN, TERMINAL_TYPES, is_valid_id
+from qworker_client.result import START_ID
+from qworker_client.status import job_status_async
+
+
+def _job_id(request: Request) -> str:
+    job_id = request.path_params["job_id"]
+    if not is_valid_id(job_id):
+        raise bad_request(f"invalid job id (want {ID_PATTERN})", param="job_id")
+    return job_id
+
+
+async def status(gateway: Gateway, request: Request) -> JSONResponse:
+    found = await job_status_async(gateway.redis, gateway.keys, _job_id(request))
+    return JSONResponse(found.to_dict())
+
+
+async def resume(gateway: Gateway, request: Request) -> ASGIApp:
+    job_id = _job_id(request)
+    job = await meta.load(gateway.redis, gateway.keys.prefix, job_id)
+    if job is None:
+        raise APIError(404, f"no stream of job {job_id} (unknown, expired, or not submitted "
+                       "through the gateway)", param="job_id", code="job_not_found")
+    after = _after(request.headers.get("last-event-id"))
+    follow = streams.Follow(shape=job.shape, index={job_id: job.index}, prompt={job_id: 0},
+                            include_usage=job.include_usage, tagged=False, cancel=_keep)
+    headers = {JOB_ID_HEADER: job_id}
+    if await _ended_at_or_before(gateway, job_id, after):
+        return EventStream(_only_done(), _keep, headers)
+    reader = OutputReader(gateway.redis, gateway.keys, {job_id: after})
+    return EventStream(streams.frames(reader, follow, gateway.metrics), _keep, headers)
+
+
+def _after(last_event_id: str | None) -> str:
+    """The entry id to read after: `Last-Event-ID` without its `<choice>/` tag."""
+    if not last_event_id:
+        return START_ID
+    entry = last_event_id.rpartition("/")[2].strip()
+    if _parse(entry) is None:
+        raise bad_request("Last-Event-ID is not an event id of this stream", param="last-event-id")
+    return entry
+
+
+def _parse(entry_id: str) -> tuple[int, int] | None:
+    ms, _, seq = entry_id.partition("-")
+    return (int(ms), int(seq)) if ms.isdigit() and seq.isdigit() else None
+
+
+async def _ended_at_or_before(gateway: Gateway, job_id: str, after: str) -> bool:
+    """Whether the stream's terminal event is at or before `after`: nothing is left to send."""
+    last = await gateway.redis.xrevrange(gateway.keys.out(job_id), count=1)
+    if not last or last[0][1].get("type") not in TERMINAL_TYPES:
+        return False
+    end, seen = _parse(last[0][0]), _parse(after)
+    return end is not None and seen is not None and end <= seen
+
+
+async def _only_done() -> AsyncIterator[str]:
+    yield DONE
+
+
+async def _keep(*_: object) -> None:
+    """A resumed stream leaves its job alone."""

@@ -1,0 +1,37 @@
+"""What the gateway remembers of a job so that any gateway can resume its stream: its response's
+shape and its choice index, in `<prefix>:gw:<id>` (JSON, for the workers' `result_ttl`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import redis.asyncio
+
+from qworker_client.gateway.shaping import Shape
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    shape: Shape
+    index: int
+    include_usage: bool
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self.shape), "index": self.index,
+                           "include_usage": self.include_usage}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str) -> JobMeta:
+        data = json.loads(raw)
+        index, include_usage = data.pop("index"), data.pop("include_usage")
+        return cls(Shape(**data), index, include_usage)
+
+
+def meta_key(prefix: str, job_id: str) -> str:
+    return f"{prefix}:gw:{job_id}"
+
+
+async def load(client: redis.asyncio.Redis, prefix: str, job_id: str) -> JobMeta | None:
+    raw = await client.get(meta_key(prefix, job_id))
+    return None if raw is None else JobMeta.from_json(raw)

@@ -1,0 +1,56 @@
+"""The gateway's Prometheus metrics: requests, responses by status, streams open, queue depth."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("qworker_gateway_requests", "HTTP requests, by route",
+                                ["route"], registry=self.registry)
+        self.responses = Counter("qworker_gateway_responses", "HTTP responses, by status",
+                                 ["status"], registry=self.registry)
+        self.streams_open = Gauge("qworker_gateway_streams_open", "event streams being sent",
+                                  registry=self.registry)
+        self.queue_depth = Gauge("qworker_gateway_queue_depth",
+                                 "unfinished jobs when last looked at", registry=self.registry)
+        self.tokens = Counter("qworker_gateway_streamed_tokens", "token events passed on",
+                              registry=self.registry)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class CountResponses:
+    """ASGI middleware: counts each HTTP request by route and its response by status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.metrics.requests.labels(_route(scope["path"])).inc()
+
+        async def counting(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.responses.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting)
+
+
+def _route(path: str) -> str:
+    """The path with a job id cut out, so labels stay few."""
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[1:3] == ["v1", "jobs"]:
+        parts[3] = "{job_id}"
+    if len(parts) >= 4 and parts[1:3] == ["v1", "models"]:
+        parts[3] = "{model}"
+    return "/".join(parts) if len(parts) <= 5 else "other"

@@ -1,0 +1,59 @@
+"""What every route shares: the Redis client, the producer, the gate, the catalog, the metrics."""
+
+from __future__ import annotations
+
+import re
+
+from qworker_client.aio import AsyncProducer
+from qworker_client.connect import ClientOptions
+from qworker_client.fields import job_fields
+from qworker_client.gateway.backpressure import Gate
+from qworker_client.gateway.catalog import Catalog
+from qworker_client.gateway.config import GatewayConfig
+from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.meta import JobMeta, meta_key
+from qworker_client.gateway.metrics import Metrics
+from qworker_client.gateway.shaping import Shape
+from qworker_client.gateway.translate import GatewayRequest
+from qworker_client.protocol import JobValidationError, Keys
+
+_PARAM_RE = re.compile(r"^([a-z_]+)\b")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.keys = Keys(config.prefix)
+        options = ClientOptions(result_ttl_s=config.result_ttl_s)
+        self.producer = AsyncProducer(config.redis_url, config.prefix, options=options)
+        self.redis = self.producer.redis
+        self.gate = Gate(self.redis, self.keys, config.max_queued, config.retry_after_s)
+        self.catalog = Catalog(self.redis, self.keys, config.models_cache_s)
+        self.metrics = Metrics()
+
+    async def submit(self, request: GatewayRequest, shape: Shape) -> None:
+        """Validate every job (400 on what a worker would refuse), remember how to shape their
+        streams, then queue them all at once."""
+        specs = [choice.spec for choice in request.choices]
+        try:
+            for spec in specs:
+                job_fields(spec)
+        except JobValidationError as exc:
+            match = _PARAM_RE.match(exc.message)
+            raise bad_request(exc.message, param=match.group(1) if match else None) from None
+        except TypeError as exc:
+            raise bad_request(str(exc)) from None
+        pipe = self.redis.pipeline(transaction=False)
+        for choice in request.choices:
+            meta = JobMeta(shape, choice.index, request.include_usage)
+            pipe.set(meta_key(self.keys.prefix, choice.job_id), meta.to_json(),
+                     ex=self.config.result_ttl_s)
+        await pipe.execute()
+        await self.producer.submit_many(specs)
+
+    async def cancel(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            await self.producer.cancel(job_id)
+
+    async def close(self) -> None:
+        await self.producer.close()

@@ -1,0 +1,83 @@
+"""OpenAI response bodies and stream chunks, from what a job's output stream says."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qworker_client.gateway.translate import Kind
+from qworker_client.protocol import DoneEvent
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What every chunk and body of one response carries."""
+
+    kind: Kind
+    response_id: str
+    model: str
+    created: int
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created,
+                "model": self.model}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def body(shape: Shape, done: list[DoneEvent], prompt_tokens: int) -> dict[str, Any]:
+    """The whole (non-streamed) response: `done[i]` is choice i."""
+    choices = [_final_choice(shape, i, d) for i, d in enumerate(done)]
+    completion = sum(d.completion_tokens for d in done)
+    return {**shape.head(shape.object), "choices": choices,
+            "usage": usage(prompt_tokens, completion)}
+
+
+def _final_choice(shape: Shape, index: int, done: DoneEvent) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index}
+    if shape.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": done.text}
+    else:
+        choice["text"] = done.text
+    choice.update(logprobs=None, finish_reason=done.finish_reason)
+    return choice
+
+
+def text_chunk(shape: Shape, index: int, text: str, first: bool) -> dict[str, Any]:
+    """A chunk with new text; a chat stream's first chunk of a choice also names the role."""
+    return _chunk(shape, index, text, None, first)
+
+
+def finish_chunk(shape: Shape, index: int, finish_reason: str) -> dict[str, Any]:
+    return _chunk(shape, index, None, finish_reason, False)
+
+
+def usage_chunk(shape: Shape, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """`stream_options.include_usage`: the last chunk, without choices."""
+    return {**shape.head(shape.chunk_object), "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _chunk(shape: Shape, index: int, text: str | None, finish_reason: str | None,
+           first: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index}
+    if shape.kind == "chat":
+        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    choice.update(logprobs=None, finish_reason=finish_reason)
+    return {**shape.head(shape.chunk_object), "choices": [choice]}

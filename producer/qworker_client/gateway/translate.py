@@ -1,0 +1,160 @@
+"""An OpenAI request body as qworker jobs: one job per choice, in the wire fields of the protocol.
+
+Validation of the fields' values is the protocol's own (at submit); here only the shape of the
+OpenAI request is checked, and what qworker cannot do yet is refused with a clear 400.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from qworker_client.gateway.errors import bad_request
+
+Kind = Literal["chat", "completion"]
+
+# OpenAI / vLLM body field -> wire field, taken as they are.
+_PLAIN_FIELDS = (
+    "temperature", "top_p", "presence_penalty", "frequency_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+)
+_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One job: choice `index` of the response, for prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    job_id: str
+    spec: dict[str, Any]  # the job's fields, for `submit_many`
+
+
+@dataclass(frozen=True)
+class GatewayRequest:
+    kind: Kind
+    response_id: str
+    model: str
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+    detach: bool
+
+
+def translate(kind: Kind, body: Any, max_n: int) -> GatewayRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required", param="model")
+    _refuse_unsupported(body)
+    prompts = _chat_prompt(body) if kind == "chat" else _completion_prompts(body)
+    n = _int_field(body, "n", 1, 1, max_n)
+    response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    params = _params(body)
+    choices = []
+    for p, prompt in enumerate(prompts):
+        for k in range(n):
+            index = p * n + k
+            job_id = response_id if len(prompts) * n == 1 else f"{response_id}.{index}"
+            seed = None if params.get("seed") is None else params["seed"] + k
+            spec = {**params, **prompt, "seed": seed, "id": job_id}
+            choices.append(Choice(index, p, job_id, spec))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("`stream_options` must be an object", param="stream_options")
+    return GatewayRequest(
+        kind=kind, response_id=response_id, model=model, choices=choices,
+        stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
+        detach=bool(body.get("detach")),
+    )
+
+
+def _params(body: dict[str, Any]) -> dict[str, Any]:
+    params = {name: body.get(name) for name in _PLAIN_FIELDS}
+    params["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
+    stop = body.get("stop")
+    params["stop"] = [stop] if isinstance(stop, str) else stop
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise bad_request("`seed` must be a non-negative integer", param="seed")
+    params["seed"] = seed
+    return params
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    if body.get("logprobs") or body.get("top_logprobs"):
+        param = "logprobs" if body.get("logprobs") else "top_logprobs"
+        raise bad_request("logprobs are not supported yet by qworker's engine", param=param)
+    for name in ("tools", "functions", "logit_bias", "suffix"):
+        if body.get(name):
+            raise bad_request(f"`{name}` is not supported", param=name)
+    if body.get("echo"):
+        raise bad_request("`echo` is not supported", param="echo")
+    if (body.get("best_of") or 1) != 1:
+        raise bad_request("`best_of` is not supported", param="best_of")
+    fmt = body.get("response_format")
+    if fmt and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("only a text `response_format` is supported", param="response_format")
+
+
+def _int_field(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise bad_request(f"`{name}` must be an integer from {low} to {high}", param=name)
+    return value
+
+
+def _chat_prompt(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty list", param="messages")
+    return [{"messages": [_message(m, i) for i, m in enumerate(messages)]}]
+
+
+def _message(message: Any, i: int) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad_request("a message must be an object with a `role`", param=param)
+    role = _ROLES.get(message["role"], message["role"])
+    return {"role": role, "content": _content(message.get("content"), f"{param}.content")}
+
+
+def _content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request("`content` must be a string or a list of text parts", param=param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad_request("only text content parts are supported", param=param)
+        if not isinstance(part.get("text"), str):
+            raise bad_request("a text part needs a string `text`", param=param)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _completion_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [{"prompt": p} for p in prompt]
+        if all(_is_token_ids(p) for p in prompt):
+            return [{"prompt_token_ids": p} for p in prompt]
+        if _is_token_ids(prompt):
+            return [{"prompt_token_ids": prompt}]
+    raise bad_request("`prompt` must be a string, a list of strings, a list of token ids or a "
+                      "list of lists of token ids", param="prompt")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
