@@ -111,6 +111,9 @@ def test_a_full_queue_is_a_429_with_retry_after(redis_url: str) -> None:
         stream.http_response.close()
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL, prompt="x")
+        metrics = httpx2.get(f"{url}/metrics").text
+        assert 'qworker_gateway_responses_total{status="429"} 2.0' in metrics
+        assert "qworker_gateway_queue_depth 2.0" in metrics
 
 
 def test_api_keys_are_required_when_given(redis_url: str) -> None:
