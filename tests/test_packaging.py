@@ -104,9 +104,13 @@ def requirement_name(requirement: str) -> str:
     return match.group(0).lower().replace("_", "-")
 
 
+class CaseKeepingParser(configparser.ConfigParser):
+    def optionxform(self, optionstr: str) -> str:
+        return optionstr
+
+
 def entry_points(wheel: Path) -> dict[str, dict[str, str]]:
-    parser = configparser.ConfigParser(delimiters=("=",))
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser = CaseKeepingParser(delimiters=("=",))
     parser.read_string(wheel_text(wheel, "entry_points.txt"))
     return {section: dict(parser[section]) for section in parser.sections()}
 
