@@ -50,7 +50,7 @@ def test_read_takes_requeue_first_and_never_more_than_admitted(intake: Intake) -
     assert c.xpending(KEYS.jobs, "workers")["pending"] == 5
 
 
-def test_screen_sorts_out_poison_invalid_and_duplicate(intake: Intake) -> None:
+def test_screen_sorts_out_invalid_and_duplicate(intake: Intake) -> None:
     entries = [
         Entry(KEYS.jobs, "1-0", {b"id": b"ok", b"prompt": b"x"}),
         Entry(KEYS.jobs, "1-1", {b"id": b"bad", b"prompt": b"x", b"top_p": b"2"}),
@@ -61,14 +61,14 @@ def test_screen_sorts_out_poison_invalid_and_duplicate(intake: Intake) -> None:
         Entry(KEYS.jobs, "1-6", {b"id": b"run", b"prompt": b"x"}),
     ]
     good, rejects = intake.screen(entries, busy_job_ids={"run"})
-    # the deadline is not screened: only a job that never started expires (see below)
-    assert [job.id for _, job in good] == ["ok", "late"]
+    # the deadline is not screened: only a job that never started expires (see below); nor
+    # are deliveries: poison is judged once taken, by how its workers ended (test_poison_rule)
+    assert [job.id for _, job in good] == ["ok", "late", "poison"]
     codes = {r.entry.entry_id: (r.code, r.job_id) for r in rejects}
     assert codes == {
         "1-1": ("invalid_request", "bad"),
         "1-2": ("invalid_request", None),  # duplicate id: no error into the running job's stream
-        "1-4": ("too_many_deliveries", "poison"),
-        "1-5": ("too_many_deliveries", "1-5"),
+        "1-5": ("invalid_request", "1-5"),
         "1-6": ("invalid_request", None),
     }
 

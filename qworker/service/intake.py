@@ -1,6 +1,7 @@
 """Intake: read entries only as fast as the engine admits them, reclaim idle ones, screen them
-(poison, validation), take ownership and read back what was already shown (a job that never
-started and is past its deadline expires), and dead-letter what cannot run."""
+(validation, deliveries), take ownership and read back what was already shown (a job that never
+started and is past its deadline expires; one whose workers died running it alone is poison), and
+dead-letter what cannot run."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class Taken:
     t0_ms: int
     started_ms: int
     started_before: bool = False  # some worker took it before (it may have streamed tokens)
+    crashes: int = 0  # its workers that died (or stalled) while they ran it alone
+    excused: int = 0  # its workers that died (or stalled) while they ran another job alone
 
 
 def _s(value: bytes | str) -> str:
@@ -182,23 +185,19 @@ class Intake:
 
     def screen(self, entries: Iterable[Entry], busy_job_ids: set[str]
                ) -> tuple[list[tuple[Entry, Job]], list[Reject]]:
-        """Split entries into runnable jobs and rejects (poison, invalid, duplicate). The
-        deadline is checked once taken, when it is known whether the job ever started."""
+        """Split entries into runnable jobs and rejects (invalid, duplicate). The deadline and
+        poison are checked once taken, when it is known whether the job ever started and how
+        its earlier workers ended."""
         good: list[tuple[Entry, Job]] = []
         rejects: list[Reject] = []
         for entry in entries:
             try:
                 job = parse_job_fields(entry.fields, entry.entry_id)
             except JobValidationError as exc:
-                if entry.deliveries > self.config.max_deliveries:
-                    rejects.append(self._poison(entry, exc.job_id))
-                else:
-                    rejects.append(Reject(entry, exc.code, exc.message, exc.job_id))
+                rejects.append(Reject(entry, exc.code, exc.message, exc.job_id))
                 continue
             job_id = job.id or entry.entry_id
-            if entry.deliveries > self.config.max_deliveries:
-                rejects.append(self._poison(entry, job_id))
-            elif job_id in busy_job_ids:
+            if job_id in busy_job_ids:
                 rejects.append(Reject(entry, INVALID_REQUEST,
                                       f"duplicate: job {job_id} is already running here", None))
             else:
@@ -206,31 +205,36 @@ class Intake:
                 good.append((entry, job))
         return good, rejects
 
-    def _poison(self, entry: Entry, job_id: str | None) -> Reject:
-        return Reject(entry, TOO_MANY_DELIVERIES,
-                      f"delivered {entry.deliveries} times (max_deliveries "
-                      f"{self.config.max_deliveries}); its workers kept dying", job_id,
-                      drop_owner=True)
-
     # ------------------------------------------------------------------ taking
 
     def take(self, items: Sequence[tuple[Entry, Job]]) -> tuple[list[Taken], list[Reject]]:
         """Become each job's owner (fencing out any earlier one), then read back its stream and
-        cancel flag; one round trip. A job whose keys Redis refuses (a foreign key of the wrong
-        type, an ACL on them) is a reject; the others go on."""
-        pipe = self.client.pipeline(transaction=False)
+        cancel flag; one round trip (two when Redis lost its scripts). A job whose keys Redis
+        refuses (a foreign key of the wrong type, an ACL on them) is a reject; the others go on."""
         now = now_ms()
+        replies = self._take_round_trip(items, now)
+        if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
+            Scripts.load(self.client)  # Redis restarted (or flushed its scripts): again, whole
+            replies = self._take_round_trip(items, now)
+        return self._taken(items, replies, now)
+
+    def _take_round_trip(self, items: Sequence[tuple[Entry, Job]], now: int) -> list[object]:
+        pipe = self.client.pipeline(transaction=False)
         for entry, job in items:
             job_id = job.id or entry.entry_id
             owner = self.keys.owner(job_id)
-            pipe.hset(owner, "worker", self.token)
+            self.scripts.take_owner(pipe, owner=owner, token=self.token, job_id=job_id,
+                                    prefix=self.keys.prefix)
             pipe.hsetnx(owner, "t0", entry_ms(entry.entry_id) or now)
             pipe.hsetnx(owner, "started", now)
             pipe.expire(owner, self.config.owner_ttl_s)
             pipe.hmget(owner, ["t0", "started"])
             pipe.exists(self.keys.cancel(job_id))
             pipe.xrange(self.keys.out(job_id), "-", "+")
-        replies = pipe.execute(raise_on_error=False)
+        return pipe.execute(raise_on_error=False)
+
+    def _taken(self, items: Sequence[tuple[Entry, Job]], replies: list[object], now: int
+               ) -> tuple[list[Taken], list[Reject]]:
         taken: list[Taken] = []
         rejects: list[Reject] = []
         for k, (entry, job) in enumerate(items):
@@ -246,8 +250,29 @@ class Intake:
                       or entry.stream == self.keys.requeue)
             taken.append(Taken(entry, job, readback, cancelled=bool(mine[5]),
                                t0_ms=int(t0 or now), started_ms=int(started or now),
-                               started_before=before))
+                               started_before=before, crashes=int(mine[0][0]),
+                               excused=int(mine[0][1])))
         return taken, rejects
+
+    def poisoned(self, t: Taken) -> Reject | None:
+        """A poison job: its workers died (or stalled) `max_crashes` times while they ran it
+        alone; or, last resort, delivered more than `max_deliveries` times not counting the
+        deliveries after a death already charged to a job (itself or another). So the jobs that
+        merely shared a batch or a worker with a poison job are never charged for it."""
+        job_id = t.job.id or t.entry.entry_id
+        if t.crashes >= self.config.max_crashes:
+            return Reject(t.entry, TOO_MANY_DELIVERIES,
+                          f"its worker died {t.crashes} times while it ran this job alone "
+                          f"(max_crashes {self.config.max_crashes}): a poison job", job_id,
+                          drop_owner=True)
+        deliveries = t.entry.deliveries - t.excused - t.crashes
+        if deliveries > self.config.max_deliveries:
+            return Reject(t.entry, TOO_MANY_DELIVERIES,
+                          f"delivered {deliveries} times (max_deliveries "
+                          f"{self.config.max_deliveries}; not counted: {t.crashes} after a "
+                          f"crash of its own, {t.excused} after another job's); its workers "
+                          f"kept dying or stalling", job_id, drop_owner=True)
+        return None
 
     @staticmethod
     def expired(t: Taken) -> Reject | None:

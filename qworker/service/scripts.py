@@ -14,6 +14,10 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
   and only then XACK + XDEL the entry. Redis does not roll a script back, so the order matters: a
   script that fails halfway leaves the entry pending, never acked without its dead letter. Its
   inputs are bounded by the caller (`intake.dead_fields`), so `unpack` stays far from Lua's limit.
+- `take_owner`: makes this worker a job's owner (field `worker`, its fencing token) and settles
+  the previous owner's death, if it died (or stalled) with the job: its key `<prefix>:alone:<its
+  token>` names the job it was running alone at the time (see `alone_key`). This job: one more of
+  its `crashes`. Another job: the death was that one's, and this job's `excused` goes up by one.
 - `beat`: the heartbeat's round trip: re-claims (XCLAIM JUSTID: idle time reset, no delivery
   counted) each in-flight entry that is still pending to this consumer, renews the owner hashes
   this worker still holds, and sets the worker's liveness key.
@@ -118,6 +122,25 @@ redis.call('HSET', KEYS[1], 'worker', '')
 return 'ok'
 """
 
+# KEYS: owner. ARGV: token, job id, the prefix of alone keys (`<prefix>:alone:`). The previous
+# owner's alone key is named by the hash, so it is not in KEYS: fine on one Redis (no Cluster).
+# HGET/HSET, not HINCRBY: the worker's ACL rules stay as they are. Replies {crashes, excused}.
+TAKE_OWNER = """
+local function bump(field)
+  local n = tonumber(redis.call('HGET', KEYS[1], field) or '0') + 1
+  redis.call('HSET', KEYS[1], field, n)
+end
+local prev = redis.call('HGET', KEYS[1], 'worker')
+if prev and prev ~= '' and prev ~= ARGV[1] then
+  local alone = redis.pcall('GET', ARGV[3] .. prev)
+  if type(alone) ~= 'string' then alone = nil end  -- none, or a foreign key: nobody to blame
+  if alone == ARGV[2] then bump('crashes') elseif alone then bump('excused') end
+end
+redis.call('HSET', KEYS[1], 'worker', ARGV[1])
+local counts = redis.call('HMGET', KEYS[1], 'crashes', 'excused')
+return {tonumber(counts[1] or '0'), tonumber(counts[2] or '0')}
+"""
+
 # KEYS: source stream, dead stream[, out[, owner]]. ARGV: group, entry id, ttl_s, dead maxlen,
 # 2n (dead fields), dead fields..., then the error event's fields (when KEYS[3] is given).
 DEAD_LETTER = """
@@ -187,6 +210,12 @@ end
 return 0
 """
 
+def alone_key(prefix: str, token: str) -> str:
+    """Names the job that the worker with fencing token `token` does something with alone now
+    (starts it as a reclaimed job, or steps it alone); absent when none. Set before it begins."""
+    return f"{prefix}:alone:{token}"
+
+
 Fields = Mapping[str, str] | Mapping[bytes, bytes] | Mapping[bytes | str, bytes | str]
 
 
@@ -220,11 +249,12 @@ class Scripts:
     requeue_sha: str = _sha(REQUEUE)
     dead_letter_sha: str = _sha(DEAD_LETTER)
     beat_sha: str = _sha(BEAT)
+    take_owner_sha: str = _sha(TAKE_OWNER)
     drop_consumer_sha: str = _sha(DROP_CONSUMER)
 
     @staticmethod
     def load(client: redis.Redis) -> None:
-        for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER):
+        for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER):
             client.script_load(text)
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, ttl_s: int, group: str,
@@ -261,6 +291,11 @@ class Scripts:
         if out is not None:
             args += _flat(error_fields or {})
         pipe.evalsha(self.dead_letter_sha, len(keys), *keys, *args)
+
+    def take_owner(self, pipe: redis.client.Pipeline, *, owner: str, token: str, job_id: str,
+                   prefix: str) -> None:
+        """Reply: [crashes, excused] of the job, the previous owner's death counted."""
+        pipe.evalsha(self.take_owner_sha, 1, owner, token, job_id, alone_key(prefix, ""))
 
     def beat(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
              token: str, owner_ttl_s: int, worker_key: str, info: str, liveness_ms: int,

@@ -46,7 +46,7 @@ from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics
 from qworker.service.on_done import OnDone
 from qworker.service.publisher import Publisher
-from qworker.service.scripts import Scripts
+from qworker.service.scripts import Scripts, alone_key
 from qworker_client.protocol import (
     INTERNAL,
     INVALID_REQUEST,
@@ -71,6 +71,7 @@ class EngineLike(Protocol):
     def free_slots(self) -> int: ...
     def kernel_report(self) -> dict[str, str]: ...
     def has_unfinished(self) -> bool: ...
+    def solo_next(self) -> str | None: ...
 
 
 def connect(config: ServiceConfig) -> redis.Redis:
@@ -140,6 +141,7 @@ class Worker:
         self.log = get_logger(worker=config.name)
         self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
         self.active: dict[str, ActiveJob] = {}
+        self._alone: str | None = None  # the job our alone key names (see _move_alone)
         self.draining = False
         self.requeue_now = False
         self._ready = False  # group created and scripts loaded
@@ -211,6 +213,10 @@ class Worker:
 
     def _leave(self) -> None:
         try:
+            self._move_alone(None)  # a job left pending is not charged for a clean exit
+        except redis.RedisError as exc:  # it expires by itself
+            self.log.warning("could not remove the alone key", error=str(exc)[:200])
+        try:
             self.heartbeat.leave()
         except redis.RedisError as exc:  # it expires by itself
             self.log.warning("could not remove the worker key", error=str(exc)[:200])
@@ -238,9 +244,7 @@ class Worker:
         self._take_stop_requests()
         if self.requeue_now or time.monotonic() >= self._drain_deadline:
             self._requeue_all()
-        stepped = self.engine.has_unfinished()
-        if stepped:
-            self._step()
+        stepped = self.engine.has_unfinished() and self._step()
         now = time.monotonic()
         if not self.backoff.ready(now):
             if not stepped:
@@ -290,13 +294,17 @@ class Worker:
 
     # ------------------------------------------------------------------ engine
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False when it could not run: a step that holds one job alone runs
+        only once that is recorded (see `_move_alone`), and Redis is unreachable."""
+        if not self._mark_alone(self.engine.solo_next()):
+            return False
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # the engine isolates a request that fails its step; not this
             self._step_failed(exc)
-            return
+            return True
         self.metrics.observe_step(self.engine, outputs, time.perf_counter() - started, self.active)
         for out in outputs:
             job = self.active.get(out.request_id)
@@ -319,6 +327,29 @@ class Worker:
             if out.finished:
                 job.prompt_tokens = out.num_prompt_tokens or job.prompt_tokens
                 job.finish(out.finish_reason or "stop", out.first_index + len(out.new_token_ids))
+        return True
+
+    def _mark_alone(self, job_id: str | None) -> bool:
+        """`_move_alone` within the loop's Redis guard; False when it could not be written."""
+        if job_id == self._alone:
+            return True
+        if not self.backoff.ready(time.monotonic()):
+            return False
+        return self._guard(lambda: self._move_alone(job_id))
+
+    def _move_alone(self, job_id: str | None) -> None:
+        """Records, before it happens, that this worker does something with `job_id` alone (None:
+        with no job alone), in its key `<prefix>:alone:<token>`. A worker that dies or stalls
+        meanwhile leaves the key behind: the job's next owner charges it a crash, and the
+        other jobs the worker held are excused that delivery (scripts.TAKE_OWNER)."""
+        if job_id == self._alone:
+            return
+        key = alone_key(self.keys.prefix, self.token)
+        if job_id is None:
+            self.client.delete(key)
+        else:
+            self.client.set(key, job_id, ex=self.config.owner_ttl_s)
+        self._alone = job_id
 
     def _step_failed(self, exc: Exception) -> None:
         """engine.step() raised outside any one request: the jobs it held fail, the worker goes
@@ -447,7 +478,7 @@ class Worker:
             if t.readback.terminal:
                 finished_before.append(t.entry)
                 continue
-            reject = self.intake.expired(t) or self._start(t)
+            reject = self.intake.expired(t) or self.intake.poisoned(t) or self._start(t)
             if reject is not None:
                 rejects.append(reject)
             self.heartbeat.progress()  # a slow admission is progress, not a stall
@@ -495,6 +526,8 @@ class Worker:
             self.active[job_id] = job
             job.finish("cancelled" if t.cancelled else "length", job.next_index)
             return None
+        if t.entry.deliveries > 1:  # tokenized and added alone: a crash in it is its own
+            self._move_alone(job_id)  # (a Redis error ends the admission: retried later)
         try:
             prompt = self._prompt_ids(t.job)
             job.prompt_tokens = len(prompt)
@@ -516,7 +549,7 @@ class Worker:
         self.metrics.resumed_tokens.inc(job.next_index)
         self.metrics.prompt_tokens.inc(len(prompt))
         log.info("started", source=source, resume_at=job.next_index, prompt_tokens=len(prompt),
-                 deliveries=t.entry.deliveries)
+                 deliveries=t.entry.deliveries, crashes=t.crashes, excused=t.excused)
         return None
 
     def _prompt_ids(self, job: Job) -> list[int]:
