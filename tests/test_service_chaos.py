@@ -1,6 +1,8 @@
 """Chaos against a real redis-server, workers on the simulated engine: a live worker keeps its jobs
 however long its steps and whatever cancels arrive; a stalled one loses them to a peer; a killed
-one's jobs are finished by another, each token index once.
+one's jobs are finished by another, each token index once; a poison job that kills its worker
+process in every step it is in is dead-lettered after the crashes it caused alone, and the jobs
+that shared its batches and workers finish.
 
 A watcher samples `XPENDING` all along: an entry of a live worker delivered twice (its delivery
 count above 1, or a second consumer) is a double delivery.
@@ -8,6 +10,10 @@ count above 1, or a second consumer) is a double delivery.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -15,19 +21,22 @@ from pathlib import Path
 
 import redis
 
-from qworker_client.protocol import DoneEvent
+from qworker_client.protocol import DoneEvent, ErrorEvent
 from tests.service_harness import (
     KEYS,
+    ROOT,
     check_stream,
     expected,
     group_pending,
     sim_engine,
     spawn_worker,
     stop_process,
+    terminal,
     thread_worker,
     wait_for,
     wait_terminal,
 )
+from tests.worker_process import stop_gracefully
 
 
 class DeliveryWatch:
@@ -179,3 +188,133 @@ def test_a_loop_whose_redis_round_trips_fail_keeps_its_jobs(redis_url: str) -> N
     for job_id, event in got.items():
         assert isinstance(event, DoneEvent)
         assert (check_stream(client, job_id).text, "length") == want[job_id]
+
+
+class MoveWatch:
+    """Samples which consumer holds each pending entry; a move from a consumer that was still
+    alive then is a double delivery from a live worker."""
+
+    def __init__(self, url: str, dead: dict[str, float], interval: float = 0.02) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.dead = dead  # consumer -> when its process was seen gone (time.monotonic())
+        self.interval = interval
+        self.holder: dict[str, str] = {}
+        self.deliveries: dict[str, int] = defaultdict(int)
+        self.moves = 0
+        self.live_moves: list[tuple[str, str, str]] = []  # (entry, from, to)
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MoveWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rows = self.client.xpending_range(KEYS.jobs, "workers", "-", "+", 10_000)
+            except redis.ResponseError:  # NOGROUP: no worker has started yet
+                rows = []
+            now = time.monotonic()
+            for row in rows:
+                entry, consumer = row["message_id"].decode(), row["consumer"].decode()
+                self.deliveries[entry] = max(self.deliveries[entry], row["times_delivered"])
+                before = self.holder.setdefault(entry, consumer)
+                if before != consumer:
+                    self.moves += 1
+                    if self.dead.get(before, now + 1) > now:
+                        self.live_moves.append((entry, before, consumer))
+                    self.holder[entry] = consumer
+            self.samples += 1
+            self._stop.wait(self.interval)
+
+
+def _spawn_poison_worker(url: str, name: str, crash_log: Path, log_dir: Path
+                         ) -> subprocess.Popen[bytes]:
+    out = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "tests.poison_worker", url, name, str(crash_log)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=ROOT, env=env)
+
+
+def test_poison_jobs_that_kill_their_worker_are_dead_lettered_and_their_batch_mates_finish(
+        redis_url: str, tmp_path: Path) -> None:
+    """Two jobs whose steps SIGKILL the process, among innocent ones, on two workers restarted
+    when they die (tests/poison_worker.py: --max-crashes 3, --max-deliveries 2). Each poison job
+    is charged only the crashes it caused alone and is dead-lettered after 3 of them; every
+    innocent job finishes with its whole text, though it was reclaimed more often than
+    --max-deliveries allows: the deaths were another job's."""
+    client = redis.Redis.from_url(redis_url)
+    innocents = {f"inno{k}": {"prompt": f"innocent {k}", "max_tokens": 40} for k in range(6)}
+    poison = {p: {"prompt": f"a POISON pill {p}", "max_tokens": 40} for p in ("pA", "pB")}
+    order = ["inno0", "inno1", "pA", "inno2", "inno3", "pB", "inno4", "inno5"]
+    jobs = {**innocents, **poison}
+    entry_of = {j: client.xadd(KEYS.jobs, {"id": j, **{k: str(v) for k, v in jobs[j].items()}}
+                               ).decode() for j in order}
+    crash_log = tmp_path / "crashes.log"
+    dead: dict[str, float] = {}
+    exits: list[tuple[str, int]] = []
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    spawned = 0
+
+    def spawn() -> None:
+        nonlocal spawned
+        name = f"pw{spawned}"
+        spawned += 1
+        procs[name] = _spawn_poison_worker(redis_url, name, crash_log, tmp_path)
+
+    def reap() -> bool:
+        """Notes the workers that exited, restarts them (as a supervisor would); True always,
+        so that wait_for's conditions can call it first."""
+        for name, proc in list(procs.items()):
+            if proc.poll() is not None:
+                dead[name] = time.monotonic()
+                exits.append((name, proc.returncode))
+                del procs[name]
+                spawn()
+        return True
+
+    try:
+        with MoveWatch(redis_url, dead) as watch:
+            spawn()  # the first worker takes every job: the poisons' first step is shared
+            wait_for(lambda: reap() and (group_pending(client) == len(jobs) or exits),
+                     timeout=60, what="all jobs taken by the first worker")
+            spawn()
+            wait_for(lambda: reap() and all(terminal(client, j) for j in jobs), timeout=240,
+                     what="every job to end")
+            for proc in procs.values():
+                assert stop_gracefully(proc) == 0
+    finally:
+        for proc in procs.values():
+            stop_process(proc)
+    crashes = [line.split() for line in crash_log.read_text().splitlines()]
+    # every exit was an induced crash: SIGKILL by a poison step, logged just before
+    assert [rc for _, rc in exits] == [-signal.SIGKILL] * len(exits), exits
+    assert sorted(name for name, _ in exits) == sorted(name for name, _ in crashes)
+    sizes = [int(n) for _, n in crashes]
+    assert len(sizes) == 7 and sizes[0] > 1 and sizes[1:] == [1] * 6, sizes  # 1 shared, 3+3 alone
+    for p in poison:
+        error = terminal(client, p)
+        assert isinstance(error, ErrorEvent) and error.code == "too_many_deliveries", error
+        assert "3 times while it ran this job alone" in error.message, error.message
+    dead_letters = sorted((f[b"id"].decode(), f[b"code"].decode(), f[b"source_id"].decode())
+                          for _, f in client.xrange(KEYS.dead))
+    assert dead_letters == [(p, "too_many_deliveries", entry_of[p]) for p in sorted(poison)]
+    want = expected(innocents)
+    for job_id in innocents:
+        done = check_stream(client, job_id)  # each index once, one `done`, text whole
+        assert (done.text, done.finish_reason) == want[job_id], job_id
+    assert group_pending(client) == 0 and client.xlen(KEYS.jobs) == 0
+    assert watch.samples > 20 and watch.moves >= 7 and watch.live_moves == [], watch.live_moves
+    most = max(watch.deliveries[entry_of[j]] for j in innocents)
+    assert most > 2, dict(watch.deliveries)  # an innocent job went past --max-deliveries, excused
+    print(f"FIGURES poison: entries={len(jobs)} (2 poison, {len(innocents)} innocent) "
+          f"innocent_done={len(innocents)} lost=0 induced_crashes={len(crashes)} (first in a "
+          f"step of {sizes[0]}, then alone) other_exits={len(exits) - len(crashes)} "
+          f"reclaims_from_dead={watch.moves} double_deliveries_live={len(watch.live_moves)} "
+          f"most_innocent_deliveries={most} workers_started={spawned}")
