@@ -125,7 +125,7 @@ class ThreadWorker:
 def thread_worker(url: str, name: str, engine: SimulatedEngine | None = None,
                   **config: Any) -> Iterator[ThreadWorker]:
     """A worker in a thread of this process; stopped (drained) on exit."""
-    cfg = ServiceConfig(redis_url=url, name=name, model="sim", **config)
+    cfg = ServiceConfig(redis_url=url, name=name, **{"model": "sim", **config})
     worker = Worker(engine or sim_engine(), cfg)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(worker.run()), name=name, daemon=True)
