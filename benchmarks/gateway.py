@@ -1,0 +1,160 @@
+"""The gateway alone under load: one gateway process, simulated workers, N concurrent streaming
+clients.
+
+    .venv/bin/python -m benchmarks.gateway [--clients 256] [--requests 4] [--max-tokens 64]
+                                           [--workers 2] [--step-ms 10]
+
+A throwaway redis-server, K `qworker serve --model sim:...` processes (no model: a fixed step
+time; 256 sequences each), one `qworker gateway` process, then N asyncio clients in this process,
+each sending `--requests` streamed completions one after another and counting the chunks that
+carry text. Prints one JSON line: streamed tokens/s over the run, the gateway's CPU seconds and
+its CPU per streamed token (µs), the machine's CPU over the run, and time to first chunk p50/p99.
+The clients share the machine with the gateway, the workers and Redis: on a small machine the
+figure is a floor of what one gateway sustains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import httpx2
+import redis
+
+from benchmarks.local_redis import local_redis
+from qworker_client.local_redis import free_port
+from qworker_client.protocol import Keys
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    errors: int = 0
+    first_chunk_s: list[float] = field(default_factory=list)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of one process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    with open("/proc/stat") as f:
+        parts = [int(v) for v in f.readline().split()[1:]]
+    busy = sum(parts) - parts[3] - parts[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+@contextmanager
+def fleet(url: str, workers: int, step_ms: float, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    sim = f"sim:step_ms={step_ms},num_blocks=8192,max_num_seqs=256"
+    procs = [spawn("qworker.cli", "serve", "--redis-url", url, "--name", f"bench-{k}",
+                   "--model", sim) for k in range(workers)]
+    gateway = spawn("qworker_client", "gateway", "--redis-url", url, "--port", str(port),
+                    "--log-level", "warning")
+    procs.append(gateway)
+    try:
+        wait_ready(url, workers, port)
+        yield gateway
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+def wait_ready(url: str, workers: int, port: int) -> None:
+    client, deadline = redis.Redis.from_url(url), time.monotonic() + 120
+    while len(list(client.scan_iter(Keys().worker_pattern))) < workers:
+        if time.monotonic() > deadline:
+            raise SystemExit("the workers did not start")
+        time.sleep(0.2)
+    while True:
+        try:
+            if httpx2.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("the gateway did not start")
+        time.sleep(0.2)
+
+
+async def one_stream(http: httpx2.AsyncClient, model: str, k: int, max_tokens: int,
+                     tally: Tally) -> None:
+    body = {"model": model, "prompt": f"client {k}: tell me about queues", "stream": True,
+            "max_tokens": max_tokens, "ignore_eos": True, "seed": k}
+    start = time.monotonic()
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            tally.errors += 1
+            return
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"text":""' not in line:
+                tally.tokens += 1
+                if start:
+                    tally.first_chunk_s.append(time.monotonic() - start)
+                    start = 0.0
+
+
+async def clients(port: int, n: int, requests: int, max_tokens: int, tally: Tally) -> None:
+    limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
+                                  timeout=300) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]  # the workers' --model
+
+        async def client(k: int) -> None:
+            for r in range(requests):
+                await one_stream(http, model, k * requests + r, max_tokens, tally)
+
+        await asyncio.gather(*(client(k) for k in range(n)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=4, help="streams per client, in turn")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    args = parser.parse_args()
+    port = free_port()
+    with local_redis() as url, fleet(url, args.workers, args.step_ms, port) as gateway:
+        tally = Tally()
+        cpu0, machine0, t0 = cpu_seconds(gateway.pid), machine_cpu_seconds(), time.monotonic()
+        asyncio.run(clients(port, args.clients, args.requests, args.max_tokens, tally))
+        wall = time.monotonic() - t0
+        cpu = cpu_seconds(gateway.pid) - cpu0
+        machine = machine_cpu_seconds() - machine0
+    firsts = sorted(tally.first_chunk_s) or [0.0]
+    print(json.dumps({
+        "benchmark": "gateway", "clients": args.clients, "requests_per_client": args.requests,
+        "max_tokens": args.max_tokens, "workers": args.workers, "step_ms": args.step_ms,
+        "streamed_tokens": tally.tokens, "errors": tally.errors, "wall_s": round(wall, 3),
+        "tokens_per_s": round(tally.tokens / wall, 1),
+        "gateway_cpu_s": round(cpu, 3),
+        "gateway_cpu_us_per_token": round(cpu / max(tally.tokens, 1) * 1e6, 1),
+        "machine_cpu_s": round(machine, 3), "machine_cpus": os.cpu_count(),
+        "first_chunk_ms_p50": round(statistics.median(firsts) * 1000, 1),
+        "first_chunk_ms_p99": round(firsts[int(0.99 * (len(firsts) - 1))] * 1000, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()
