@@ -18,6 +18,18 @@ class Runner:
         self.eos_token_ids = eos_token_ids
         self.forward_seconds = 0.0  # time spent in the model, for the benchmarks
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.embed_tokens.weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def kernel_report(self) -> dict[str, str]:
+        """Which kernel runs each op (`LlamaModel.kernel_report`)."""
+        return self.model.kernel_report()
+
     def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         """Computes `n` new tokens of each sequence; returns the sampled token of those whose
         computed tokens now reach their end."""

@@ -1,0 +1,271 @@
+"""The engine core: add / abort / step over a scheduler, a block manager and a model runner.
+
+Torch-free. Scheduling, block accounting, text and stop handling, request validation and pacing
+live here once; what computes the tokens is a `ModelRunner`: the torch model (`Engine`, engine.py)
+or a deterministic stand-in (`SimulatedEngine`, simulated.py). It knows nothing of Redis.
+`generate` is the offline batch API on top of the same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from qworker.engine.block_manager import BlockManager
+from qworker.engine.config import EngineConfig
+from qworker.engine.pacer import PrefillPacer
+from qworker.engine.request import Request, SamplingParams, StepOutput
+from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from qworker.engine.sequence import Sequence, Status
+from qworker.engine.text import Detokenizer, TextStream
+from qworker.engine.validation import ModelLimits, check_prompt_chars, check_request
+
+
+class ModelRunner(Protocol):
+    """Computes scheduled tokens and samples the next token of sequences that reach their end."""
+
+    @property
+    def vocab_size(self) -> int: ...  # token ids the model takes: 0 .. vocab_size - 1
+
+    @property
+    def max_context(self) -> int: ...  # positions the model has
+
+    def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]: ...
+
+    def warm_up(self) -> None: ...
+
+    def kernel_report(self) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What the core needs of a tokenizer."""
+
+    tokenizer: Any  # encode(text) for `generate`; the service renders and encodes jobs with it
+    detokenizer: Callable[[], Detokenizer]  # a fresh incremental detokenizer per sequence
+    eos_token_ids: tuple[int, ...]
+    max_token_chars: int | None  # see validation.max_token_chars
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "" when it failed
+    error: str | None = None  # the exception its step raised (see StepOutput.error)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, vocab: Vocabulary,
+                 num_blocks: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = vocab.tokenizer
+        self._detokenizer = vocab.detokenizer
+        self.eos_token_ids = vocab.eos_token_ids
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk,
+                            int(config.watermark * num_blocks)),
+            self.blocks,
+        )
+        self.max_model_len = min(config.max_model_len or runner.max_context, runner.max_context)
+        self.limits = ModelLimits(vocab_size=runner.vocab_size, max_model_len=self.max_model_len,
+                                  cache_tokens=num_blocks * config.block_size,
+                                  max_token_chars=vocab.max_token_chars)
+        # no sequence can outgrow the model's context nor the whole cache
+        self.max_seq_len = self.limits.max_seq_len
+        self._seqs: dict[str, Sequence] = {}
+        self._ready: list[StepOutput] = []  # outputs decided outside a step (resumed, finished)
+        self._arrivals = itertools.count()
+        self.pacer = (PrefillPacer(config.decode_stretch, config.max_batched_tokens)
+                      if config.decode_stretch else None)
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.last_schedule = ScheduledStep()
+
+    def warm_up(self) -> None:
+        """Runs one tiny forward, so that no request pays for first-call costs."""
+        self.runner.warm_up()
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self._seqs:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        check_request(request, self.limits)
+        params = request.params
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else random.getrandbits(63),
+            priority=request.priority,
+            arrival=next(self._arrivals),
+            text=TextStream(self._detokenizer(), params.stop),
+            isolate=request.isolate,
+        )
+        self._seqs[seq.request_id] = seq
+        for token in request.output_token_ids:  # replay what an earlier run already streamed
+            if (out := self._append(seq, token)).finished:  # it had ended; only `done` was lost
+                out.new_token_ids, out.text_delta, out.first_index = [], "", len(
+                    request.output_token_ids)
+                self._ready.append(out)
+                return
+        self.scheduler.add(seq)
+
+    def check_prompt_text(self, text: str) -> None:
+        """Before tokenizing: rejects a text that cannot fit whatever its tokens (validation.py)."""
+        check_prompt_chars(len(text), self.limits)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        self._ready = [out for out in self._ready if out.request_id != request_id]
+
+    def kernel_report(self) -> dict[str, str]:
+        """Which kernel runs each op, for the worker's logs, metrics and liveness key."""
+        return self.runner.kernel_report()
+
+    def free_slots(self) -> int:
+        """How many more requests admission would take now."""
+        if self.blocks.num_free <= self.scheduler.limits.watermark_blocks:
+            return 0
+        queued = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return max(0, self.config.max_num_seqs - queued)
+
+    def stats(self) -> dict[str, int]:
+        """Plain numbers for the service's metrics."""
+        work = self.last_schedule.work
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_free": self.blocks.num_free, "blocks_total": self.blocks.num_blocks,
+                "batch_seqs": len(work), "batch_tokens": sum(n for _, n in work)}
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._ready)
+
+    def solo_next(self) -> str | None:
+        """The request that the next step runs alone (an isolated one), if any: the service
+        records it before the step, so that a crash in it is charged to that request."""
+        seq = self.scheduler.next_alone()
+        return seq.request_id if seq is not None else None
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._ready = self._ready, []
+        budget = self.pacer.budget(self.scheduler.has_decodes()) if self.pacer else None
+        step = self.last_schedule = self.scheduler.schedule(budget)
+        self.num_preemptions += len(step.preempted)
+        if self.config.requeue_preempted:
+            outputs += [self._hand_back(seq) for seq in step.preempted]
+        if step.work:
+            self.num_steps += 1
+            decodes = sum(1 for seq, _ in step.work if not seq.is_prefill)
+            started = time.perf_counter()
+            work = step.work
+            try:
+                sampled = self.runner.run(work)
+            except Exception as exc:  # whatever it is, it costs only the sequences it concerns
+                sampled, failed = (self._run_isolating(work) if len(work) > 1
+                                   else ({}, {work[0][0]: exc}))
+                outputs += [self._fail(seq, exc) for seq, exc in failed.items()]
+                work = [(seq, n) for seq, n in work if seq not in failed]
+            else:
+                if self.pacer:
+                    self.pacer.observe(decodes, step.prefill_tokens, time.perf_counter() - started)
+            for seq, n in work:
+                seq.num_computed += n
+                seq.isolate = seq.isolate and seq not in sampled
+            outputs += [self._append(seq, token) for seq, token in sampled.items()]
+        return outputs
+
+    def _run_isolating(self, work: list[tuple[Sequence, int]]
+                       ) -> tuple[dict[Sequence, int], dict[Sequence, Exception]]:
+        """A step of 2+ sequences that raised, run again in halves until each failure is down to
+        one sequence (k culprits among n: about 2k log2(n) runs).
+
+        Nothing of the failed run was committed (`num_computed` moves only after success), so every
+        half recomputes from its sequences' own tokens; K/V slots it had written are written again
+        with the same values. Returns the tokens of the parts that ran and the culprits' errors."""
+        sampled: dict[Sequence, int] = {}
+        failed: dict[Sequence, Exception] = {}
+        half = len(work) // 2
+        for part in (work[:half], work[half:]):
+            try:
+                sampled |= self.runner.run(part)
+            except Exception as exc:
+                if len(part) == 1:
+                    failed[part[0][0]] = exc
+                    continue
+                part_sampled, part_failed = self._run_isolating(part)
+                sampled |= part_sampled
+                failed |= part_failed
+        return sampled, failed
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [], first_index=seq.num_output_tokens, finished=True,
+                          num_prompt_tokens=seq.num_prompt_tokens,
+                          error=f"{type(exc).__name__}: {exc}"[:500])
+
+    def generate(self, prompts: Iterable[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Offline batch API: runs every prompt to completion with continuous batching."""
+        prompts = list(prompts)
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [p if isinstance(p, list) else self._encode(p) for p in prompts]
+        tokens: dict[str, list[int]] = {}
+        done: dict[str, StepOutput] = {}
+        for i, (prompt, p) in enumerate(zip(ids, params, strict=True)):
+            self.add(Request(f"generate-{i}", prompt, p))
+            tokens[f"generate-{i}"] = []
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            Completion(rid, ids[i], tokens[rid], done[rid].text or "",
+                       done[rid].finish_reason or "", done[rid].error)
+            for i, rid in enumerate(tokens)
+        ]
+
+    def _encode(self, text: str) -> list[int]:
+        self.check_prompt_text(text)
+        return list(self.tokenizer.encode(text))
+
+    def _hand_back(self, seq: Sequence) -> StepOutput:
+        self.scheduler.remove(seq)
+        del self._seqs[seq.request_id]
+        return StepOutput(seq.request_id, [], first_index=seq.num_output_tokens, preempted=True,
+                          num_prompt_tokens=seq.num_prompt_tokens)
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        """Adds a generated token; decides whether the sequence is finished."""
+        index = seq.num_output_tokens
+        seq.token_ids.append(token)
+        p = seq.params
+        count = index + 1
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            delta, reason = seq.text.flush(), "stop"  # the stop token's own text is not shown
+        else:
+            delta = seq.text.add(token, check_stop=count >= p.min_tokens)
+            reason = "stop" if seq.text.stopped else None
+            if reason is None and (count >= p.max_tokens or len(seq.token_ids) >= self.max_seq_len):
+                delta, reason = delta + seq.text.flush(), "length"
+        out = StepOutput(seq.request_id, [token], delta, first_index=index,
+                         num_prompt_tokens=seq.num_prompt_tokens)
+        if reason is not None:
+            out.finished, out.finish_reason, out.text = True, reason, seq.text.final_text
+            seq.finish_reason = reason
+            if seq.status is not Status.FINISHED:
+                self.scheduler.remove(seq)
+            self._seqs.pop(seq.request_id, None)
+        return out
