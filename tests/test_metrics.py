@@ -189,7 +189,7 @@ def test_engine_stats_of_the_real_engines_parts_and_of_stats() -> None:
     assert engine_stats(object()) == {}
     sim = sim_engine("sim:num_blocks=32")
     assert engine_stats(sim) == {"running": 0, "waiting": 0, "blocks_free": 32,
-                                 "blocks_total": 32, "batch_seqs": 0}
+                                 "blocks_total": 32, "batch_seqs": 0, "batch_tokens": 0}
 
 
 def test_unknown_path_is_404(redis_url: str) -> None:

@@ -35,7 +35,7 @@ def test_cancel_running_and_queued_jobs(redis_url: str) -> None:
         check_stream(client, job_id)
     assert 3 <= got["long"].completion_tokens < 2000
     assert not any(isinstance(e, TokenEvent) for e in events(client, "queued"))
-    assert engine.num_free_blocks == 64 and not engine.has_unfinished()
+    assert engine.blocks.num_free == 64 and not engine.has_unfinished()
     assert group_pending(client) == 0
 
 

@@ -143,7 +143,7 @@ def test_serve_flags_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     args = _serve_args([])
     assert args.max_num_seqs == 7 and args.claim_idle_ms == 30_000
     engine = serve.build_engine(args)
-    assert isinstance(engine, SimulatedEngine) and engine.num_blocks == 9
+    assert isinstance(engine, SimulatedEngine) and engine.blocks.num_blocks == 9
     assert engine.config.requeue_preempted and engine.config.max_num_seqs == 7
 
 
@@ -198,7 +198,7 @@ def test_sim_preemption_hands_requests_back_and_frees_blocks() -> None:
     preempted = []
     while e.has_unfinished():
         preempted += [o.request_id for o in e.step() if o.preempted]
-    assert preempted and e.num_free_blocks == 10
+    assert preempted and e.blocks.num_free == 10
 
 
 def test_sim_rejects_what_cannot_fit() -> None:

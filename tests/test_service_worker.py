@@ -85,7 +85,7 @@ def test_tiny_kv_cache_preempts_and_requeues_without_changing_texts(redis_url: s
     for job_id in jobs:
         done = check_stream(client, job_id)
         assert (done.text, done.finish_reason) == want[job_id], job_id
-    assert engine.num_free_blocks == 36
+    assert engine.blocks.num_free == 36
     assert group_pending(client) == 0
 
 

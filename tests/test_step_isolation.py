@@ -197,16 +197,9 @@ def test_simulated_engine_isolates_the_same_way() -> None:
         engine.add(Request(f"s{k}", list(b"a normal prompt"), SamplingParams(max_tokens=6)))
     engine.add(Request("iso", list(b"twelve bytes"), SamplingParams(max_tokens=6), isolate=True))
     steps: list[list[str]] = []
-    real_schedule = engine._schedule
-
-    def schedule(outputs: list[StepOutput]) -> list:  # noqa: ANN401
-        scheduled = real_schedule(outputs)
-        steps.append([seq.rid for seq, _ in scheduled])
-        return scheduled
-
-    engine._schedule = schedule  # type: ignore[method-assign]
     while engine.has_unfinished():
         engine.step()
+        steps.append([seq.request_id for seq, _ in engine.last_schedule.work])
     with_iso = [s for s in steps if "iso" in s]
     assert with_iso[:3] == [["iso"]] * 3  # 12 bytes in chunks of 4, alone
     assert any(len(s) > 1 for s in with_iso[3:])

@@ -1,0 +1,71 @@
+"""The simulated engine's model: the next token is a hash of the tokens before it.
+
+The hash covers prompt and output tokens and the request's seed (0 when it has none), so a text
+is a pure function of the request: a job resumed after preemption or on another worker continues
+exactly as an uninterrupted run. Tokens are printable ASCII; with `eos_every` N, a token whose
+hash is divisible by N is EOS. As the real sampler, it never samples a stop token id or EOS before
+`min_tokens`. Each step sleeps `step_ms`, plus `token_us` per computed token.
+"""
+
+from __future__ import annotations
+
+import time
+from weakref import WeakKeyDictionary
+
+from qworker.engine.byte_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from qworker.engine.sequence import Sequence
+
+_MASK = (1 << 64) - 1
+_FNV_PRIME = 0x100000001B3
+_FNV_OFFSET = 0xCBF29CE484222325
+_PRINTABLE = range(32, 127)
+
+
+def _mix(h: int) -> int:
+    """splitmix64 finalizer: spreads a rolling hash over all bits."""
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK
+    return h ^ (h >> 31)
+
+
+class HashRunner:
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self, max_context: int, step_ms: float = 0.0, token_us: float = 0.0,
+                 eos_every: int = 0) -> None:
+        self.max_context = max_context
+        self.step_ms, self.token_us, self.eos_every = step_ms, token_us, eos_every
+        # FNV-1a over a sequence's first n tokens, as (n, hash): tokens are only ever appended
+        self._hashed: WeakKeyDictionary[Sequence, tuple[int, int]] = WeakKeyDictionary()
+
+    def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        computed = sum(n for _, n in work)
+        time.sleep((self.step_ms + self.token_us * computed / 1000) / 1000)
+        return {seq: self._sample(seq) for seq, n in work
+                if seq.num_computed + n == len(seq.token_ids)}
+
+    def warm_up(self) -> None:
+        pass
+
+    def kernel_report(self) -> dict[str, str]:
+        return {"native": "none: simulated engine"}
+
+    def _sample(self, seq: Sequence) -> int:
+        p = seq.params
+        h = _mix(self._hash(seq) ^ ((p.seed or 0) * 0x9E3779B97F4A7C15 & _MASK))
+        banned = set(p.stop_token_ids) if seq.num_output_tokens < p.min_tokens else set()
+        may_end = not p.ignore_eos and seq.num_output_tokens >= p.min_tokens
+        if self.eos_every and may_end and h % self.eos_every == 0:
+            return EOS_TOKEN_ID
+        start = (h >> 8) % len(_PRINTABLE)
+        if _PRINTABLE[start] not in banned:
+            return _PRINTABLE[start]
+        others = [*_PRINTABLE[start:], *_PRINTABLE[:start], *range(1, 32), *range(127, 256)]
+        return next(t for t in others if t not in banned)
+
+    def _hash(self, seq: Sequence) -> int:
+        done, h = self._hashed.get(seq, (0, _FNV_OFFSET))
+        for token in seq.token_ids[done:]:
+            h = ((h ^ token) * _FNV_PRIME) & _MASK
+        self._hashed[seq] = (len(seq.token_ids), h)
+        return h
