@@ -37,7 +37,7 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
         if not req.detach:
             await gateway.cancel(job_ids)
 
-    reader = OutputReader(gateway.redis, gateway.keys, dict.fromkeys(job_ids, START_ID))
+    reader = OutputReader(gateway.hub, dict.fromkeys(job_ids, START_ID))
     follow = _follow(gateway, req, shape)
     if req.stream:
         return EventStream(streams.frames(reader, follow, gateway.metrics), abort, headers)

@@ -46,7 +46,7 @@ async def resume(gateway: Gateway, request: Request) -> ASGIApp:
     headers = {JOB_ID_HEADER: job_id}
     if await _ended_at_or_before(gateway, job_id, after):
         return EventStream(_only_done(), _keep, headers)
-    reader = OutputReader(gateway.redis, gateway.keys, {job_id: after})
+    reader = OutputReader(gateway.hub, {job_id: after})
     return EventStream(streams.frames(reader, follow, gateway.metrics), _keep, headers)
 
 

@@ -1,5 +1,5 @@
-"""Following the output streams of a response's jobs over `redis.asyncio`: one XREAD a turn over
-every stream not ended yet, each taken as `OutputState` takes it (docs/protocol.md, "The read
+"""Following the output streams of one response's jobs, through the gateway's `Hub` (one XREAD a
+turn for the whole process), each taken as `OutputState` takes it (docs/protocol.md, "The read
 loop": a token index seen before is skipped, nothing after the first `done` or `error`)."""
 
 from __future__ import annotations
@@ -7,48 +7,41 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 
-import redis.asyncio
-
-from qworker_client.connect import DEFAULT_BLOCK_MS, READ_COUNT
-from qworker_client.multiplex import BAD_EVENT, xread_by_stream
-from qworker_client.protocol import ErrorEvent, Keys
+from qworker_client.gateway.hub import Hub
+from qworker_client.multiplex import BAD_EVENT
+from qworker_client.protocol import ErrorEvent
 from qworker_client.result import OutputEvent, OutputState
-from qworker_client.retry import TRANSIENT_ERRORS, Backoff
-
-GIVE_UP_S = 60.0  # a dropped connection is retried this long
 
 
 class OutputReader:
-    def __init__(self, client: redis.asyncio.Redis, keys: Keys, after: Mapping[str, str],
-                 block_ms: int = DEFAULT_BLOCK_MS) -> None:
+    def __init__(self, hub: Hub, after: Mapping[str, str]) -> None:
         """`after`: job id -> the entry id to read after ("0-0": from the start)."""
-        self.client = client
-        self.keys = keys
-        self.block_ms = block_ms
+        self.hub = hub
+        self.after = dict(after)
         self.open = {job_id: OutputState(job_id, last) for job_id, last in after.items()}
-        self._out_prefix = keys.out("")
 
     async def events(self) -> AsyncIterator[tuple[str, str, OutputEvent]]:
         """(job id, entry id, event) for every event to pass on, until every job has ended."""
-        while self.open:
-            for key, entries in xread_by_stream(await self._xread()):
-                job_id = key.removeprefix(self._out_prefix)
-                state = self.open[job_id]
+        queue: asyncio.Queue = asyncio.Queue()  # type: ignore[type-arg]
+        self.hub.follow(self.after, queue)
+        try:
+            while self.open:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                job_id, entries = item
+                state = self.open.get(job_id)
+                if state is None:
+                    continue
                 for entry_id, fields in entries:
                     event = _apply(state, entry_id, fields)
                     if event is not None:
                         yield job_id, entry_id, event
                 if state.finished:
                     del self.open[job_id]
-
-    async def _xread(self) -> object:
-        streams = {self.keys.out(job_id): s.last_id for job_id, s in self.open.items()}
-        backoff = Backoff(give_up_s=GIVE_UP_S)
-        while True:
-            try:
-                return await self.client.xread(streams, count=READ_COUNT, block=self.block_ms)
-            except TRANSIENT_ERRORS as exc:
-                await asyncio.sleep(backoff.failed(exc))
+                    self.hub.drop([job_id])
+        finally:
+            self.hub.drop(list(self.after))
 
 
 def _apply(state: OutputState, entry_id: str, fields: Mapping[str, str]) -> OutputEvent | None:

@@ -11,6 +11,7 @@ from qworker_client.gateway.backpressure import Gate
 from qworker_client.gateway.catalog import Catalog
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.hub import Hub
 from qworker_client.gateway.meta import JobMeta, meta_key
 from qworker_client.gateway.metrics import Metrics
 from qworker_client.gateway.shaping import Shape
@@ -30,6 +31,7 @@ class Gateway:
         self.gate = Gate(self.redis, self.keys, config.max_queued, config.retry_after_s)
         self.catalog = Catalog(self.redis, self.keys, config.models_cache_s)
         self.metrics = Metrics()
+        self.hub = Hub(self.redis, self.keys)
 
     async def submit(self, request: GatewayRequest, shape: Shape) -> None:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
@@ -56,4 +58,5 @@ class Gateway:
             await self.producer.cancel(job_id)
 
     async def close(self) -> None:
+        await self.hub.close()
         await self.producer.close()
