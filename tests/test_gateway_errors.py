@@ -126,3 +126,13 @@ def test_api_keys_are_required_when_given(redis_url: str) -> None:
         assert error_of(caught.value)["code"] == "invalid_api_key"
         assert httpx2.post(f"{url}/v1/completions", json={}).status_code == 401
         assert httpx2.get(f"{url}/health").status_code == 200  # open: for probes
+
+
+def test_models_are_the_workers_served_names(redis_url: str) -> None:
+    with thread_worker(redis_url, "gw-named", served_model_name="tiny-llama"), \
+            thread_worker(redis_url, "gw-plain"), gateway(redis_url) as url, sdk(url) as client:
+        assert sorted(m.id for m in client.models.list()) == ["sim", "tiny-llama"]
+        info = redis.Redis.from_url(redis_url).get(KEYS.worker("gw-named"))
+        assert info is not None and b'"served_model_name":"tiny-llama"' in info
+        reply = client.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+        assert reply.model == "tiny-llama" and reply.choices[0].finish_reason == "length"

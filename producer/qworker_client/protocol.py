@@ -394,6 +394,7 @@ class WorkerInfo(BaseModel):
     free_slots: int = 0
     draining: bool = False
     native: str = ""  # the native CPU kernels' level, or "missing: <why>"
+    served_model_name: str = ""  # the name clients ask for (`--served-model-name`; "": `model`)
 
 
 def entry_ms(entry_id: str) -> int | None:

@@ -33,6 +33,9 @@ class ServiceConfig:
         "consumer name (default: host-pid)"))
     # shown in the worker's liveness key: the engine's model, given by the engine's flag
     model: str = field(default="", metadata=_flag("the engine's model", flag=None))
+    served_model_name: str = field(default="", metadata=_flag(
+        "the model's name for clients, in the liveness key (the OpenAI gateway's model id; "
+        "default: --model)"))
     claim_idle_ms: int = field(default=30_000, metadata=_flag(
         "reclaim entries idle this long (their worker died or stalled); a thread re-claims a "
         "live worker's entries every claim-idle/4 s (at most 10 s), whatever its steps"))

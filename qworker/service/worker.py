@@ -72,6 +72,7 @@ class EngineLike(Protocol):
     def kernel_report(self) -> dict[str, str]: ...
     def has_unfinished(self) -> bool: ...
     def solo_next(self) -> str | None: ...
+    def stats(self) -> dict[str, int]: ...
 
 
 def connect(config: ServiceConfig) -> redis.Redis:
@@ -576,6 +577,7 @@ class Worker:
     def _info(self) -> WorkerInfo:
         return WorkerInfo(name=self.config.name, host=socket.gethostname(), pid=os.getpid(),
                           model=self.config.model, group=self.config.group,
+                          served_model_name=self.config.served_model_name or self.config.model,
                           started_ms=self._started_ms, running=len(self.active),
                           free_slots=self.engine.free_slots(), draining=self.draining,
                           native=self.kernels.get("native", ""))

@@ -1,5 +1,5 @@
-"""The models the fleet serves: what the live workers' keys (`<prefix>:worker:<name>`) name,
-looked up at most once per `cache_s`."""
+"""The models the fleet serves: what the live workers' keys (`<prefix>:worker:<name>`) name
+(`served_model_name`, else `model`), looked up at most once per `cache_s`."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ class Catalog:
         infos = [_info(v) for v in values if v is not None]
         models: dict[str, int] = {}
         for info in infos:
-            model, started = info.get("model"), info.get("started_ms", 0)
+            model = info.get("served_model_name") or info.get("model")
+            started = info.get("started_ms", 0)
             if isinstance(model, str) and model:
                 started_s = int(started) // 1000 if isinstance(started, int) else 0
                 models[model] = min(models.get(model, started_s), started_s)
