@@ -171,22 +171,12 @@ def test_healthz_and_livez_fail_while_the_loop_is_stuck(redis_url: str) -> None:
         wait_for(lambda: health(w.port)[0] == 200, 10, what="healthy again")
 
 
-def test_engine_stats_of_the_real_engines_parts_and_of_stats() -> None:
-    class Blocks:
-        num_free, num_blocks = 7, 10
+def test_engine_stats_keeps_the_known_gauges_of_stats() -> None:
+    class Engine:
+        def stats(self) -> dict[str, int]:
+            return {"running": 2, "waiting": 1, "not_a_gauge": 5}
 
-    class Scheduler:
-        running, waiting = ["a", "b"], ["c"]
-
-    class Last:
-        work = [("a", 1), ("b", 16)]
-
-    class RealLike:
-        scheduler, blocks, last_schedule = Scheduler(), Blocks(), Last()
-
-    assert engine_stats(RealLike()) == {"running": 2, "waiting": 1, "blocks_free": 7,
-                                        "blocks_total": 10, "batch_seqs": 2, "batch_tokens": 17}
-    assert engine_stats(object()) == {}
+    assert engine_stats(Engine()) == {"running": 2, "waiting": 1}
     sim = sim_engine("sim:num_blocks=32")
     assert engine_stats(sim) == {"running": 0, "waiting": 0, "blocks_free": 32,
                                  "blocks_total": 32, "batch_seqs": 0, "batch_tokens": 0}

@@ -1,7 +1,7 @@
 """Prometheus metrics of one worker (own registry, so several workers can share a process).
 
-Engine gauges come from `engine.stats()` when the engine has it (a plain dict of ints, see
-`ENGINE_STATS`), else from the real engine's attributes; the service never imports torch.
+Engine gauges come from `engine.stats()` (a plain dict of ints, see `ENGINE_STATS`), which the
+engine core gives both engines; the service never imports torch.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -27,23 +27,13 @@ _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ENGINE_STATS = ("running", "waiting", "blocks_free", "blocks_total", "batch_seqs", "batch_tokens")
 
 
-def engine_stats(engine: Any) -> dict[str, int]:
-    """The engine's gauges: `engine.stats()`, or read from the real engine's parts."""
-    stats = getattr(engine, "stats", None)
-    if callable(stats):
-        return {k: int(v) for k, v in stats().items() if k in ENGINE_STATS}
-    out: dict[str, int] = {}
-    scheduler = getattr(engine, "scheduler", None)
-    if scheduler is not None:
-        out["running"] = len(getattr(scheduler, "running", ()))
-        out["waiting"] = len(getattr(scheduler, "waiting", ()))
-    blocks = getattr(engine, "blocks", None)
-    if blocks is not None and hasattr(blocks, "num_free") and hasattr(blocks, "num_blocks"):
-        out["blocks_free"], out["blocks_total"] = int(blocks.num_free), int(blocks.num_blocks)
-    work = getattr(getattr(engine, "last_schedule", None), "work", None)
-    if work is not None:
-        out["batch_seqs"], out["batch_tokens"] = len(work), sum(int(n) for _, n in work)
-    return out
+class HasStats(Protocol):
+    def stats(self) -> dict[str, int]: ...
+
+
+def engine_stats(engine: HasStats) -> dict[str, int]:
+    """The engine's gauges that the metrics know, from `engine.stats()`."""
+    return {k: int(v) for k, v in engine.stats().items() if k in ENGINE_STATS}
 
 
 @dataclass
@@ -128,7 +118,7 @@ class Metrics:
 
     # ------------------------------------------------------------------ hooks of the loop
 
-    def tick(self, engine: Any) -> None:
+    def tick(self, engine: HasStats) -> None:
         """Once per loop iteration: the loop is alive; refresh the engine's gauges."""
         self.health.tick()
         self._set_gauges(engine_stats(engine))
@@ -142,7 +132,7 @@ class Metrics:
             self.kv_blocks_free.set(stats["blocks_free"])
             self.kv_blocks_used.set(stats["blocks_total"] - stats["blocks_free"])
 
-    def observe_step(self, engine: Any, outputs: Iterable[StepOutput], seconds: float,
+    def observe_step(self, engine: HasStats, outputs: Iterable[StepOutput], seconds: float,
                      active: Container[str]) -> None:
         """After an engine step: its time, batch size and each job's inter-token latency."""
         self.step_seconds.observe(seconds)
