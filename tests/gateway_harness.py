@@ -8,12 +8,23 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+import redis
 import uvicorn
 
 from qworker_client.gateway.app import create_app
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.local_redis import free_port
-from tests.service_harness import wait_for
+from tests.service_harness import KEYS, ThreadWorker, thread_worker, wait_for
+
+
+@contextmanager
+def live_worker(redis_url: str, name: str, *args: Any, **config: Any) -> Iterator[ThreadWorker]:
+    """`thread_worker`, once its liveness key is there (what the gateway's models come from)."""
+    with thread_worker(redis_url, name, *args, **config) as worker:
+        client = redis.Redis.from_url(redis_url)
+        wait_for(lambda: client.exists(KEYS.worker(name)), what=f"worker {name} to be live")
+        client.close()
+        yield worker
 
 
 @contextmanager

@@ -11,15 +11,15 @@ import pytest
 import redis
 from openai import OpenAI
 
-from tests.gateway_harness import gateway
-from tests.service_harness import KEYS, check_stream, expected, thread_worker
+from tests.gateway_harness import gateway, live_worker
+from tests.service_harness import KEYS, check_stream, expected
 
 MODEL = "sim"  # what a simulated worker's liveness key names
 
 
 @pytest.fixture
 def base_url(redis_url: str) -> Iterator[str]:
-    with thread_worker(redis_url, "gw-w1"), gateway(redis_url) as url:
+    with live_worker(redis_url, "gw-w1"), gateway(redis_url) as url:
         yield url
 
 

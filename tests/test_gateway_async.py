@@ -8,8 +8,7 @@ import asyncio
 import httpx2
 from openai import AsyncOpenAI
 
-from tests.gateway_harness import gateway
-from tests.service_harness import thread_worker
+from tests.gateway_harness import gateway, live_worker
 
 MODEL = "sim"
 
@@ -30,7 +29,7 @@ async def _run(base_url: str) -> list[tuple[str, str]]:
 
 
 def test_concurrent_async_requests_streamed_and_not(redis_url: str) -> None:
-    with thread_worker(redis_url, "gw-async"), gateway(redis_url) as url:
+    with live_worker(redis_url, "gw-async"), gateway(redis_url) as url:
         pairs = asyncio.run(_run(url))
         metrics = httpx2.get(f"{url}/metrics").text
     assert all(whole == streamed and len(whole) == 24 for whole, streamed in pairs), pairs

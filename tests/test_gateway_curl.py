@@ -7,8 +7,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.gateway_harness import gateway
-from tests.service_harness import ROOT, thread_worker
+from tests.gateway_harness import gateway, live_worker
+from tests.service_harness import ROOT
 
 DOC = ROOT / "docs" / "gateway.md"
 SECTION = "## Examples with curl"
@@ -26,7 +26,7 @@ def test_the_docs_have_curl_examples() -> None:
 
 
 def test_the_curl_examples_run_as_written(redis_url: str, tmp_path: Path) -> None:
-    with thread_worker(redis_url, "gw-curl"), gateway(redis_url) as url:
+    with live_worker(redis_url, "gw-curl"), gateway(redis_url) as url:
         for block in curl_blocks():
             env = {"PATH": "/usr/bin:/bin", "GATEWAY": url, "MODEL": "sim"}
             proc = subprocess.run(["bash", "-eu", "-c", block], capture_output=True, text=True,

@@ -11,8 +11,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from tests.gateway_harness import gateway
-from tests.service_harness import KEYS, sim_engine, thread_worker, wait_for
+from tests.gateway_harness import gateway, live_worker
+from tests.service_harness import KEYS, sim_engine, wait_for
 
 MODEL = "sim"
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -25,7 +25,7 @@ def sdk(base_url: str, api_key: str = "unused") -> OpenAI:
 @pytest.fixture
 def client(redis_url: str) -> Iterator[OpenAI]:
     engine = sim_engine(max_model_len=64)
-    with thread_worker(redis_url, "gw-err", engine), gateway(redis_url) as url, sdk(url) as c:
+    with live_worker(redis_url, "gw-err", engine), gateway(redis_url) as url, sdk(url) as c:
         yield c
 
 
@@ -117,7 +117,7 @@ def test_a_full_queue_is_a_429_with_retry_after(redis_url: str) -> None:
 
 
 def test_api_keys_are_required_when_given(redis_url: str) -> None:
-    with thread_worker(redis_url, "gw-auth"), gateway(redis_url, api_keys=("k1", "k2")) as url:
+    with live_worker(redis_url, "gw-auth"), gateway(redis_url, api_keys=("k1", "k2")) as url:
         for key in ("k1", "k2"):
             with sdk(url, key) as client:
                 assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
@@ -129,8 +129,8 @@ def test_api_keys_are_required_when_given(redis_url: str) -> None:
 
 
 def test_models_are_the_workers_served_names(redis_url: str) -> None:
-    with thread_worker(redis_url, "gw-named", served_model_name="tiny-llama"), \
-            thread_worker(redis_url, "gw-plain"), gateway(redis_url) as url, sdk(url) as client:
+    with live_worker(redis_url, "gw-named", served_model_name="tiny-llama"), \
+            live_worker(redis_url, "gw-plain"), gateway(redis_url) as url, sdk(url) as client:
         assert sorted(m.id for m in client.models.list()) == ["sim", "tiny-llama"]
         info = redis.Redis.from_url(redis_url).get(KEYS.worker("gw-named"))
         assert info is not None and b'"served_model_name":"tiny-llama"' in info

@@ -14,8 +14,8 @@ from qworker.engine.engine import Engine
 from qworker.model.llama import load_model
 from qworker.model.tokenizer import Tokenizer
 from qworker_client import Producer
-from tests.gateway_harness import gateway
-from tests.service_harness import check_stream, thread_worker
+from tests.gateway_harness import gateway, live_worker
+from tests.service_harness import check_stream
 
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 PROMPT = "The capital of France is"
@@ -27,7 +27,7 @@ def test_greedy_output_and_usage_equal_the_worker_s_own(
     model = load_model(smollm2_path, dtype=torch.float64)
     engine = Engine(model, smollm2_tokenizer, EngineConfig(max_num_seqs=4, num_blocks=256))
     client = redis.Redis.from_url(redis_url)
-    with thread_worker(redis_url, "gw-real", engine, model="smollm2"), \
+    with live_worker(redis_url, "gw-real", engine, model="smollm2"), \
             gateway(redis_url) as url, Producer(redis_url) as producer, \
             OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as sdk:
         assert [m.id for m in sdk.models.list()] == ["smollm2"]

@@ -16,8 +16,8 @@ import redis
 from openai import OpenAI
 
 from qworker_client import Producer
-from tests.gateway_harness import gateway
-from tests.service_harness import KEYS, ROOT, check_stream, sim_engine, terminal, thread_worker
+from tests.gateway_harness import gateway, live_worker
+from tests.service_harness import KEYS, ROOT, check_stream, sim_engine, terminal
 from tests.service_harness import wait_for as wait
 
 MODEL = "sim"
@@ -26,7 +26,7 @@ SLOW = "sim:step_ms=20"  # 50 tokens a second: a stream is still running when th
 
 @pytest.fixture
 def base_url(redis_url: str) -> Iterator[str]:
-    with thread_worker(redis_url, "gw-slow", sim_engine(SLOW)), gateway(redis_url) as url:
+    with live_worker(redis_url, "gw-slow", sim_engine(SLOW)), gateway(redis_url) as url:
         yield url
 
 
@@ -126,7 +126,7 @@ def test_status_through_the_gateway_the_client_and_the_cli(redis_url: str) -> No
             job.id).status == "queued"
         assert httpx2.get(f"{url}/v1/jobs/nobody").json() == {"id": "nobody",
                                                               "status": "unknown"}
-        with thread_worker(redis_url, "gw-status", sim_engine(SLOW)):
+        with live_worker(redis_url, "gw-status", sim_engine(SLOW)):
             wait(lambda: status()["status"] == "running", what="the job to run")
             wait(lambda: status()["status"] == "done", what="the job to end")
         result = status()["result"]
@@ -138,6 +138,6 @@ def test_status_through_the_gateway_the_client_and_the_cli(redis_url: str) -> No
                              cwd=ROOT, timeout=60)
         assert json.loads(cli.stdout) == status()
         bad = producer.submit("x", max_tokens=5, min_tokens=1, stop_token_ids=[10 ** 9])
-        with thread_worker(redis_url, "gw-status-2"):
+        with live_worker(redis_url, "gw-status-2"):
             wait(lambda: producer.status(bad.id).status == "error", what="the error")
         assert producer.status(bad.id).to_dict()["error"]["code"] == "invalid_request"
