@@ -54,7 +54,7 @@ class Catalog:
         self._models, self._workers, self._at = models, len(infos), time.monotonic()
 
 
-def _info(raw: str) -> dict[str, Any]:
+def _info(raw: str | bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except ValueError:

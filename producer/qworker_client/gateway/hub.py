@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import redis.asyncio
+from redis.typing import KeyT, StreamIdT
 
 from qworker_client.connect import READ_COUNT
 from qworker_client.multiplex import Entries, xread_by_stream
@@ -23,11 +24,14 @@ BLOCK_MS = 20
 GIVE_UP_S = 60.0  # a dropped connection is retried this long, then every follower gets the error
 
 
+# each follower's queue: (job id, its new entries), or the error that ended every read
+Queue = asyncio.Queue[tuple[str, Entries] | BaseException]
+
+
 @dataclass
 class _Follow:
     last_id: str
-    queue: asyncio.Queue[tuple[str, Entries] | BaseException] = field(
-        default_factory=asyncio.Queue)
+    queue: Queue = field(default_factory=asyncio.Queue)
 
 
 class Hub:
@@ -40,7 +44,7 @@ class Hub:
         self._task: asyncio.Task[None] | None = None
         self._out_prefix = keys.out("")
 
-    def follow(self, job_ids: dict[str, str], queue: asyncio.Queue) -> None:  # type: ignore[type-arg]
+    def follow(self, job_ids: dict[str, str], queue: Queue) -> None:
         """Put each job's new entries (read after the given entry id) on `queue`, as
         (job id, entries), until `drop`."""
         for job_id, after in job_ids.items():
@@ -65,7 +69,8 @@ class Hub:
             if not self._follows:
                 self._joined.clear()
                 await self._joined.wait()
-            streams = {self.keys.out(j): f.last_id for j, f in self._follows.items()}
+            streams: dict[KeyT, StreamIdT] = {self.keys.out(j): f.last_id
+                                               for j, f in self._follows.items()}
             try:
                 reply = await self.client.xread(streams, count=READ_COUNT, block=self.block_ms)
             except TRANSIENT_ERRORS as exc:

@@ -68,9 +68,9 @@ def _parse(entry_id: str) -> tuple[int, int] | None:
 async def _ended_at_or_before(gateway: Gateway, job_id: str, after: str) -> bool:
     """Whether the stream's terminal event is at or before `after`: nothing is left to send."""
     last = await gateway.redis.xrevrange(gateway.keys.out(job_id), count=1)
-    if not last or last[0][1].get("type") not in TERMINAL_TYPES:
+    if not last or (last[0][1] or {}).get("type") not in TERMINAL_TYPES:
         return False
-    end, seen = _parse(last[0][0]), _parse(after)
+    end, seen = _parse(str(last[0][0])), _parse(after)
     return end is not None and seen is not None and end <= seen
 
 

@@ -22,7 +22,7 @@ class JobMeta:
                            "include_usage": self.include_usage}, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, raw: str) -> JobMeta:
+    def from_json(cls, raw: str | bytes) -> JobMeta:
         data = json.loads(raw)
         index, include_usage = data.pop("index"), data.pop("include_usage")
         return cls(Shape(**data), index, include_usage)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 
-from qworker_client.gateway.hub import Hub
+from qworker_client.gateway.hub import Hub, Queue
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import ErrorEvent
 from qworker_client.result import OutputEvent, OutputState
@@ -22,7 +22,7 @@ class OutputReader:
 
     async def events(self) -> AsyncIterator[tuple[str, str, OutputEvent]]:
         """(job id, entry id, event) for every event to pass on, until every job has ended."""
-        queue: asyncio.Queue = asyncio.Queue()  # type: ignore[type-arg]
+        queue: Queue = asyncio.Queue()
         self.hub.follow(self.after, queue)
         try:
             while self.open:

@@ -120,7 +120,8 @@ def _message(message: Any, i: int) -> dict[str, str]:
     param = f"messages[{i}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request("a message must be an object with a `role`", param=param)
-    role = _ROLES.get(message["role"], message["role"])
+    given: str = message["role"]
+    role = _ROLES.get(given, given)
     return {"role": role, "content": _content(message.get("content"), f"{param}.content")}
 
 
