@@ -42,6 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--result-ttl", type=int,
                         default=_env_int("RESULT_TTL", DEFAULT_RESULT_TTL_S),
                         help="the workers' --result-ttl, in seconds (default: 3600)")
+    parser.add_argument("--files-dir", default=_env("FILES_DIR"),
+                        help="directory of the Files and Batch APIs (default: none, no batches)")
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
     parser.set_defaults(func=run)
 
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     config = GatewayConfig(
         redis_url=args.redis_url or redis_url_from_env(), prefix=args.prefix, host=args.host,
         port=args.port, max_queued=args.max_queued, api_keys=api_keys(args.api_key),
-        result_ttl_s=args.result_ttl,
+        result_ttl_s=args.result_ttl, files_dir=args.files_dir,
     )
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=args.log_level, lifespan="on")

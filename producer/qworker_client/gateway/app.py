@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from qworker_client.gateway import jobs
+from qworker_client.gateway import batch_routes, jobs
 from qworker_client.gateway.auth import RequireKey
 from qworker_client.gateway.catalog import model_card, model_list
 from qworker_client.gateway.completions import complete
@@ -39,6 +39,8 @@ def create_app(config: GatewayConfig) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        if gateway.batches is not None:
+            gateway.batches.resume_unfinished()
         yield
         await gateway.close()
 
@@ -49,6 +51,12 @@ def create_app(config: GatewayConfig) -> Starlette:
         route("/v1/models/{model:path}", _model),
         route("/v1/jobs/{job_id}", jobs.status),
         route("/v1/jobs/{job_id}/stream", jobs.resume),
+        route("/v1/files", batch_routes.upload, "POST"),
+        route("/v1/files/{file_id}", batch_routes.file_info),
+        route("/v1/files/{file_id}/content", batch_routes.file_content),
+        route("/v1/batches", batch_routes.create_batch, "POST"),
+        route("/v1/batches/{batch_id}", batch_routes.get_batch),
+        route("/v1/batches/{batch_id}/cancel", batch_routes.cancel_batch, "POST"),
         route("/health", _health),
         route("/metrics", _metrics),
     ]

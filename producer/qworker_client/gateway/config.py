@@ -21,3 +21,4 @@ class GatewayConfig:
     result_ttl_s: int = DEFAULT_RESULT_TTL_S  # the workers' --result-ttl
     models_cache_s: float = 1.0  # how long the live workers' models are taken as known
     max_n: int = 16  # most choices one request may ask for
+    files_dir: str | None = None  # the Files and Batch APIs' directory (None: no batches)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from qworker_client.aio import AsyncProducer
 from qworker_client.connect import ClientOptions
 from qworker_client.fields import job_fields
 from qworker_client.gateway.backpressure import Gate
+from qworker_client.gateway.batches import Batches
 from qworker_client.gateway.catalog import Catalog
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.files import FileStore
 from qworker_client.gateway.hub import Hub
 from qworker_client.gateway.meta import JobMeta, meta_key
 from qworker_client.gateway.metrics import Metrics
@@ -32,6 +35,9 @@ class Gateway:
         self.catalog = Catalog(self.redis, self.keys, config.models_cache_s)
         self.metrics = Metrics()
         self.hub = Hub(self.redis, self.keys)
+        self.batches = None if config.files_dir is None else Batches(
+            FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
+            result_ttl_s=config.result_ttl_s)
 
     async def submit(self, request: GatewayRequest, shape: Shape) -> None:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
