@@ -3,7 +3,7 @@ the request detached them), while they wait in the queue as much as while they s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -49,7 +49,7 @@ class EventStream:
     """An ASGI response sending server-sent events from `frames`; `on_abort` runs when the client
     left before the last frame (or sending failed)."""
 
-    def __init__(self, frames: AsyncIterator[str], on_abort: Abort,
+    def __init__(self, frames: AsyncGenerator[str, None], on_abort: Abort,
                  headers: dict[str, str] | None = None) -> None:
         self.frames = frames
         self.on_abort = on_abort
@@ -58,10 +58,11 @@ class EventStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw})
-        finished = await until_disconnect(receive, lambda: self._send_all(send), self.on_abort)
-        if finished is None:
+        try:
+            await until_disconnect(receive, lambda: self._send_all(send), self.on_abort)
+        finally:  # its own cleanup (the hub's followers, the metrics) runs now, not at GC
             with anyio.CancelScope(shield=True):
-                await self.frames.aclose()  # type: ignore[attr-defined]
+                await self.frames.aclose()
 
     async def _send_all(self, send: Send) -> bool:
         try:

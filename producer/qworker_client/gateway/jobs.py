@@ -4,7 +4,7 @@ job when the client goes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -74,7 +74,7 @@ async def _ended_at_or_before(gateway: Gateway, job_id: str, after: str) -> bool
     return end is not None and seen is not None and end <= seen
 
 
-async def _only_done() -> AsyncIterator[str]:
+async def _only_done() -> AsyncGenerator[str, None]:
     yield DONE
 
 

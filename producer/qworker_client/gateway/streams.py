@@ -7,7 +7,7 @@ connection resumes after the last id it saw, and gets every chunk exactly once.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,8 @@ class _Usage:
         self.completion += done.completion_tokens
 
 
-async def frames(reader: OutputReader, follow: Follow, metrics: Metrics) -> AsyncIterator[str]:
+async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
+                 ) -> AsyncGenerator[str, None]:
     """The SSE frames of the jobs' events, then the usage chunk if asked, then `[DONE]`."""
     usage, event_id = _Usage(), None
     metrics.streams_open.inc()
