@@ -22,6 +22,12 @@ class OutputReader:
 
     async def events(self) -> AsyncIterator[tuple[str, str, OutputEvent]]:
         """(job id, entry id, event) for every event to pass on, until every job has ended."""
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[tuple[str, str, OutputEvent]]]:
+        """`events()` as the reads bring them: one list per job per read (never empty)."""
         queue: Queue = asyncio.Queue()
         self.hub.follow(self.after, queue)
         try:
@@ -33,10 +39,10 @@ class OutputReader:
                 state = self.open.get(job_id)
                 if state is None:
                     continue
-                for entry_id, fields in entries:
-                    event = _apply(state, entry_id, fields)
-                    if event is not None:
-                        yield job_id, entry_id, event
+                batch = [(job_id, entry_id, event) for entry_id, fields in entries
+                         if (event := _apply(state, entry_id, fields)) is not None]
+                if batch:
+                    yield batch
                 if state.finished:
                     del self.open[job_id]
                     self.hub.drop([job_id])

@@ -44,24 +44,33 @@ class _Usage:
 
 async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                  ) -> AsyncGenerator[str, None]:
-    """The SSE frames of the jobs' events, then the usage chunk if asked, then `[DONE]`."""
+    """The SSE frames of the jobs' events, then the usage chunk if asked, then `[DONE]`: the
+    frames of one read go out as one piece."""
     usage, event_id = _Usage(), None
     metrics.streams_open.inc()
     try:
-        async for job_id, entry_id, event in reader.events():
-            index = follow.index[job_id]
-            event_id = f"{index}/{entry_id}" if follow.tagged else entry_id
-            if isinstance(event, ErrorEvent):
-                yield frame(from_job_error(event.code, event.message).body(), event_id)
+        async for batch in reader.batches():
+            parts: list[str] = []
+            failed = False
+            for job_id, entry_id, event in batch:
+                index = follow.index[job_id]
+                event_id = f"{index}/{entry_id}" if follow.tagged else entry_id
+                if isinstance(event, ErrorEvent):
+                    parts.append(frame(from_job_error(event.code, event.message).body(),
+                                       event_id))
+                    failed = True
+                    break
+                if isinstance(event, DoneEvent):
+                    usage.add(follow.prompt[job_id], event)
+                chunk = _chunk(follow.shape, index, event)
+                if chunk is not None:
+                    parts.append(frame(chunk, event_id))
+            metrics.tokens.inc(sum(isinstance(e, TokenEvent) for _, _, e in batch))
+            if parts:
+                yield "".join(parts)
+            if failed:
                 await follow.cancel(list(reader.open))
                 break
-            if isinstance(event, DoneEvent):
-                usage.add(follow.prompt[job_id], event)
-            else:
-                metrics.tokens.inc()
-            chunk = _chunk(follow.shape, index, event)
-            if chunk is not None:
-                yield frame(chunk, event_id)
         else:
             if follow.include_usage:
                 yield frame(shaping.usage_chunk(follow.shape, sum(usage.prompt.values()),
