@@ -11,6 +11,7 @@ import pytest
 import redis
 from openai import OpenAI
 
+from qworker_client.local_redis import free_port
 from tests.gateway_harness import gateway, live_worker
 from tests.service_harness import KEYS, sim_engine, wait_for
 
@@ -136,3 +137,12 @@ def test_models_are_the_workers_served_names(redis_url: str) -> None:
         assert info is not None and b'"served_model_name":"tiny-llama"' in info
         reply = client.completions.create(model="tiny-llama", prompt="x", max_tokens=2)
         assert reply.model == "tiny-llama" and reply.choices[0].finish_reason == "length"
+
+
+def test_an_unreachable_redis_is_a_503(redis_url: str) -> None:
+    with gateway(f"redis://127.0.0.1:{free_port()}/0") as url, sdk(url) as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.models.list()
+        assert caught.value.status_code == 503
+        assert error_of(caught.value)["code"] == "redis_unavailable"
+        assert httpx2.get(f"{url}/health").status_code == 503

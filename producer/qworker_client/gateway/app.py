@@ -65,7 +65,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         middleware=[Middleware(CountResponses, metrics=gateway.metrics),
                     Middleware(RequireKey, keys=config.api_keys)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                            Exception: _server_error},
+                            redis.RedisError: _redis_error, Exception: _server_error},
     )
     app.state.gateway = gateway
     return app
@@ -104,6 +104,12 @@ async def _http_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+
+async def _redis_error(_: Request, exc: Exception) -> Response:
+    log.warning("redis failed under a request: %s: %s", type(exc).__name__, exc)
+    return APIError(503, f"the queue is unreachable ({type(exc).__name__}); retry later",
+                    type="server_error", code="redis_unavailable").response()
 
 
 async def _server_error(_: Request, exc: Exception) -> Response:
