@@ -1,0 +1,83 @@
+"""An OpenAI request body as jobs (`qworker_client.gateway.translate`): fields mapped to the wire,
+choices and seeds laid out, and each unsupported or malformed part refused with a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from qworker_client.gateway.errors import APIError
+from qworker_client.gateway.translate import translate
+
+
+def chat(**body: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+
+
+def test_fields_go_to_the_wire_names() -> None:
+    req = translate("chat", chat(max_completion_tokens=7, max_tokens=99, stop="\n", top_k=3,
+                                 temperature=0.5, user="u", ignore_eos=True), max_n=4)
+    spec = req.choices[0].spec
+    assert (spec["max_tokens"], spec["stop"], spec["top_k"], spec["temperature"]) == (
+        7, ["\n"], 3, 0.5)
+    assert spec["ignore_eos"] is True and "user" not in spec
+    assert spec["id"] == req.response_id and req.response_id.startswith("chatcmpl-")
+
+
+def test_roles_and_text_parts() -> None:
+    req = translate("chat", {"model": "m", "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                     "text": "b"}]}]}, 1)
+    assert req.choices[0].spec["messages"] == [{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": "ab"}]
+
+
+def test_prompts_and_choices_are_laid_out_prompt_major() -> None:
+    req = translate("completion", {"model": "m", "prompt": [[1, 2], [3]], "n": 2, "seed": 10},
+                    max_n=4)
+    assert [(c.index, c.prompt_index, c.spec["prompt_token_ids"], c.spec["seed"])
+            for c in req.choices] == [(0, 0, [1, 2], 10), (1, 0, [1, 2], 11),
+                                      (2, 1, [3], 10), (3, 1, [3], 11)]
+    assert [c.job_id for c in req.choices] == [f"{req.response_id}.{k}" for k in range(4)]
+    assert translate("completion", {"model": "m", "prompt": [5, 6]}, 1).choices[0].spec[
+        "prompt_token_ids"] == [5, 6]
+
+
+def test_stream_options_and_detach() -> None:
+    req = translate("chat", chat(stream=True, stream_options={"include_usage": True},
+                                 detach=True), 1)
+    assert (req.stream, req.include_usage, req.detach) == (True, True, True)
+
+
+@pytest.mark.parametrize(("kind", "body", "param"), [
+    ("chat", {"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ("chat", chat(logprobs=True), "logprobs"),
+    ("chat", chat(top_logprobs=2), "top_logprobs"),
+    ("chat", chat(tools=[{"type": "function"}]), "tools"),
+    ("chat", chat(n=0), "n"),
+    ("chat", chat(n=5), "n"),
+    ("chat", chat(seed=-1), "seed"),
+    ("chat", chat(response_format={"type": "json_object"}), "response_format"),
+    ("chat", chat(stream_options="yes"), "stream_options"),
+    ("chat", {"model": "m", "messages": []}, "messages"),
+    ("chat", {"model": "m", "messages": [{"content": "x"}]}, "messages[0]"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": None}]},
+     "messages[0].content"),
+    ("completion", {"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ("completion", {"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
+    ("completion", {"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+    ("completion", {"model": "m", "prompt": ["x", 1]}, "prompt"),
+    ("completion", {"model": "m", "prompt": []}, "prompt"),
+])
+def test_what_is_refused_names_its_parameter(kind: Any, body: dict[str, Any],
+                                             param: str) -> None:
+    with pytest.raises(APIError) as caught:
+        translate(kind, body, max_n=4)
+    assert (caught.value.status, caught.value.param) == (400, param)
+
+
+def test_a_body_that_is_not_an_object() -> None:
+    with pytest.raises(APIError, match="JSON object"):
+        translate("chat", [1, 2], max_n=1)
