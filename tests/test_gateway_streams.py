@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import httpx2
@@ -141,3 +142,27 @@ def test_status_through_the_gateway_the_client_and_the_cli(redis_url: str) -> No
         with live_worker(redis_url, "gw-status-2"):
             wait(lambda: producer.status(bad.id).status == "error", what="the error")
         assert producer.status(bad.id).to_dict()["error"]["code"] == "invalid_request"
+
+
+def test_several_readers_of_one_job_each_get_all_of_it(base_url: str, redis_url: str) -> None:
+    body = {"model": MODEL, "prompt": "share", "max_tokens": 40, "seed": 4, "stream": True}
+    texts: list[str] = []
+
+    def resume(job_id: str) -> None:
+        with httpx2.stream("GET", f"{base_url}/v1/jobs/{job_id}/stream", timeout=60) as reply:
+            events = sse_events(reply.iter_lines())
+        texts.append("".join(json.loads(d)["choices"][0]["text"] for _, d in events[:-1]))
+
+    with httpx2.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+        job_id = response.headers["x-qworker-job-id"]
+        readers = [threading.Thread(target=resume, args=(job_id,)) for _ in range(2)]
+        lines = response.iter_lines()
+        first = sse_events(lines, limit=3)  # the readers join a stream under way
+        for reader in readers:
+            reader.start()
+        rest = sse_events(lines)
+    for reader in readers:
+        reader.join(60)
+    own = "".join(json.loads(d)["choices"][0]["text"] for _, d in (first + rest)[:-1])
+    done = check_stream(redis.Redis.from_url(redis_url), job_id)
+    assert texts == [done.text, done.text] and own == done.text

@@ -39,7 +39,7 @@ class Hub:
         self.client = client
         self.keys = keys
         self.block_ms = block_ms
-        self._follows: dict[str, _Follow] = {}
+        self._follows: dict[str, list[_Follow]] = {}  # several readers may follow one job
         self._joined = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._out_prefix = keys.out("")
@@ -48,14 +48,19 @@ class Hub:
         """Put each job's new entries (read after the given entry id) on `queue`, as
         (job id, entries), until `drop`."""
         for job_id, after in job_ids.items():
-            self._follows[job_id] = _Follow(after, queue)
+            self._follows.setdefault(job_id, []).append(_Follow(after, queue))
         self._joined.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="gateway-hub")
 
-    def drop(self, job_ids: list[str]) -> None:
+    def drop(self, job_ids: list[str], queue: Queue) -> None:
+        """Stop putting these jobs' entries on `queue`."""
         for job_id in job_ids:
-            self._follows.pop(job_id, None)
+            kept = [f for f in self._follows.get(job_id, ()) if f.queue is not queue]
+            if kept:
+                self._follows[job_id] = kept
+            else:
+                self._follows.pop(job_id, None)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -69,8 +74,9 @@ class Hub:
             if not self._follows:
                 self._joined.clear()
                 await self._joined.wait()
-            streams: dict[KeyT, StreamIdT] = {self.keys.out(j): f.last_id
-                                               for j, f in self._follows.items()}
+            streams: dict[KeyT, StreamIdT] = {
+                self.keys.out(j): min((f.last_id for f in fs), key=_order)
+                for j, fs in self._follows.items()}
             try:
                 reply = await self.client.xread(streams, count=READ_COUNT, block=self.block_ms)
             except TRANSIENT_ERRORS as exc:
@@ -85,19 +91,32 @@ class Hub:
                 self._fail(exc)
                 continue
             backoff = Backoff(give_up_s=GIVE_UP_S)
-            self._deliver(reply)
+            self._deliver(reply, streams)
 
-    def _deliver(self, reply: object) -> None:
+    def _deliver(self, reply: object, asked: dict[KeyT, StreamIdT]) -> None:
+        """Each follower gets the entries past its position, if the read started at or before
+        it (one that joined behind it while the read was out waits for the next read)."""
         for key, entries in xread_by_stream(reply):
             job_id = key.removeprefix(self._out_prefix)
-            follow = self._follows.get(job_id)
-            if follow is None or not entries:
-                continue  # dropped while the read was out
-            follow.last_id = entries[-1][0]
-            follow.queue.put_nowait((job_id, entries))
+            start = _order(str(asked[key]))
+            for follow in self._follows.get(job_id, ()):  # none: dropped while the read was out
+                after = _order(follow.last_id)
+                if after < start:
+                    continue
+                new = [e for e in entries if _order(e[0]) > after]
+                if new:
+                    follow.last_id = new[-1][0]
+                    follow.queue.put_nowait((job_id, new))
 
     def _fail(self, exc: BaseException) -> None:
         """Redis stayed away: every follower gets the error, and is dropped."""
-        for follow in {id(f.queue): f for f in self._follows.values()}.values():
-            follow.queue.put_nowait(exc)
+        queues = {id(f.queue): f.queue for fs in self._follows.values() for f in fs}
+        for queue in queues.values():
+            queue.put_nowait(exc)
         self._follows.clear()
+
+
+def _order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as it sorts ("0-0" first)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -45,9 +45,9 @@ class OutputReader:
                     yield batch
                 if state.finished:
                     del self.open[job_id]
-                    self.hub.drop([job_id])
+                    self.hub.drop([job_id], queue)
         finally:
-            self.hub.drop(list(self.after))
+            self.hub.drop(list(self.after), queue)
 
 
 def _apply(state: OutputState, entry_id: str, fields: Mapping[str, str]) -> OutputEvent | None:
