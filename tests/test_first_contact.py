@@ -12,13 +12,14 @@ from importlib import metadata
 
 import pytest
 import redis
+import structlog
 import tomllib
 
 from qworker.cli import build_parser, main
 from qworker.commands import up
 from qworker.commands.serve import LOG_LEVELS
 from qworker.engine.request import SamplingParams
-from qworker.service.logs import configure_logging
+from qworker.service.logs import configure_logging, get_logger
 from qworker_client import Producer
 from qworker_client.protocol import Job, Keys
 from tests.service_harness import ROOT
@@ -55,11 +56,18 @@ def test_an_unknown_log_level_is_a_usage_error(given_as: str, monkeypatch: pytes
     assert "--log-level: invalid choice: 'verbose'" in err and "debug, info" in err
 
 
-def test_every_log_level_offered_configures_logging() -> None:
-    for level in LOG_LEVELS:
-        args = build_parser().parse_args([*SERVE, "--log-level", level])
-        configure_logging(args.log_level)
-    configure_logging("info")
+def test_every_log_level_offered_filters_as_named(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        for level in LOG_LEVELS:
+            args = build_parser().parse_args([*SERVE, "--log-level", level])
+            configure_logging(args.log_level, json=True)
+            get_logger().debug("a debug line")
+            get_logger().error("an error line")
+            err = capsys.readouterr().err
+            assert "an error line" in err, level
+            assert ("a debug line" in err) == (level == "debug"), level
+    finally:
+        structlog.reset_defaults()  # later tests capture what the worker logs
 
 
 def generate_parser() -> argparse.ArgumentParser:
