@@ -6,6 +6,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import TypedDict
 
 import redis
 import redis.asyncio
@@ -21,6 +22,12 @@ READ_COUNT = 512  # entries per XREAD: a whole burst of tokens in one round trip
 
 def redis_url_from_env() -> str:
     return os.environ.get("REDIS_URL") or os.environ.get("QWORKER_REDIS_URL") or DEFAULT_REDIS_URL
+
+
+class RedisKwargs(TypedDict):
+    decode_responses: bool
+    socket_timeout: float
+    socket_connect_timeout: float
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ class ClientOptions:
         left_ms = math.ceil((deadline - time.monotonic()) * 1000)
         return min(self.block_ms, left_ms) if left_ms > 0 else None
 
-    def kwargs(self) -> dict[str, object]:
+    def kwargs(self) -> RedisKwargs:
         return {
             "decode_responses": True,
             "socket_timeout": self.socket_timeout_s,

@@ -53,6 +53,9 @@ DEAD_META_FIELDS = ("reason", "code", "source", "source_id", "worker")
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
+# one stream entry's fields, as read with or without decode_responses, or as written
+WireFields = Mapping[str, str] | Mapping[bytes, bytes] | Mapping[bytes | str, bytes | str]
+
 
 class JobValidationError(ValueError):
     """A job entry that cannot be run.
@@ -218,7 +221,7 @@ def _to_str(value: bytes | str, what: str) -> str:
         raise ValueError(f"{what} is not valid UTF-8") from None
 
 
-def _usable_id(fields: Mapping[bytes | str, bytes | str], entry_id: str) -> str | None:
+def _usable_id(fields: WireFields, entry_id: str) -> str | None:
     """The id an error event can go to, before (or without) full validation."""
     raw = None
     for key, value in fields.items():
@@ -234,7 +237,7 @@ def _usable_id(fields: Mapping[bytes | str, bytes | str], entry_id: str) -> str 
     return text if is_valid_id(text) else None
 
 
-def parse_job_fields(fields: Mapping[bytes | str, bytes | str], entry_id: str) -> Job:
+def parse_job_fields(fields: WireFields, entry_id: str) -> Job:
     """Decode and validate the fields of one `<prefix>:jobs` entry.
 
     Raises `JobValidationError` (with the usable job id, if any) on anything wrong: unknown or
@@ -323,7 +326,7 @@ def event_to_fields(event: TokenEvent | DoneEvent | ErrorEvent) -> dict[str, str
     return fields
 
 
-def parse_event(fields: Mapping[bytes | str, bytes | str]) -> TokenEvent | DoneEvent | ErrorEvent:
+def parse_event(fields: WireFields) -> TokenEvent | DoneEvent | ErrorEvent:
     """Decode one `<prefix>:out:<id>` entry (as read with or without decode_responses)."""
     data = {_to_str(k, "a field name"): _to_str(v, "a field value") for k, v in fields.items()}
     return _EVENT_ADAPTER.validate_python(data)

@@ -121,5 +121,6 @@ def stream_entries(response: object) -> list[tuple[str, dict[str, str]]]:
     if isinstance(response, dict):
         batches = [entries for value in response.values() for entries in value]
     else:
+        assert isinstance(response, list)
         batches = [entries for _key, entries in response]
     return [(entry_id, fields) for entries in batches for entry_id, fields in entries]

@@ -69,7 +69,7 @@ def _default(value: Any) -> str:
 
 
 def _wire(prop: Schema, root: Schema) -> str:
-    kind = prop.get("type")
+    kind = prop.get("type", "")
     if kind == "array":
         return f"JSON list of {_plural(prop['items'], root)}"
     return {
@@ -82,7 +82,7 @@ def _plural(items: Schema, root: Schema) -> str:
     if "$ref" in items:
         target = _resolve(items["$ref"], root)
         return "`{" + ", ".join(target["properties"]) + "}` objects"
-    return {"integer": "integers", "string": "strings"}.get(items.get("type"), "values")
+    return {"integer": "integers", "string": "strings"}.get(items.get("type", ""), "values")
 
 
 def _resolve(ref: str, root: Schema) -> Schema:

@@ -67,11 +67,11 @@ def submit_call(keys: Keys, jobs: Sequence[tuple[str, dict[str, str]]], marker_t
     return script_keys, args
 
 
-def submitted(reply: Sequence[Sequence[object]]) -> list[Submitted]:
+def submitted(reply: Sequence[Sequence[int | bytes | str]]) -> list[Submitted]:
     out = []
     for flag, entry in reply:
         text = entry.decode() if isinstance(entry, bytes) else str(entry)
-        out.append(Submitted(new=int(flag) == 1, entry_id=text or None))  # type: ignore[call-overload]
+        out.append(Submitted(new=int(flag) == 1, entry_id=text or None))
     return out
 
 

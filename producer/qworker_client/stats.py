@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,7 +125,8 @@ def _stream_stats(
     )
 
 
-def _workers(keys: Keys, names: list[str], values: list[str | None]) -> list[dict[str, Any]]:
+def _workers(keys: Keys, names: list[str], values: Sequence[bytes | str | None]
+             ) -> list[dict[str, Any]]:
     """Every worker whose liveness key has not expired, as its `WorkerInfo` (sorted by name).
 
     A key whose value does not parse is still a live worker: it is listed with its name only."""
@@ -136,7 +138,7 @@ def _workers(keys: Keys, names: list[str], values: list[str | None]) -> list[dic
     return workers
 
 
-def _worker_info(name: str, raw: str) -> dict[str, Any]:
+def _worker_info(name: str, raw: bytes | str) -> dict[str, Any]:
     try:
         return WorkerInfo.model_validate(json.loads(raw)).model_dump()
     except (ValueError, ValidationError):

@@ -51,7 +51,9 @@ class UpConfig:
 
 class OwnRedis(Protocol):
     url: str
-    description: str
+
+    @property
+    def description(self) -> str: ...
 
     def start(self) -> str: ...
     def stop(self) -> None: ...

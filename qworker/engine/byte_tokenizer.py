@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 VOCAB_SIZE = 256
 EOS_TOKEN_ID = 0
@@ -20,15 +21,11 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def apply_chat_template(self, messages: Iterable[object]) -> str:
-        lines = []
-        for m in messages:
-            role = m["role"] if isinstance(m, dict) else m.role  # type: ignore[attr-defined]
-            content = m["content"] if isinstance(m, dict) else m.content  # type: ignore[attr-defined]
-            lines.append(f"{role}: {content}\n")
+    def apply_chat_template(self, messages: Iterable[Mapping[str, Any]]) -> str:
+        lines = [f"{m['role']}: {m['content']}\n" for m in messages]
         return "".join(lines) + "assistant: "
 
-    def encode_chat(self, messages: Iterable[object]) -> list[int]:
+    def encode_chat(self, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.config import EngineConfig
 from qworker.engine.pacer import PrefillPacer
-from qworker.engine.request import Request, SamplingParams, StepOutput
+from qworker.engine.request import FinishReason, Request, SamplingParams, StepOutput
 from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from qworker.engine.sequence import Sequence, Status
 from qworker.engine.text import Detokenizer, TextStream
@@ -253,6 +253,7 @@ class EngineCore:
         seq.token_ids.append(token)
         p = seq.params
         count = index + 1
+        reason: FinishReason | None
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             delta, reason = seq.text.flush(), "stop"  # the stop token's own text is not shown
         else:

@@ -46,7 +46,7 @@ class DecodeGraph:
         self.norm = norm
         self.lm_head = lm_head
         self.config = config
-        self.weights = [p for layer in layers for p in layer.parameters()]
+        self.weights: list[torch.Tensor] = [p for layer in layers for p in layer.parameters()]
         self.weights += [norm.weight, lm_head.weight]
         self.enabled = True  # off: every step goes layer by layer (benchmarks compare the two)
         self._table: _LayerTable | None = None

@@ -126,14 +126,15 @@ class LlamaModel(nn.Module):
         self.device = torch.device(device)
         with torch.device(self.device if init_weights else "meta"):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            layers = [DecoderLayer(config) for _ in range(config.num_layers)]
+            self.layers = nn.ModuleList(layers)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if not init_weights:
             self.to_empty(device=self.device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.decode_graph = DecodeGraph(list(self.layers), self.norm, self.lm_head, config)
+        self.decode_graph = DecodeGraph(layers, self.norm, self.lm_head, config)
         self.rope = RotaryTable(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
             config.rope_scaling, dtype, device,
@@ -209,8 +210,9 @@ def _fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         for kind in ("weight", "bias"):
             parts = [out.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
-            if all(p is not None for p in parts):
-                out[f"{attn}qkv_proj.{kind}"] = torch.cat(parts)
+            present = [p for p in parts if p is not None]
+            if len(present) == len(parts):
+                out[f"{attn}qkv_proj.{kind}"] = torch.cat(present)
         out[f"{mlp}gate_up_proj.weight"] = torch.cat(
             [out.pop(f"{mlp}gate_proj.weight"), out.pop(f"{mlp}up_proj.weight")]
         )

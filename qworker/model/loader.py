@@ -149,10 +149,10 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             if name in tensors:
                 raise LoaderError(f"{file}: tensor {name!r} also appears in {origin[name]}")
             tensors[name], origin[name] = tensor, file
-    for name, file in weight_map.items():
-        if origin.get(name) != folder / file:
+    for name, shard in weight_map.items():
+        if origin.get(name) != folder / shard:
             raise LoaderError(
-                f"{folder / INDEX_FILE}: lists tensor {name!r} in {file}, which does not hold it"
+                f"{folder / INDEX_FILE}: lists tensor {name!r} in {shard}, which does not hold it"
             )
     for name in [n for n in tensors if n.endswith(_IGNORED_HF_SUFFIXES)]:
         del tensors[name]

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import os
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def status() -> NativeStatus:
     return _loaded()[1]
 
 
-def _kernel(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+def _kernel(name: str, dtype: torch.dtype) -> Callable[..., int]:
     lib = library()
     assert lib is not None and dtype in SUFFIXES, "call only where serves() is true"
     return getattr(lib, f"{name}_{SUFFIXES[dtype]}")

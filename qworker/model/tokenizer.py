@@ -231,7 +231,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> to
     table = _byte_alphabet()
     alphabet = frozenset(table.values())
     vocab = {_byte_level_spelling(t, alphabet, table): i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [_merge_pair(m) for m in merges]
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs))
     split = GGUF_PRE_TOKENIZER_SPLITS.get(pre or "")
     if split is None:
@@ -245,6 +245,13 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> to
         )
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    left, sep, right = merge.partition(" ")
+    if not sep:
+        raise TokenizerError(f"tokenizer.ggml.merges: {merge!r} is not two tokens and a space")
+    return left, right
 
 
 def _prepend_bos(bos: str, bos_id: int) -> processors.TemplateProcessing:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
+from redis.typing import KeyT, StreamIdT, StreamRangeResponse
 
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import job_error
@@ -69,8 +70,9 @@ class Taken:
     excused: int = 0  # its workers that died (or stalled) while they ran another job alone
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _s(value: object) -> str:
+    """A name or id in a reply, whether the client decodes responses or not."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _entries(stream: str, items: Iterable[tuple[Any, Any]] | None) -> list[Entry]:
@@ -114,7 +116,7 @@ class Intake:
                                            count=want)
             entries += self._parse_read(reply)
         if not entries and block_ms and count > 0:
-            streams = dict.fromkeys(self.keys.streams, ">")
+            streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.keys.streams, ">")
             reply = self.client.xreadgroup(self.config.group, self.consumer, streams, count=1,
                                            block=block_ms)
             entries += self._parse_read(reply)
@@ -158,8 +160,10 @@ class Intake:
         deliveries = {_s(r["message_id"]): int(r["times_delivered"]) + 1 for r in chosen}
         # min-idle again: one that a peer claimed in between is not idle now and stays its own.
         # Entries deleted while pending are dropped from the group by XCLAIM itself (Redis 7).
-        items = self.client.xclaim(stream, self.config.group, self.consumer,
-                                   self.config.claim_idle_ms, list(deliveries))
+        # without JUSTID the reply is entries (redis-py types both replies as one)
+        items = cast(StreamRangeResponse, self.client.xclaim(
+            stream, self.config.group, self.consumer, self.config.claim_idle_ms,
+            list(deliveries)))
         entries = _entries(stream, items)
         for entry in entries:
             entry.deliveries = deliveries.get(entry.entry_id, entry.deliveries)
@@ -218,7 +222,7 @@ class Intake:
             replies = self._take_round_trip(items, now)
         return self._taken(items, replies, now)
 
-    def _take_round_trip(self, items: Sequence[tuple[Entry, Job]], now: int) -> list[object]:
+    def _take_round_trip(self, items: Sequence[tuple[Entry, Job]], now: int) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for entry, job in items:
             job_id = job.id or entry.entry_id
@@ -233,7 +237,7 @@ class Intake:
             pipe.xrange(self.keys.out(job_id), "-", "+")
         return pipe.execute(raise_on_error=False)
 
-    def _taken(self, items: Sequence[tuple[Entry, Job]], replies: list[object], now: int
+    def _taken(self, items: Sequence[tuple[Entry, Job]], replies: list[Any], now: int
                ) -> tuple[list[Taken], list[Reject]]:
         taken: list[Taken] = []
         rejects: list[Reject] = []
@@ -323,7 +327,7 @@ class Intake:
         fields = dead_fields(r.entry, r.code, message, self.config.name)
         out = self.keys.out(r.job_id) if r.job_id and with_job_keys else None
         error = event_to_fields(ErrorEvent(code=r.code, message=message))
-        owner = self.keys.owner(r.job_id) if out and r.drop_owner else None
+        owner = self.keys.owner(r.job_id) if out and r.job_id and r.drop_owner else None
         self.scripts.dead_letter(pipe, source=r.entry.stream, dead=self.keys.dead,
                                  group=self.config.group, entry_id=r.entry.entry_id,
                                  ttl_s=self.config.result_ttl,

@@ -7,7 +7,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from qworker_client.protocol import DoneEvent, ErrorEvent, Job, TokenEvent, entry_ms, parse_event
+from qworker_client.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    FinishReason,
+    Job,
+    TokenEvent,
+    entry_ms,
+    parse_event,
+)
 
 Event = TokenEvent | DoneEvent | ErrorEvent
 RawFields = dict[bytes, bytes]
@@ -100,11 +108,11 @@ class ActiveJob:
             if self.first_token_ms is None:
                 self.first_token_ms = now_ms()
 
-    def finish(self, finish_reason: str, completion_tokens: int) -> DoneEvent:
+    def finish(self, finish_reason: FinishReason, completion_tokens: int) -> DoneEvent:
         done_ms = now_ms()
         first = self.first_token_ms if self.first_token_ms is not None else done_ms
         event = DoneEvent(
-            finish_reason=finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish_reason,
             text=self.text,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion_tokens,

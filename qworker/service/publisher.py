@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -87,14 +88,15 @@ class Publisher:
             result.cancelled = {job_id for job_id, flag in pairs if flag is not None}
         return result
 
-    def _append_statuses(self, jobs: Sequence[ActiveJob], reply: object,
+    def _append_statuses(self, jobs: Sequence[ActiveJob], reply: list[Any] | Exception,
                          result: FlushResult) -> None:
-        if job_error(reply) is None:
-            for job, status in zip(jobs, reply, strict=True):  # type: ignore[call-overload]
+        error = job_error(reply)  # raises what is not these jobs' error
+        if not isinstance(reply, Exception):
+            for job, status in zip(jobs, reply, strict=True):
                 result.status[job.job_id] = decode_status(status)
             return
         if len(jobs) == 1:
-            result.fail(jobs[0].job_id, str(job_error(reply)))
+            result.fail(jobs[0].job_id, str(error))
             return
         pipe = self.client.pipeline(transaction=False)
         for job in jobs:
@@ -104,7 +106,7 @@ class Publisher:
             if error is not None:
                 result.fail(job.job_id, error)
             else:
-                result.status[job.job_id] = decode_status(one[0])  # type: ignore[index]
+                result.status[job.job_id] = decode_status(one[0])
 
     def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob]) -> None:
         self.scripts.append(pipe, token=self.token, ttl_s=self.config.result_ttl,

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import redis
 
+from qworker_client.protocol import WireFields
+
 _LAST_STATE = """
 local function last_state(key)
   local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
@@ -216,14 +218,11 @@ def alone_key(prefix: str, token: str) -> str:
     return f"{prefix}:alone:{token}"
 
 
-Fields = Mapping[str, str] | Mapping[bytes, bytes] | Mapping[bytes | str, bytes | str]
-
-
 def _sha(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def _flat(fields: Fields) -> list[bytes | str]:
+def _flat(fields: WireFields) -> list[bytes | str]:
     out: list[bytes | str] = []
     for key, value in fields.items():
         out += [key, value]
@@ -272,13 +271,13 @@ class Scripts:
         pipe.evalsha(self.append_sha, len(keys), *keys, *args)
 
     def requeue(self, pipe: redis.client.Pipeline, *, owner: str, source: str, requeue: str,
-                token: str, group: str, entry_id: str, fields: Fields) -> None:
+                token: str, group: str, entry_id: str, fields: WireFields) -> None:
         pipe.evalsha(self.requeue_sha, 3, owner, source, requeue, token, group, entry_id,
                      *_flat(fields))
 
     def dead_letter(self, pipe: redis.client.Pipeline, *, source: str, dead: str, group: str,
-                    entry_id: str, ttl_s: int, dead_maxlen: int, dead_fields: Fields,
-                    out: str | None = None, error_fields: Fields | None = None,
+                    entry_id: str, ttl_s: int, dead_maxlen: int, dead_fields: WireFields,
+                    out: str | None = None, error_fields: WireFields | None = None,
                     owner: str | None = None) -> None:
         """Reply: 0 (not pending: done before), 1 (dead-lettered), 2 (and the error event)."""
         keys: list[str] = [source, dead]

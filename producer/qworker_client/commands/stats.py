@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(stats: Stats) -> str:
-    rows = [("stream", "length", "lag", "pending", "consumers", "last delivered")]
+    rows: list[tuple[str, ...]] = [
+        ("stream", "length", "lag", "pending", "consumers", "last delivered")]
     rows += [_stream_row(s) for s in (stats.jobs, stats.requeue)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
