@@ -41,6 +41,7 @@ compiler:
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 # a local Redis, a worker on the default model, a few chat jobs streamed live; then all stopped
