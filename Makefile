@@ -52,4 +52,4 @@ lint: install
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis qworker/model/native_lib
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis qworker/model/native_lib
