@@ -156,9 +156,20 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> No
         proc.wait(30)
 
 
+def work_streams(client: redis.Redis) -> list[str]:
+    """Every job and requeue stream: the model-less ones, then each model's."""
+    found = {_text(key) for pattern in KEYS.model_stream_patterns
+             for key in client.scan_iter(match=pattern, _type="stream")}
+    return [*KEYS.streams, *sorted(found)]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def group_pending(client: redis.Redis) -> int:
     total = 0
-    for stream in KEYS.streams:
+    for stream in work_streams(client):
         with suppress(redis.ResponseError):
             total += client.xpending(stream, "workers")["pending"]
     return total

@@ -147,8 +147,8 @@ def _user_url(url: str, user: str) -> str:
 
 def test_an_acl_on_one_jobs_keys_fails_only_that_job(acl: tuple[redis.Redis, str]) -> None:
     client, url = acl
-    keys = ["qw:jobs", "qw:requeue", "qw:dead", "qw:owner:*", "qw:worker:*", "qw:cancel:*",
-            "qw:out:ok*"]
+    keys = ["qw:jobs", "qw:requeue", "qw:jobs:*", "qw:requeue:*", "qw:dead", "qw:owner:*",
+            "qw:worker:*", "qw:cancel:*", "qw:out:ok*"]  # qw:*:*: its model's streams
     client.acl_setuser("qwtest-keys", enabled=True, passwords=["+pw"], commands=["+@all"],
                        keys=keys)
     innocent = {f"ok{k}": {"prompt": f"fine {k}", "max_tokens": 6} for k in range(3)}
@@ -191,9 +191,10 @@ def test_a_worker_denied_the_job_stream_exits_2_with_one_line(acl: tuple[redis.R
 
 def test_a_worker_that_cannot_beat_exits_2(acl: tuple[redis.Redis, str]) -> None:
     client, url = acl
+    # no qw:worker:*: its heartbeat is refused
     client.acl_setuser("qwtest-nobeat", enabled=True, passwords=["+pw"], commands=["+@all"],
-                       keys=["qw:jobs", "qw:requeue", "qw:dead", "qw:out:*", "qw:owner:*",
-                             "qw:cancel:*"])  # no qw:worker:*: its heartbeat is refused
+                       keys=["qw:jobs", "qw:requeue", "qw:jobs:*", "qw:requeue:*", "qw:dead",
+                             "qw:out:*", "qw:owner:*", "qw:cancel:*"])
     with thread_worker(_user_url(url, "qwtest-nobeat"), "nobeat", sim_engine()) as w:
         w.thread.join(15)
         assert not w.thread.is_alive() and w.result == [2]

@@ -27,6 +27,8 @@ from qworker_client.retry import TRANSIENT_ERRORS, Backoff, capped
 from qworker_client.scripts import (
     CANCEL_SCRIPT,
     SUBMIT_SCRIPT,
+    Submitted,
+    by_stream,
     cancel_call,
     submit_call,
     submitted,
@@ -68,18 +70,22 @@ class AsyncProducer:
         """See `Producer.submit_many`: each id is queued once, retried after a dropped
         connection."""
         prepared = [job_fields(job) for job in jobs]
-        if not prepared:
-            return []
-        keys, args = submit_call(self.keys, prepared, self.options.result_ttl_s)
+        handles: dict[int, AsyncJob] = {}
+        for stream, positions in by_stream(self.keys, prepared).items():
+            group = [prepared[k] for k in positions]
+            for k, s in zip(positions, await self._queue(stream, group), strict=True):
+                handles[k] = AsyncJob(self, prepared[k][0], s.entry_id, new=s.new)
+        return [handles[k] for k in range(len(prepared))]
+
+    async def _queue(self, stream: str, jobs: list[tuple[str, dict[str, str]]]
+                     ) -> list[Submitted]:
+        keys, args = submit_call(self.keys, jobs, self.options.result_ttl_s, stream)
         backoff = Backoff(give_up_s=self.options.reconnect_give_up_s)
         while True:
             try:
-                reply = await self._submit(keys=keys, args=args)
-                break
+                return submitted(await self._submit(keys=keys, args=args))
             except TRANSIENT_ERRORS as exc:
                 await asyncio.sleep(backoff.failed(exc))
-        pairs = zip(prepared, submitted(reply), strict=True)
-        return [AsyncJob(self, job_id, s.entry_id, new=s.new) for (job_id, _), s in pairs]
 
     def job(self, job_id: str, after: str = START_ID) -> AsyncJob:
         """A handle on an existing job, reading its output after entry `after` (default: all)."""

@@ -32,6 +32,8 @@ from qworker_client.retry import TRANSIENT_ERRORS, Backoff, capped
 from qworker_client.scripts import (
     CANCEL_SCRIPT,
     SUBMIT_SCRIPT,
+    Submitted,
+    by_stream,
     cancel_call,
     submit_call,
     submitted,
@@ -72,8 +74,9 @@ class Producer:
         """Validate one job (the protocol's own parser, so errors are the worker's) and XADD it.
 
         `params` are the optional wire fields (`max_tokens`, `temperature`, `stop`, `id`, ...);
-        None means the worker's default. Raises `JobValidationError` (a ValueError) before
-        anything is sent. A job without `id` gets a uuid4 hex id.
+        None means the worker's default. A job with a `model` goes to `<prefix>:jobs:{<model>}`,
+        which only the workers serving that model read. Raises `JobValidationError` (a
+        ValueError) before anything is sent. A job without `id` gets a uuid4 hex id.
 
         Submitting is idempotent per id: a job whose id was submitted within `result_ttl_s`, or
         whose output stream exists, is not queued again (`Job.new` is False), so a submit is
@@ -83,21 +86,25 @@ class Producer:
         return self.submit_many([spec])[0]
 
     def submit_many(self, jobs: Iterable[JobInput]) -> list[Job]:
-        """Validate every job first, then queue them all in one script call (atomic, one round
-        trip; never MAXLEN: trimming would drop work)."""
+        """Validate every job first, then queue them in one script call per stream: the jobs of
+        one model (or without one) atomically, in one round trip; never MAXLEN: trimming would
+        drop work."""
         prepared = [job_fields(job) for job in jobs]
-        if not prepared:
-            return []
-        keys, args = submit_call(self.keys, prepared, self.options.result_ttl_s)
+        handles: dict[int, Job] = {}
+        for stream, positions in by_stream(self.keys, prepared).items():
+            group = [prepared[k] for k in positions]
+            for k, s in zip(positions, self._queue(stream, group), strict=True):
+                handles[k] = Job(self, prepared[k][0], s.entry_id, new=s.new)
+        return [handles[k] for k in range(len(prepared))]
+
+    def _queue(self, stream: str, jobs: list[tuple[str, dict[str, str]]]) -> list[Submitted]:
+        keys, args = submit_call(self.keys, jobs, self.options.result_ttl_s, stream)
         backoff = Backoff(give_up_s=self.options.reconnect_give_up_s)
         while True:
             try:
-                reply = self._submit(keys=keys, args=args)
-                break
+                return submitted(self._submit(keys=keys, args=args))
             except TRANSIENT_ERRORS as exc:  # safe to repeat: the script queues each id once
                 time.sleep(backoff.failed(exc))
-        pairs = zip(prepared, submitted(reply), strict=True)
-        return [Job(self, job_id, s.entry_id, new=s.new) for (job_id, _), s in pairs]
 
     def job(self, job_id: str, after: str = START_ID) -> Job:
         """A handle on an existing job, reading its output after entry `after` (default: all)."""

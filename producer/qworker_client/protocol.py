@@ -21,6 +21,10 @@ PROTOCOL_VERSION = 1
 
 ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 _ID_RE = re.compile(ID_PATTERN)
+# A model name becomes part of a key (`<prefix>:jobs:{<model>}`): no braces (the hash tag), no glob
+# characters, no spaces; room for Hugging Face names, paths and the simulated engine's options.
+MODEL_PATTERN = r"^[A-Za-z0-9._:/@+=,-]{1,256}$"
+_MODEL_RE = re.compile(MODEL_PATTERN)
 
 # Input bounds: every job is bounded before it reaches the engine.
 MAX_PROMPT_CHARS = 1_000_000  # `prompt`, and the sum of all `messages` contents
@@ -75,6 +79,10 @@ def is_valid_id(value: str) -> bool:
     return bool(_ID_RE.fullmatch(value))
 
 
+def is_valid_model(value: str) -> bool:
+    return bool(_MODEL_RE.fullmatch(value))
+
+
 # ----------------------------------------------------------------------------- job
 
 
@@ -96,6 +104,8 @@ class Job(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     id: Annotated[str | None, Field(pattern=ID_PATTERN, description="default: the entry id")] = None
+    model: Annotated[str | None, Field(pattern=MODEL_PATTERN, description=(
+        "the model to run it; its stream is `<prefix>:jobs:{<model>}`"))] = None
     prompt: Annotated[str | None, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] = None
     messages: Annotated[
         list[ChatMessage] | None,
@@ -156,7 +166,7 @@ class Job(BaseModel):
 
 # Wire kind of each job field: how its string is decoded before validation.
 _JOB_WIRE_KINDS: dict[str, str] = {
-    "id": "str", "prompt": "str", "messages": "json", "prompt_token_ids": "json",
+    "id": "str", "model": "str", "prompt": "str", "messages": "json", "prompt_token_ids": "json",
     "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",
     "ignore_eos": "bool", "min_tokens": "int", "repetition_penalty": "float",
@@ -376,10 +386,42 @@ class Keys:
         """SCAN pattern matching every live worker's key."""
         return f"{self.prefix}:worker:*"
 
+    def jobs_of(self, model: str | None) -> str:
+        """The stream a job goes to: `<prefix>:jobs`, or `<prefix>:jobs:{<model>}` for a job that
+        names its model (the `{...}` hash tag keeps a model's keys in one Cluster slot)."""
+        return self.jobs if model is None else f"{self.jobs}:{{{_checked_model(model)}}}"
+
+    def requeue_of(self, model: str | None) -> str:
+        """Where a started job goes back to: `<prefix>:requeue`, or `<prefix>:requeue:{<model>}`."""
+        return self.requeue if model is None else f"{self.requeue}:{{{_checked_model(model)}}}"
+
+    def stream_model(self, stream: str) -> str | None:
+        """The model of a work stream (None: a model-less one)."""
+        for base in (self.jobs, self.requeue):
+            head = base + ":{"
+            if stream.startswith(head) and "}" in stream[len(head):]:
+                return stream[len(head):stream.index("}", len(head))]
+        return None
+
+    def is_requeue(self, stream: str) -> bool:
+        return stream == self.requeue or stream.startswith(self.requeue + ":")
+
     @property
     def streams(self) -> tuple[str, str]:
-        """The group's streams in the order workers read them."""
+        """The model-less streams in the order workers read them."""
         return (self.requeue, self.jobs)
+
+    def streams_for(self, model: str | None) -> tuple[str, ...]:
+        """The streams a worker serving `model` reads, in order: requeued work first (its
+        model's, then model-less), then new jobs (its model's, then model-less)."""
+        if model is None:
+            return self.streams
+        return (self.requeue_of(model), self.requeue, self.jobs_of(model), self.jobs)
+
+    @property
+    def model_stream_patterns(self) -> tuple[str, str]:
+        """SCAN patterns matching every per-model stream (new jobs, requeued work)."""
+        return (f"{self.jobs}:*", f"{self.requeue}:*")
 
 
 class WorkerInfo(BaseModel):
@@ -398,6 +440,12 @@ class WorkerInfo(BaseModel):
     draining: bool = False
     native: str = ""  # the native CPU kernels' level, or "missing: <why>"
     served_model_name: str = ""  # the name clients ask for (`--served-model-name`; "": `model`)
+
+
+def _checked_model(model: str) -> str:
+    if not is_valid_model(model):
+        raise ValueError(f"invalid model name {model!r} (want {MODEL_PATTERN})")
+    return model
 
 
 def entry_ms(entry_id: str) -> int | None:
@@ -420,8 +468,9 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 
 __all__ = [
     "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "EXPIRED", "ID_PATTERN", "INTERNAL",
-    "INVALID_REQUEST", "PROMPT_TOO_LONG", "PROTOCOL_VERSION", "TERMINAL_TYPES",
+    "INVALID_REQUEST", "MODEL_PATTERN", "PROMPT_TOO_LONG", "PROTOCOL_VERSION", "TERMINAL_TYPES",
     "TOO_MANY_DELIVERIES", "ChatMessage", "DoneEvent", "ErrorEvent", "Event", "FinishReason",
     "Job", "JobValidationError", "Keys", "TokenEvent", "WorkerInfo", "encode_value", "entry_ms",
-    "event_to_fields", "is_valid_id", "json_schemas", "parse_event", "parse_job_fields",
+    "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_event",
+    "parse_job_fields",
 ]

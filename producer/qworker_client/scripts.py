@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from qworker_client.protocol import Keys
 
-# KEYS: the jobs stream, then per job: its output stream, its submit marker.
+# KEYS: the jobs' stream (`<prefix>:jobs`, or `<prefix>:jobs:{<model>}`), then per job: its output
+# stream, its submit marker.
 # ARGV: the marker's TTL in seconds, then per job: 2n, then its n field / value pairs.
 # A job whose marker or output stream exists is not added again.
 # Returns per job {1, new entry id} or {0, the first submit's entry id, or "" if unknown}.
@@ -55,10 +56,21 @@ class Submitted:
     entry_id: str | None  # the entry in `<prefix>:jobs` (the first submit's, when not new)
 
 
-def submit_call(keys: Keys, jobs: Sequence[tuple[str, dict[str, str]]], marker_ttl_s: int
-                ) -> tuple[list[str], list[str | int]]:
-    """KEYS and ARGV of SUBMIT_SCRIPT for (job id, wire fields) pairs."""
-    script_keys = [keys.jobs]
+def by_stream(keys: Keys, jobs: Sequence[tuple[str, dict[str, str]]]
+              ) -> dict[str, list[int]]:
+    """The positions of the jobs in each stream they go to (by their `model` field), in order:
+    one script call per stream."""
+    groups: dict[str, list[int]] = {}
+    for k, (_, fields) in enumerate(jobs):
+        groups.setdefault(keys.jobs_of(fields.get("model")), []).append(k)
+    return groups
+
+
+def submit_call(keys: Keys, jobs: Sequence[tuple[str, dict[str, str]]], marker_ttl_s: int,
+                stream: str | None = None) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV of SUBMIT_SCRIPT for (job id, wire fields) pairs going to `stream`
+    (default: the model-less one)."""
+    script_keys = [stream or keys.jobs]
     args: list[str | int] = [marker_ttl_s]
     for job_id, fields in jobs:
         script_keys += [keys.out(job_id), keys.submitted(job_id)]

@@ -1,4 +1,5 @@
-"""Queue health from Redis alone: lengths, lag, pending, dead letters, live workers."""
+"""Queue health from Redis alone: lengths, lag, pending (of the model-less streams and of each
+model's), dead letters, live workers."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ class Stats:
     requeue: StreamStats
     dead_letters: int
     workers: list[dict[str, Any]] = field(default_factory=list)
+    models: list[StreamStats] = field(default_factory=list)  # each model's streams, by model
+
+    @property
+    def streams(self) -> list[StreamStats]:
+        """Every work stream: the model-less ones, then each model's (jobs, then requeue)."""
+        return [self.jobs, self.requeue, *self.models]
 
     @property
     def live_workers(self) -> int:
@@ -49,14 +56,14 @@ class Stats:
 
     @property
     def backlog(self) -> int:
-        """Work not yet taken by any worker, over both streams."""
-        return self.jobs.waiting + self.requeue.waiting
+        """Work not yet taken by any worker, over every stream."""
+        return sum(s.waiting for s in self.streams)
 
     @property
     def unfinished(self) -> int:
         """Jobs not yet finished, taken or not: the streams' lengths (acked entries are deleted).
         What the KEDA ScaledObject scales on (deploy/k8s/keda-scaledobject.yaml)."""
-        return self.jobs.length + self.requeue.length
+        return sum(s.length for s in self.streams)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "live_workers": self.live_workers, "backlog": self.backlog,
@@ -69,7 +76,20 @@ def collect_stats(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -
         requeue=stream_stats(client, keys.requeue, group),
         dead_letters=int(client.xlen(keys.dead)),
         workers=live_workers(client, keys),
+        models=[stream_stats(client, key, group) for key in model_streams(client, keys)],
     )
+
+
+def model_streams(client: redis.Redis, keys: Keys) -> list[str]:
+    """The per-model streams there are (`<prefix>:jobs:{<model>}`, `<prefix>:requeue:{...}`)."""
+    found = [key for pattern in keys.model_stream_patterns
+             for key in client.scan_iter(match=pattern, count=SCAN_COUNT, _type="stream")]
+    return _by_model(keys, found)
+
+
+def _by_model(keys: Keys, found: Sequence[bytes | str]) -> list[str]:
+    names = {k.decode() if isinstance(k, bytes) else k for k in found}
+    return sorted(names, key=lambda s: (keys.stream_model(s) or "", keys.is_requeue(s), s))
 
 
 async def collect_stats_async(
@@ -86,11 +106,14 @@ async def collect_stats_async(
     names = sorted([n async for n in client.scan_iter(match=keys.worker_pattern,
                                                       count=SCAN_COUNT)])
     values = await client.mget(names) if names else []
+    found = [key for pattern in keys.model_stream_patterns
+             async for key in client.scan_iter(match=pattern, count=SCAN_COUNT, _type="stream")]
     return Stats(
         jobs=await stream(keys.jobs),
         requeue=await stream(keys.requeue),
         dead_letters=int(await client.xlen(keys.dead)),
         workers=_workers(keys, names, values),
+        models=[await stream(key) for key in _by_model(keys, found)],
     )
 
 

@@ -7,7 +7,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from qworker_client.protocol import DEFAULT_GROUP, DEFAULT_PREFIX
+from qworker_client.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, MODEL_PATTERN, is_valid_model
 
 
 def default_worker_name() -> str:
@@ -34,8 +34,9 @@ class ServiceConfig:
     # shown in the worker's liveness key: the engine's model, given by the engine's flag
     model: str = field(default="", metadata=_flag("the engine's model", flag=None))
     served_model_name: str = field(default="", metadata=_flag(
-        "the model's name for clients, in the liveness key (the OpenAI gateway's model id; "
-        "default: --model)"))
+        "the model's name for clients: the worker takes the jobs for it (<prefix>:jobs:{name}) "
+        "and those without a model; in the liveness key, the OpenAI gateway's model id "
+        "(default: --model)"))
     claim_idle_ms: int = field(default=30_000, metadata=_flag(
         "reclaim entries idle this long (their worker died or stalled); a thread re-claims a "
         "live worker's entries every claim-idle/4 s (at most 10 s), whatever its steps"))
@@ -75,6 +76,14 @@ class ServiceConfig:
             raise ValueError("drain_timeout must be >= 0, result_ttl and block_ms >= 1")
         if self.dead_maxlen < 1 or self.stall_timeout_s <= 0:
             raise ValueError("dead_maxlen must be >= 1 and stall_timeout_s > 0")
+        if self.served_model is not None and not is_valid_model(self.served_model):
+            raise ValueError(f"the served model name {self.served_model!r} cannot name a job "
+                             f"stream (want {MODEL_PATTERN}): give --served-model-name")
+
+    @property
+    def served_model(self) -> str | None:
+        """The model whose jobs this worker takes (None: only model-less jobs)."""
+        return self.served_model_name or self.model or None
 
     @property
     def heartbeat_s(self) -> float:

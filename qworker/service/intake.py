@@ -88,14 +88,16 @@ class Intake:
         self.config = config
         self.scripts = scripts
         self.token = token
-        self._cursors = dict.fromkeys(keys.streams, "-")  # reclaim scan: where the next begins
+        # requeued work first (its model's, then model-less), then new jobs in the same order
+        self.streams = keys.streams_for(config.served_model)
+        self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
 
     @property
     def consumer(self) -> str:
         return self.config.name
 
     def ensure_group(self) -> None:
-        for stream in self.keys.streams:
+        for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, self.config.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -105,10 +107,10 @@ class Intake:
     # ------------------------------------------------------------------ reading
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to `count` new entries, `<prefix>:requeue` first. Blocks (`block_ms`) only when
-        nothing is there and the caller is idle."""
+        """Up to `count` new entries, from `self.streams` in order (requeued work first). Blocks
+        (`block_ms`) only when nothing is there and the caller is idle."""
         entries: list[Entry] = []
-        for stream in self.keys.streams:
+        for stream in self.streams:
             want = count - len(entries)
             if want <= 0:
                 break
@@ -116,7 +118,7 @@ class Intake:
                                            count=want)
             entries += self._parse_read(reply)
         if not entries and block_ms and count > 0:
-            streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.keys.streams, ">")
+            streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
             reply = self.client.xreadgroup(self.config.group, self.consumer, streams, count=1,
                                            block=block_ms)
             entries += self._parse_read(reply)
@@ -134,7 +136,7 @@ class Intake:
         their delivery counts. Scans RECLAIM_SCAN pending entries per stream from a cursor kept
         across calls, and claims only the ones that fit: the others keep their delivery counts."""
         entries: list[Entry] = []
-        for stream in self.keys.streams:
+        for stream in self.streams:
             want = count - len(entries)
             if want <= 0:
                 break
@@ -173,7 +175,7 @@ class Intake:
         """Remove consumers that own nothing, idle for `consumer_idle_ms`, with no live worker
         key (a worker that died with nothing in hand, or whose jobs were all reclaimed)."""
         removed = 0
-        for stream in self.keys.streams:
+        for stream in self.streams:
             for c in self.client.xinfo_consumers(stream, self.config.group)[:limit]:
                 name = _s(c["name"])
                 if (name == self.consumer or int(c["pending"]) != 0
@@ -201,13 +203,28 @@ class Intake:
                 rejects.append(Reject(entry, exc.code, exc.message, exc.job_id))
                 continue
             job_id = job.id or entry.entry_id
-            if job_id in busy_job_ids:
+            misplaced = self._misplaced(entry, job)
+            if misplaced:
+                rejects.append(Reject(entry, INVALID_REQUEST, misplaced, job_id))
+            elif job_id in busy_job_ids:
                 rejects.append(Reject(entry, INVALID_REQUEST,
                                       f"duplicate: job {job_id} is already running here", None))
             else:
                 busy_job_ids.add(job_id)
                 good.append((entry, job))
         return good, rejects
+
+    def _misplaced(self, entry: Entry, job: Job) -> str | None:
+        """Why the entry's `model` field does not fit its stream, if it does not. A stream names
+        the model of its jobs; on a model-less stream a job must name none (every worker, of any
+        model, would take it there): that is refused the same way by all workers."""
+        stream_model = self.keys.stream_model(entry.stream)
+        if job.model is None or job.model == stream_model:
+            return None
+        if stream_model is None:
+            return (f"job names model {job.model!r}: submit it to "
+                    f"{self.keys.jobs_of(job.model)}, not {entry.stream}")
+        return f"job names model {job.model!r} but was queued on {entry.stream}"
 
     # ------------------------------------------------------------------ taking
 
@@ -251,7 +268,7 @@ class Intake:
             t0, started = mine[4]
             readback = Readback.parse(mine[6])
             before = (not mine[2] or bool(readback.token_ids)
-                      or entry.stream == self.keys.requeue)
+                      or self.keys.is_requeue(entry.stream))
             taken.append(Taken(entry, job, readback, cancelled=bool(mine[5]),
                                t0_ms=int(t0 or now), started_ms=int(started or now),
                                started_before=before, crashes=int(mine[0][0]),

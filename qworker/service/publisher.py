@@ -120,6 +120,8 @@ class Publisher:
         fields = dict(job.entry.fields)
         if b"id" not in fields:  # the job id defaulted to the entry id: keep it
             fields[b"id"] = job.job_id.encode()
+        # back to its model's requeue stream: only the workers of its model resume it
+        requeue = self.keys.requeue_of(self.keys.stream_model(job.entry.stream))
         self.scripts.requeue(pipe, owner=self.keys.owner(job.job_id), source=job.entry.stream,
-                             requeue=self.keys.requeue, token=self.token, group=self.config.group,
+                             requeue=requeue, token=self.token, group=self.config.group,
                              entry_id=job.entry.entry_id, fields=fields)

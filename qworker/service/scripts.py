@@ -6,8 +6,9 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
   fencing token) and only token `i` after token `i - 1`: a zombie worker cannot write, and a
   retried call (reply lost on a dropped connection) skips what is already there.
   A terminal event also acks the job's entry and drops the owner hash, in the same atomic step.
-- `requeue`: XADD `<prefix>:requeue` + XACK of the entry, only while we own the job; then releases
-  ownership, so a retry after a lost reply cannot requeue twice.
+- `requeue`: XADD to the job's requeue stream (`<prefix>:requeue`, or `<prefix>:requeue:{<model>}`
+  for a job of a model) + XACK of the entry, only while we own the job; then releases ownership,
+  so a retry after a lost reply cannot requeue twice.
 - `dead_letter`: only if the entry is still pending (so a retry does nothing twice): XADD
   `<prefix>:dead` (trimmed to about `dead_maxlen` entries) and the job's `error` event (unless its
   stream is already terminal, or is not a stream we may write: a foreign key costs only the event),
@@ -22,9 +23,9 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
   counted) each in-flight entry that is still pending to this consumer, renews the owner hashes
   this worker still holds, and sets the worker's liveness key.
 
-An entry is deleted from its stream (XDEL) when it is acked, so `<prefix>:jobs` and
-`<prefix>:requeue` hold only work not yet finished (delivered entries only: the group's lag stays
-exact).
+An entry is deleted from its stream (XDEL) when it is acked, so the job and requeue streams
+(model-less and per model) hold only work not yet finished (delivered entries only: the group's
+lag stays exact).
 
 All are called by SHA inside pipelines (one round trip); `NoScriptError` (after a Redis restart)
 is answered by `load` and a retry of the whole, idempotent, pipeline.

@@ -109,8 +109,8 @@ def default_seed(job_id: str) -> int:
 
 # the fields of a job that say what to run and when, not how to sample: every other field of a
 # Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
-JOB_NOT_SAMPLING = frozenset({"id", "prompt", "messages", "prompt_token_ids", "priority",
-                              "deadline_ms"})
+JOB_NOT_SAMPLING = frozenset({"id", "model", "prompt", "messages", "prompt_token_ids",
+                              "priority", "deadline_ms"})
 
 
 def sampling_params(job: Job, job_id: str) -> SamplingParams:
@@ -545,7 +545,7 @@ class Worker:
             return Reject(t.entry, code, f"could not start: {exc}", job_id, drop_owner=True)
         self.active[job_id] = job
         source = "reclaimed" if t.entry.reclaimed else (
-            "requeue" if t.entry.stream == self.keys.requeue else "jobs")
+            "requeue" if self.keys.is_requeue(t.entry.stream) else "jobs")
         self.metrics.jobs_started.labels(source).inc()
         self.metrics.resumed_tokens.inc(job.next_index)
         self.metrics.prompt_tokens.inc(len(prompt))
@@ -577,7 +577,7 @@ class Worker:
     def _info(self) -> WorkerInfo:
         return WorkerInfo(name=self.config.name, host=socket.gethostname(), pid=os.getpid(),
                           model=self.config.model, group=self.config.group,
-                          served_model_name=self.config.served_model_name or self.config.model,
+                          served_model_name=self.config.served_model or "",
                           started_ms=self._started_ms, running=len(self.active),
                           free_slots=self.engine.free_slots(), draining=self.draining,
                           native=self.kernels.get("native", ""))

@@ -12,41 +12,43 @@ from qworker_client.protocol import Keys
 
 MARKER_TTL_S = 7 * 24 * 3600  # how long a rerun can still re-attach to an unfinished batch
 
-# KEYS: jobs, marker hash, requeue, then the output stream of each job.
+# KEYS: marker hash, then per job: its stream (`<prefix>:jobs`, or `<prefix>:jobs:{<model>}`), the
+# requeue stream of the same model, its output stream.
 # ARGV: marker ttl, then per job: job id, 2n, field, value, ...
 # A job already in the marker is left alone while it is alive: output stream present, entry still
-# in the jobs stream, or an entry for it in the requeue stream. Otherwise it is XADDed and marked.
-# The requeue stream is read at most once per call, and only when a marked job has neither.
+# in its stream, or an entry for it in its requeue stream. Otherwise it is XADDed and marked.
+# Each requeue stream is read at most once per call, and only when a marked job has neither.
 # Returns per job 1 (submitted now) or 0 (re-attached).
 SUBMIT_SCRIPT = """
-local jobs, marker, requeue = KEYS[1], KEYS[2], KEYS[3]
-local requeued = nil
-local function in_requeue(id)
-  if requeued == nil then
-    requeued = {}
+local marker = KEYS[1]
+local requeued = {}
+local function in_requeue(requeue, id)
+  if requeued[requeue] == nil then
+    local ids = {}
     for _, entry in ipairs(redis.call('XRANGE', requeue, '-', '+')) do
       local f = entry[2]
       for j = 1, #f, 2 do
-        if f[j] == 'id' then requeued[f[j + 1]] = true end
+        if f[j] == 'id' then ids[f[j + 1]] = true end
       end
     end
+    requeued[requeue] = ids
   end
-  return requeued[id] == true
+  return requeued[requeue][id] == true
 end
-local function alive(id, out)
+local function alive(id, jobs, requeue, out)
   local entry = redis.call('HGET', marker, id)
   if not entry then return false end
   if redis.call('EXISTS', out) == 1 then return true end
   if #redis.call('XRANGE', jobs, entry, entry) > 0 then return true end
-  return in_requeue(id)
+  return in_requeue(requeue, id)
 end
 local result, pos = {}, 2
-for k = 4, #KEYS do
+for k = 2, #KEYS, 3 do
   local id, n = ARGV[pos], tonumber(ARGV[pos + 1])
-  if alive(id, KEYS[k]) then
+  if alive(id, KEYS[k], KEYS[k + 1], KEYS[k + 2]) then
     result[#result + 1] = 0
   else
-    local entry = redis.call('XADD', jobs, '*', unpack(ARGV, pos + 2, pos + 1 + n))
+    local entry = redis.call('XADD', KEYS[k], '*', unpack(ARGV, pos + 2, pos + 1 + n))
     redis.call('HSET', marker, id, entry)
     result[#result + 1] = 1
   end
@@ -74,10 +76,12 @@ class Submitter:
 
     def submit(self, lines: Sequence[BatchLine]) -> list[bool]:
         """Per line: True when submitted now, False when an earlier run's job was found."""
-        keys = [self.keys.jobs, self.marker, self.keys.requeue]
-        keys += [self.keys.out(line.job_id) for line in lines]
+        keys = [self.marker]
         args: list[str | int] = [self.ttl_s]
         for line in lines:
+            model = line.fields.get("model")
+            keys += [self.keys.jobs_of(model), self.keys.requeue_of(model),
+                     self.keys.out(line.job_id)]
             flat = [item for pair in line.fields.items() for item in pair]
             args += [line.job_id, len(flat), *flat]
         return [bool(flag) for flag in self.script(keys=keys, args=args, client=self.client)]

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 def render(stats: Stats) -> str:
     rows: list[tuple[str, ...]] = [
         ("stream", "length", "lag", "pending", "consumers", "last delivered")]
-    rows += [_stream_row(s) for s in (stats.jobs, stats.requeue)]
+    rows += [_stream_row(s) for s in stats.streams]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in rows]
@@ -55,6 +55,8 @@ def _stream_row(s: StreamStats) -> tuple[str, ...]:
 def _worker_line(worker: dict) -> str:
     details = [f"{k}={worker[k]}" for k in ("host", "pid", "model", "running", "free_slots")
                if k in worker]
+    if worker.get("served_model_name") not in (None, "", worker.get("model")):
+        details.append(f"serves={worker['served_model_name']}")
     if worker.get("draining"):
         details.append("draining")
     if worker.get("native"):

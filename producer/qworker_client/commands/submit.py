@@ -31,6 +31,7 @@ _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--frequency-penalty", "frequency_penalty", float),
     ("--priority", "priority", int),
     ("--deadline-ms", "deadline_ms", int),
+    ("--model", "model", str),  # to <prefix>:jobs:{<model>}, for the workers serving it
 )
 
 
