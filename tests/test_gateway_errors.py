@@ -108,7 +108,7 @@ def test_a_full_queue_is_a_429_with_retry_after(redis_url: str) -> None:
         stream = client.completions.with_raw_response.create(
             model=MODEL, prompt="x", max_tokens=1, n=2, extra_body={"detach": True},
             stream=True)  # room for two: queued (no worker takes them)
-        assert stream.status_code == 200 and r.xlen(KEYS.jobs) == 2
+        assert stream.status_code == 200 and r.xlen(KEYS.jobs_of(MODEL)) == 2
         stream.http_response.close()
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL, prompt="x")

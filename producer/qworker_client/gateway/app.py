@@ -90,7 +90,8 @@ async def _health(gateway: Gateway, _: Request) -> JSONResponse:
 
 
 async def _metrics(gateway: Gateway, _: Request) -> Response:
-    gateway.metrics.queue_depth.set(await gateway.gate.unfinished())
+    models = [None, *await gateway.catalog.models()]  # model-less, and each live model's
+    gateway.metrics.queue_depth.set(await gateway.gate.unfinished(models))
     content, media_type = gateway.metrics.exposition()
     return Response(content, media_type=media_type)
 

@@ -1,7 +1,10 @@
 """Back-pressure instead of an unbounded queue: with a bound, a request is refused (429, with
-`Retry-After`) while as many jobs as the bound are unfinished (`XLEN` of the job streams)."""
+`Retry-After`) while as many jobs as the bound are unfinished for its model (`XLEN` of the streams
+its workers read: its model's and the model-less ones)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import redis.asyncio
 
@@ -18,16 +21,18 @@ class Gate:
         self.retry_after_s = retry_after_s
         self.seen = 0  # unfinished jobs at the last look
 
-    async def unfinished(self) -> int:
+    async def unfinished(self, models: Iterable[str | None]) -> int:
+        """The unfinished jobs of these models (None: the model-less ones)."""
+        streams = sorted({s for model in models for s in self.keys.streams_for(model)})
         pipe = self.client.pipeline(transaction=False)
-        pipe.xlen(self.keys.jobs)
-        pipe.xlen(self.keys.requeue)
+        for stream in streams:
+            pipe.xlen(stream)
         self.seen = sum(await pipe.execute())
         return self.seen
 
-    async def admit(self, jobs: int) -> None:
-        """Raise 429 when `jobs` more would pass the bound."""
-        unfinished = await self.unfinished()
+    async def admit(self, model: str, jobs: int) -> None:
+        """Raise 429 when `jobs` more for `model` would pass the bound."""
+        unfinished = await self.unfinished([model])
         if self.max_queued is not None and unfinished + jobs > self.max_queued:
             raise APIError(
                 429, f"the queue is full ({unfinished} unfinished jobs, at most "

@@ -60,7 +60,7 @@ def translate(kind: Kind, body: Any, max_n: int) -> GatewayRequest:
             index = p * n + k
             job_id = response_id if len(prompts) * n == 1 else f"{response_id}.{index}"
             seed = None if params.get("seed") is None else params["seed"] + k
-            spec = {**params, **prompt, "seed": seed, "id": job_id}
+            spec = {**params, **prompt, "seed": seed, "id": job_id, "model": model}
             choices.append(Choice(index, p, job_id, spec))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
