@@ -12,6 +12,7 @@ from qworker_client.gateway.backpressure import Gate
 from qworker_client.gateway.batches import Batches
 from qworker_client.gateway.catalog import Catalog
 from qworker_client.gateway.config import GatewayConfig
+from qworker_client.gateway.connection import gateway_client
 from qworker_client.gateway.errors import bad_request
 from qworker_client.gateway.files import FileStore
 from qworker_client.gateway.hub import Hub
@@ -29,7 +30,8 @@ class Gateway:
         self.config = config
         self.keys = Keys(config.prefix)
         options = ClientOptions(result_ttl_s=config.result_ttl_s)
-        self.producer = AsyncProducer(config.redis_url, config.prefix, options=options)
+        self.producer = AsyncProducer(config.redis_url, config.prefix, options=options,
+                                      client=gateway_client(config.redis_url, options))
         self.redis = self.producer.redis
         self.gate = Gate(self.redis, self.keys, config.max_queued, config.retry_after_s)
         self.catalog = Catalog(self.redis, self.keys, config.models_cache_s)
