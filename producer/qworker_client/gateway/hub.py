@@ -42,6 +42,7 @@ class Hub:
         self._follows: dict[str, list[_Follow]] = {}  # several readers may follow one job
         self._joined = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
         self._out_prefix = keys.out("")
 
     def follow(self, job_ids: dict[str, str], queue: Queue) -> None:
@@ -63,6 +64,11 @@ class Hub:
                 self._follows.pop(job_id, None)
 
     async def close(self) -> None:
+        """Stop reading. The loop also stops by itself once closed: a cancel that reaches it
+        inside redis-py's XREAD can be swallowed there, and the loop went on to wait for a
+        follower that never came."""
+        self._closed = True
+        self._joined.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -70,13 +76,13 @@ class Hub:
 
     async def _run(self) -> None:
         backoff = Backoff(give_up_s=GIVE_UP_S)
-        while True:
+        while not self._closed:
             if not self._follows:
                 self._joined.clear()
                 await self._joined.wait()
+                continue
             streams: dict[KeyT, StreamIdT] = {
-                self.keys.out(j): min((f.last_id for f in fs), key=_order)
-                for j, fs in self._follows.items()}
+                self._out_prefix + j: _earliest(fs) for j, fs in self._follows.items()}
             try:
                 reply = await self.client.xread(streams, count=READ_COUNT, block=self.block_ms)
             except TRANSIENT_ERRORS as exc:
@@ -98,12 +104,10 @@ class Hub:
         it (one that joined behind it while the read was out waits for the next read)."""
         for key, entries in xread_by_stream(reply):
             job_id = key.removeprefix(self._out_prefix)
-            start = _order(str(asked[key]))
+            asked_id = str(asked[key])
             for follow in self._follows.get(job_id, ()):  # none: dropped while the read was out
-                after = _order(follow.last_id)
-                if after < start:
-                    continue
-                new = [e for e in entries if _order(e[0]) > after]
+                new = entries if follow.last_id == asked_id else _past(entries, follow.last_id,
+                                                                        asked_id)
                 if new:
                     follow.last_id = new[-1][0]
                     follow.queue.put_nowait((job_id, new))
@@ -114,6 +118,20 @@ class Hub:
         for queue in queues.values():
             queue.put_nowait(exc)
         self._follows.clear()
+
+
+def _earliest(follows: list[_Follow]) -> str:
+    if len(follows) == 1:
+        return follows[0].last_id
+    return min((f.last_id for f in follows), key=_order)
+
+
+def _past(entries: Entries, after: str, asked: str) -> Entries:
+    """The entries past `after`, or none if the read started past it."""
+    position = _order(after)
+    if position < _order(asked):
+        return []
+    return [e for e in entries if _order(e[0]) > position]
 
 
 def _order(entry_id: str) -> tuple[int, int]:

@@ -1,6 +1,9 @@
 """Following the output streams of one response's jobs, through the gateway's `Hub` (one XREAD a
 turn for the whole process), each taken as `OutputState` takes it (docs/protocol.md, "The read
-loop": a token index seen before is skipped, nothing after the first `done` or `error`)."""
+loop": a token index seen before is skipped, nothing after the first `done` or `error`).
+
+A token is passed on as a `Text` (its index and new text), a plain token entry read without
+pydantic (`tokens.plain_token`); a job's end as its `DoneEvent` or `ErrorEvent`."""
 
 from __future__ import annotations
 
@@ -8,9 +11,12 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 from qworker_client.gateway.hub import Hub, Queue
+from qworker_client.gateway.tokens import Text, plain_token
 from qworker_client.multiplex import BAD_EVENT
-from qworker_client.protocol import ErrorEvent
-from qworker_client.result import OutputEvent, OutputState
+from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
+from qworker_client.result import OutputState
+
+Event = Text | DoneEvent | ErrorEvent
 
 
 class OutputReader:
@@ -20,13 +26,13 @@ class OutputReader:
         self.after = dict(after)
         self.open = {job_id: OutputState(job_id, last) for job_id, last in after.items()}
 
-    async def events(self) -> AsyncIterator[tuple[str, str, OutputEvent]]:
+    async def events(self) -> AsyncIterator[tuple[str, str, Event]]:
         """(job id, entry id, event) for every event to pass on, until every job has ended."""
         async for batch in self.batches():
             for item in batch:
                 yield item
 
-    async def batches(self) -> AsyncIterator[list[tuple[str, str, OutputEvent]]]:
+    async def batches(self) -> AsyncIterator[list[tuple[str, str, Event]]]:
         """`events()` as the reads bring them: one list per job per read (never empty)."""
         queue: Queue = asyncio.Queue()
         self.hub.follow(self.after, queue)
@@ -40,7 +46,7 @@ class OutputReader:
                 if state is None:
                     continue
                 batch = [(job_id, entry_id, event) for entry_id, fields in entries
-                         if (event := _apply(state, entry_id, fields)) is not None]
+                         if (event := _take(state, entry_id, fields)) is not None]
                 if batch:
                     yield batch
                 if state.finished:
@@ -50,7 +56,21 @@ class OutputReader:
             self.hub.drop(list(self.after), queue)
 
 
-def _apply(state: OutputState, entry_id: str, fields: Mapping[str, str]) -> OutputEvent | None:
+def _take(state: OutputState, entry_id: str, fields: Mapping[str, str]) -> Event | None:
+    """`OutputState.apply`, with a plain token entry taken without pydantic."""
+    token = None if state.finished else plain_token(fields)
+    if token is None:
+        event = _apply(state, entry_id, fields)
+        return Text(event.i, event.text) if isinstance(event, TokenEvent) else event
+    state.last_id = entry_id
+    if token.i < state.next_index:
+        return None  # an index passed on before (the stream rolled back)
+    state.next_index = token.i + 1
+    return token
+
+
+def _apply(state: OutputState, entry_id: str, fields: Mapping[str, str]
+           ) -> TokenEvent | DoneEvent | ErrorEvent | None:
     try:
         return state.apply(entry_id, fields)
     except ValueError as exc:  # not an event of the protocol: the job cannot be followed

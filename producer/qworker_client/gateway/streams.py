@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qworker_client.gateway import shaping
+from qworker_client.gateway.chunks import ChoiceFrames
 from qworker_client.gateway.errors import from_job_error
 from qworker_client.gateway.metrics import Metrics
 from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.sse import DONE, frame
-from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
+from qworker_client.gateway.tokens import Text
+from qworker_client.protocol import DoneEvent, ErrorEvent
 
 
 @dataclass(frozen=True)
@@ -46,26 +48,32 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                  ) -> AsyncGenerator[str, None]:
     """The SSE frames of the jobs' events, then the usage chunk if asked, then `[DONE]`: the
     frames of one read go out as one piece."""
-    usage, event_id = _Usage(), None
+    usage, last = _Usage(), None  # last: the choice and entry id of the last event seen
+    choices = {job_id: ChoiceFrames(follow.shape, index, follow.tagged)
+               for job_id, index in follow.index.items()}
     metrics.streams_open.inc()
     try:
         async for batch in reader.batches():
             parts: list[str] = []
             failed = False
+            tokens = 0
             for job_id, entry_id, event in batch:
-                index = follow.index[job_id]
-                event_id = f"{index}/{entry_id}" if follow.tagged else entry_id
-                if isinstance(event, ErrorEvent):
+                choice = choices[job_id]
+                if isinstance(event, Text):
+                    tokens += 1
+                    part = choice.text(entry_id, event.i, event.text)
+                    if part is not None:
+                        parts.append(part)
+                elif isinstance(event, DoneEvent):
+                    usage.add(follow.prompt[job_id], event)
+                    parts.append(choice.finish(entry_id, event.finish_reason))
+                else:
                     parts.append(frame(from_job_error(event.code, event.message).body(),
-                                       event_id))
+                                       choice.event_id(entry_id)))
                     failed = True
                     break
-                if isinstance(event, DoneEvent):
-                    usage.add(follow.prompt[job_id], event)
-                chunk = _chunk(follow.shape, index, event)
-                if chunk is not None:
-                    parts.append(frame(chunk, event_id))
-            metrics.tokens.inc(sum(isinstance(e, TokenEvent) for _, _, e in batch))
+            last = choice, entry_id
+            metrics.tokens.inc(tokens)
             if parts:
                 yield "".join(parts)
             if failed:
@@ -73,20 +81,12 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                 break
         else:
             if follow.include_usage:
+                event_id = None if last is None else last[0].event_id(last[1])
                 yield frame(shaping.usage_chunk(follow.shape, sum(usage.prompt.values()),
                                                 usage.completion), event_id)
         yield DONE
     finally:
         metrics.streams_open.dec()
-
-
-def _chunk(shape: Shape, index: int, event: TokenEvent | DoneEvent) -> dict[str, Any] | None:
-    if isinstance(event, DoneEvent):
-        return shaping.finish_chunk(shape, index, event.finish_reason)
-    first = shape.kind == "chat" and event.i == 0
-    if not event.text and not first:
-        return None  # text held back: nothing to send yet
-    return shaping.text_chunk(shape, index, event.text, first)
 
 
 async def body(reader: OutputReader, follow: Follow) -> dict[str, Any]:

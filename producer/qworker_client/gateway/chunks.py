@@ -1,0 +1,50 @@
+"""The SSE frames of one choice of a streamed response, text chunks rendered from a template.
+
+A text chunk differs from the choice's previous one only in its text and its event id, so its
+JSON is rendered once around a marker, and each token's frame is that prefix, the text as a
+JSON string, and the suffix: the same bytes as `sse.frame(shaping.text_chunk(...))`, without
+building a dict and encoding it per token. The rarer frames (a chat choice's first chunk, with
+its role; the finish chunk) are built as dicts.
+"""
+
+from __future__ import annotations
+
+import json
+
+from qworker_client.gateway import shaping
+from qworker_client.gateway.shaping import Shape
+from qworker_client.gateway.sse import frame
+
+_MARK = "\x00text\x00"
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # a str as `sse.frame` writes it
+
+
+class ChoiceFrames:
+    def __init__(self, shape: Shape, index: int, tagged: bool) -> None:
+        """`tagged`: event ids as `<index>/<entry id>` (several choices in one stream)."""
+        self.shape = shape
+        self.index = index
+        self._tag = f"{index}/" if tagged else ""
+        data = frame(shaping.text_chunk(shape, index, _MARK, False))
+        # the text is the chunk's last string: nothing a client chose comes after it
+        head, mark, tail = data.rpartition(_encode(_MARK))
+        assert mark, "the text chunk lost its text"
+        self._head = "\n" + head
+        self._tail = tail
+
+    def event_id(self, entry_id: str) -> str:
+        return self._tag + entry_id
+
+    def text(self, entry_id: str, i: int, text: str) -> str | None:
+        """The frame of token `i`'s new text; None when there is nothing to send (its text is
+        held back, and it is not a chat choice's first chunk, which names the role)."""
+        if i == 0 and self.shape.kind == "chat":
+            return frame(shaping.text_chunk(self.shape, self.index, text, True),
+                         self.event_id(entry_id))
+        if not text:
+            return None
+        return f"id: {self._tag}{entry_id}{self._head}{_encode(text)}{self._tail}"
+
+    def finish(self, entry_id: str, finish_reason: str) -> str:
+        return frame(shaping.finish_chunk(self.shape, self.index, finish_reason),
+                     self.event_id(entry_id))
