@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -22,10 +23,15 @@ class Catalog:
         self._models: dict[str, int] = {}  # model -> earliest start (unix s) of its workers
         self._workers = 0
         self._at = -float("inf")
+        self._lookup: asyncio.Future[None] | None = None
 
     async def models(self) -> dict[str, int]:
+        """The models served; requests that find the cache stale together share one lookup
+        (each making its own was a SCAN and an MGET per request under a burst)."""
         if time.monotonic() - self._at > self.cache_s:
-            await self._refresh()
+            if self._lookup is None or self._lookup.done():
+                self._lookup = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(self._lookup)
         return self._models
 
     async def check(self, model: str) -> None:
