@@ -5,12 +5,16 @@ clients.
                                            [--workers 2] [--step-ms 10]
 
 A throwaway redis-server, K `qworker serve --model sim:...` processes (no model: a fixed step
-time; 256 sequences each), one `qworker gateway` process, then N asyncio clients in this process,
-each sending `--requests` streamed completions one after another and counting the chunks that
-carry text. Prints one JSON line: streamed tokens/s over the run, the gateway's CPU seconds and
-its CPU per streamed token (µs), the machine's CPU over the run, and time to first chunk p50/p99.
+time; 256 sequences each), one `qworker gateway` process, then N asyncio clients in this process
+(a lean HTTP client: `benchmarks.sse_client`), each sending `--requests` streamed completions one
+after another and counting the chunks that carry text. Prints one JSON line: streamed tokens/s
+over the run, the gateway's CPU seconds and its CPU per streamed token (µs), the CPU of the
+workers, of Redis and of the clients, the machine's CPU over the run, time to first chunk
+p50/p99, and the machine (`benchmarks.machine`).
+
 The clients share the machine with the gateway, the workers and Redis: on a small machine the
-figure is a floor of what one gateway sustains.
+tokens/s figure is a floor of what one gateway sustains, and its CPU per token is the figure to
+compare (one gateway core sustains 1e6 / that many tokens/s).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import httpx2
 import redis
 
 from benchmarks.local_redis import local_redis
+from benchmarks.machine import machine_info
+from benchmarks.sse_client import Connection
 from qworker_client.local_redis import free_port
 from qworker_client.protocol import Keys
 
@@ -61,21 +67,34 @@ def spawn(*args: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.DEVNULL)
 
 
+@dataclass
+class Fleet:
+    gateway: subprocess.Popen[bytes]
+    workers: list[subprocess.Popen[bytes]]
+    redis_pid: int
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far: the gateway's, all workers', Redis'."""
+        return {"gateway": cpu_seconds(self.gateway.pid),
+                "workers": sum(cpu_seconds(w.pid) for w in self.workers),
+                "redis": cpu_seconds(self.redis_pid)}
+
+
 @contextmanager
-def fleet(url: str, workers: int, step_ms: float, port: int) -> Iterator[subprocess.Popen[bytes]]:
+def fleet(url: str, workers: int, step_ms: float, port: int) -> Iterator[Fleet]:
     sim = f"sim:step_ms={step_ms},num_blocks=8192,max_num_seqs=256"
-    procs = [spawn("qworker.cli", "serve", "--redis-url", url, "--name", f"bench-{k}",
-                   "--model", sim) for k in range(workers)]
+    sims = [spawn("qworker.cli", "serve", "--redis-url", url, "--name", f"bench-{k}",
+                  "--model", sim) for k in range(workers)]
     gateway = spawn("qworker_client", "gateway", "--redis-url", url, "--port", str(port),
                     "--log-level", "warning")
-    procs.append(gateway)
     try:
         wait_ready(url, workers, port)
-        yield gateway
+        redis_pid = int(redis.Redis.from_url(url).info("server")["process_id"])
+        yield Fleet(gateway, sims, redis_pid)
     finally:
-        for proc in procs:
+        for proc in [*sims, gateway]:
             proc.terminate()
-        for proc in procs:
+        for proc in [*sims, gateway]:
             proc.wait(30)
 
 
@@ -96,34 +115,36 @@ def wait_ready(url: str, workers: int, port: int) -> None:
         time.sleep(0.2)
 
 
-async def one_stream(http: httpx2.AsyncClient, model: str, k: int, max_tokens: int,
-                     tally: Tally) -> None:
+async def one_stream(conn: Connection, model: str, k: int, max_tokens: int, tally: Tally
+                     ) -> None:
     body = {"model": model, "prompt": f"client {k}: tell me about queues", "stream": True,
             "max_tokens": max_tokens, "ignore_eos": True, "seed": k}
-    start = time.monotonic()
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            tally.errors += 1
-            return
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"text":""' not in line:
-                tally.tokens += 1
-                if start:
-                    tally.first_chunk_s.append(time.monotonic() - start)
-                    start = 0.0
+    start, first = time.monotonic(), 0.0
+    pieces: list[bytes] = []
+    async for piece in conn.post("/v1/completions", json.dumps(body).encode()):
+        first = first or time.monotonic() - start
+        pieces.append(piece)
+    if conn.status != 200:
+        tally.errors += 1
+        return
+    tally.first_chunk_s.append(first)
+    whole = b"".join(pieces)
+    tally.tokens += whole.count(b"data: {") - whole.count(b'"text":""')  # not the finish chunk
 
 
 async def clients(port: int, n: int, requests: int, max_tokens: int, tally: Tally) -> None:
-    limits = httpx2.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                  timeout=300) as http:
+    async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]  # the workers' --model
 
-        async def client(k: int) -> None:
+    async def client(k: int) -> None:
+        conn = Connection("127.0.0.1", port)
+        try:
             for r in range(requests):
-                await one_stream(http, model, k * requests + r, max_tokens, tally)
+                await one_stream(conn, model, k * requests + r, max_tokens, tally)
+        finally:
+            await conn.close()
 
-        await asyncio.gather(*(client(k) for k in range(n)))
+    await asyncio.gather(*(client(k) for k in range(n)))
 
 
 def main() -> None:
@@ -135,24 +156,32 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     args = parser.parse_args()
     port = free_port()
-    with local_redis() as url, fleet(url, args.workers, args.step_ms, port) as gateway:
+    with local_redis() as url, fleet(url, args.workers, args.step_ms, port) as procs:
         tally = Tally()
-        cpu0, machine0, t0 = cpu_seconds(gateway.pid), machine_cpu_seconds(), time.monotonic()
+        cpu0, mine0 = procs.cpu(), time.process_time()
+        machine0, t0 = machine_cpu_seconds(), time.monotonic()
         asyncio.run(clients(port, args.clients, args.requests, args.max_tokens, tally))
         wall = time.monotonic() - t0
-        cpu = cpu_seconds(gateway.pid) - cpu0
-        machine = machine_cpu_seconds() - machine0
+        cpu = {k: v - cpu0[k] for k, v in procs.cpu().items()}
+        mine, machine = time.process_time() - mine0, machine_cpu_seconds() - machine0
     firsts = sorted(tally.first_chunk_s) or [0.0]
+    tokens = max(tally.tokens, 1)
     print(json.dumps({
-        "benchmark": "gateway", "clients": args.clients, "requests_per_client": args.requests,
+        "benchmark": "gateway", "command": " ".join(["python -m benchmarks.gateway",
+                                                     *sys.argv[1:]]),
+        "clients": args.clients, "requests_per_client": args.requests,
         "max_tokens": args.max_tokens, "workers": args.workers, "step_ms": args.step_ms,
         "streamed_tokens": tally.tokens, "errors": tally.errors, "wall_s": round(wall, 3),
         "tokens_per_s": round(tally.tokens / wall, 1),
-        "gateway_cpu_s": round(cpu, 3),
-        "gateway_cpu_us_per_token": round(cpu / max(tally.tokens, 1) * 1e6, 1),
+        "gateway_cpu_s": round(cpu["gateway"], 3),
+        "gateway_cpu_us_per_token": round(cpu["gateway"] / tokens * 1e6, 1),
+        "gateway_tokens_per_cpu_s": round(tokens / max(cpu["gateway"], 1e-9)),
+        "workers_cpu_s": round(cpu["workers"], 3), "redis_cpu_s": round(cpu["redis"], 3),
+        "clients_cpu_s": round(mine, 3),
         "machine_cpu_s": round(machine, 3), "machine_cpus": os.cpu_count(),
         "first_chunk_ms_p50": round(statistics.median(firsts) * 1000, 1),
         "first_chunk_ms_p99": round(firsts[int(0.99 * (len(firsts) - 1))] * 1000, 1),
+        **machine_info(),
     }))
 
 
