@@ -19,7 +19,6 @@ class Gate:
         self.keys = keys
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
-        self.seen = 0  # unfinished jobs at the last look
 
     async def unfinished(self, models: Iterable[str | None]) -> int:
         """The unfinished jobs of these models (None: the model-less ones)."""
@@ -27,13 +26,14 @@ class Gate:
         pipe = self.client.pipeline(transaction=False)
         for stream in streams:
             pipe.xlen(stream)
-        self.seen = sum(await pipe.execute())
-        return self.seen
+        return sum(await pipe.execute())
 
     async def admit(self, model: str, jobs: int) -> None:
-        """Raise 429 when `jobs` more for `model` would pass the bound."""
+        """Raise 429 when `jobs` more for `model` would pass the bound (no bound: no look)."""
+        if self.max_queued is None:
+            return
         unfinished = await self.unfinished([model])
-        if self.max_queued is not None and unfinished + jobs > self.max_queued:
+        if unfinished + jobs > self.max_queued:
             raise APIError(
                 429, f"the queue is full ({unfinished} unfinished jobs, at most "
                 f"{self.max_queued}); retry later", type="rate_limit_error",

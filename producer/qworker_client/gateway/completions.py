@@ -26,8 +26,7 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left first: never seen b
 async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     req = translate(kind, await read_json(request), gateway.config.max_n)
     await gateway.catalog.check(req.model)
-    await gateway.gate.admit(req.model, len(req.choices))
-    gateway.metrics.queue_depth.set(gateway.gate.seen)
+    await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
     shape = Shape(kind, req.response_id, req.model, int(time.time()))
     await gateway.submit(req, shape)
     job_ids = [c.job_id for c in req.choices]
