@@ -180,3 +180,16 @@ def owners_by_job(client: redis.Redis, ids: Iterable[str]) -> dict[str, str]:
 
 
 __all__ = ["KEYS", "replace"]
+
+
+def spy(engine: SimulatedEngine) -> list[str]:
+    """The job ids the engine is given, in order (filled as it runs)."""
+    added: list[str] = []
+    original = engine.add
+
+    def add(request: Request) -> None:
+        added.append(request.request_id)
+        original(request)
+
+    engine.add = add  # type: ignore[method-assign]
+    return added

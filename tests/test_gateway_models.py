@@ -12,22 +12,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from qworker.engine.request import Request
-from qworker.engine.simulated import SimulatedEngine
 from tests.gateway_harness import gateway, live_worker
-from tests.service_harness import KEYS, sim_engine, wait_for
-
-
-def spy(engine: SimulatedEngine) -> list[str]:
-    added: list[str] = []
-    original = engine.add
-
-    def add(request: Request) -> None:
-        added.append(request.request_id)
-        original(request)
-
-    engine.add = add  # type: ignore[method-assign]
-    return added
+from tests.service_harness import KEYS, sim_engine, spy, wait_for
 
 
 def sdk(base_url: str) -> OpenAI:

@@ -11,8 +11,6 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from qworker.engine.request import Request
-from qworker.engine.simulated import SimulatedEngine
 from qworker.service.config import ServiceConfig
 from qworker_client import Producer
 from qworker_client.protocol import ErrorEvent
@@ -22,25 +20,13 @@ from tests.service_harness import (
     expected,
     group_pending,
     sim_engine,
+    spy,
     terminal,
     thread_worker,
     wait_for,
     wait_terminal,
 )
 from tests.worker_process import sim_worker
-
-
-def spy(engine: SimulatedEngine) -> list[str]:
-    """The job ids the engine is given, in order."""
-    added: list[str] = []
-    original = engine.add
-
-    def add(request: Request) -> None:
-        added.append(request.request_id)
-        original(request)
-
-    engine.add = add  # type: ignore[method-assign]
-    return added
 
 
 def live(client: redis.Redis, name: str) -> None:

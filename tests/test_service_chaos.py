@@ -18,6 +18,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, TypeVar
 
 import redis
 
@@ -38,20 +39,22 @@ from tests.service_harness import (
 )
 from tests.worker_process import stop_gracefully
 
+W = TypeVar("W", bound="PendingWatch")
 
-class DeliveryWatch:
-    """Samples the group's pending entries: their delivery counts and consumers."""
+
+class PendingWatch:
+    """Samples the group's pending entries (`XPENDING`) in a thread, every `interval` s, handing
+    each sample's rows to `sample`."""
 
     def __init__(self, url: str, interval: float = 0.02) -> None:
         self.client = redis.Redis.from_url(url)
         self.interval = interval
         self.deliveries: dict[str, int] = defaultdict(int)
-        self.consumers: dict[str, set[str]] = defaultdict(set)
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> DeliveryWatch:
+    def __enter__(self: W) -> W:
         self._thread.start()
         return self
 
@@ -68,9 +71,24 @@ class DeliveryWatch:
             for row in rows:
                 entry = row["message_id"].decode()
                 self.deliveries[entry] = max(self.deliveries[entry], row["times_delivered"])
-                self.consumers[entry].add(row["consumer"].decode())
+            self.sample(rows)
             self.samples += 1
             self._stop.wait(self.interval)
+
+    def sample(self, rows: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+
+class DeliveryWatch(PendingWatch):
+    """The pending entries' delivery counts and consumers."""
+
+    def __init__(self, url: str, interval: float = 0.02) -> None:
+        super().__init__(url, interval)
+        self.consumers: dict[str, set[str]] = defaultdict(set)
+
+    def sample(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.consumers[row["message_id"].decode()].add(row["consumer"].decode())
 
     def doubled(self) -> list[str]:
         return [e for e, n in self.deliveries.items() if n > 1 or len(self.consumers[e]) > 1]
@@ -190,48 +208,27 @@ def test_a_loop_whose_redis_round_trips_fail_keeps_its_jobs(redis_url: str) -> N
         assert (check_stream(client, job_id).text, "length") == want[job_id]
 
 
-class MoveWatch:
-    """Samples which consumer holds each pending entry; a move from a consumer that was still
-    alive then is a double delivery from a live worker."""
+class MoveWatch(PendingWatch):
+    """Which consumer holds each pending entry; a move from a consumer that was still alive then
+    is a double delivery from a live worker."""
 
     def __init__(self, url: str, dead: dict[str, float], interval: float = 0.02) -> None:
-        self.client = redis.Redis.from_url(url)
+        super().__init__(url, interval)
         self.dead = dead  # consumer -> when its process was seen gone (time.monotonic())
-        self.interval = interval
         self.holder: dict[str, str] = {}
-        self.deliveries: dict[str, int] = defaultdict(int)
         self.moves = 0
         self.live_moves: list[tuple[str, str, str]] = []  # (entry, from, to)
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> MoveWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                rows = self.client.xpending_range(KEYS.jobs, "workers", "-", "+", 10_000)
-            except redis.ResponseError:  # NOGROUP: no worker has started yet
-                rows = []
-            now = time.monotonic()
-            for row in rows:
-                entry, consumer = row["message_id"].decode(), row["consumer"].decode()
-                self.deliveries[entry] = max(self.deliveries[entry], row["times_delivered"])
-                before = self.holder.setdefault(entry, consumer)
-                if before != consumer:
-                    self.moves += 1
-                    if self.dead.get(before, now + 1) > now:
-                        self.live_moves.append((entry, before, consumer))
-                    self.holder[entry] = consumer
-            self.samples += 1
-            self._stop.wait(self.interval)
+    def sample(self, rows: list[dict[str, Any]]) -> None:
+        now = time.monotonic()
+        for row in rows:
+            entry, consumer = row["message_id"].decode(), row["consumer"].decode()
+            before = self.holder.setdefault(entry, consumer)
+            if before != consumer:
+                self.moves += 1
+                if self.dead.get(before, now + 1) > now:
+                    self.live_moves.append((entry, before, consumer))
+                self.holder[entry] = consumer
 
 
 def _spawn_poison_worker(url: str, name: str, crash_log: Path, log_dir: Path
