@@ -35,6 +35,7 @@ class Engine(EngineCore):
                            device=config.device)
         engine = cls(model, Tokenizer.load(path), config)
         engine.warm_up()
+        model.release_weights()  # the packs the choice runs are all that is kept
         return engine
 
     def warm_up(self) -> None:

@@ -46,8 +46,6 @@ class DecodeGraph:
         self.norm = norm
         self.lm_head = lm_head
         self.config = config
-        self.weights: list[torch.Tensor] = [p for layer in layers for p in layer.parameters()]
-        self.weights += [norm.weight, lm_head.weight]
         self.enabled = True  # off: every step goes layer by layer (benchmarks compare the two)
         self._table: _LayerTable | None = None
 
@@ -80,11 +78,16 @@ class DecodeGraph:
             c.rms_norm_eps, c.head_dim**-0.5)
 
     def _layer_table(self, cache: KVCache) -> _LayerTable:
-        versions = tuple(w._version for w in self.weights)
+        versions = tuple(w._version for w in self._weights())
         table = self._table
         if table is None or table.cache is not cache or table.versions != versions:
             table = self._table = self._make_table(cache, versions)
         return table
+
+    def _weights(self) -> list[torch.Tensor]:
+        """Read afresh each step: holding them would keep a released weight alive."""
+        weights = [p for layer in self.layers for p in layer.parameters()]
+        return [*weights, self.norm.weight, self.lm_head.weight]
 
     def _make_table(self, cache: KVCache, versions: tuple[int, ...]) -> _LayerTable:
         linears = [self.lm_head]

@@ -9,6 +9,10 @@ The kernels ("kinds") a layer can run:
 - "plain": `F.linear` (CUDA, float64, and what neither of the others takes).
 Which one runs for a step of m rows is measured at warm-up (`kernel_choice`); until then, or where
 `QWORKER_KERNELS` forces a family, the first of `kernels()`.
+
+Once chosen, `release_weight` drops the original weight where every kind the layer runs reads
+only its pack, so no weight is held twice; a stand-in of the same shape and dtype (one element,
+broadcast) keeps the layer's description. A released layer runs only the kinds it kept.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 class Linear(nn.Linear):
     _packs: tuple[int, dict[str, torch.Tensor | None]] | None = None  # weight version, packs
     choice: tuple[str, ...] | None = None  # the kind per kernel_choice bucket, once measured
+    released: bool = False  # the weight is a stand-in: only the packs are left
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(self.kind_for(x.shape[0]), x)
@@ -56,6 +61,7 @@ class Linear(nn.Linear):
             return native.gemm(x, packed, self.bias)
         if kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        assert not self.released, "a released layer has no weight for F.linear"
         return F.linear(x, self.weight, self.bias)
 
     def kind_for(self, rows: int) -> str:
@@ -75,9 +81,30 @@ class Linear(nn.Linear):
 
     def set_choice(self, choice: tuple[str, ...]) -> None:
         assert all(kind in self.kernels() for kind in choice), choice
+        assert not self.released or set(choice) <= self.kinds_run(), "released: no weight to pack"
         self.choice = choice
         if self._packs is not None:  # packs no bucket runs go
-            self._packs[1].clear()
+            for kind in set(self._packs[1]) - set(choice):
+                del self._packs[1][kind]
+
+    def kinds_run(self) -> set[str]:
+        """The kinds a step may run here: the chosen ones, else the default."""
+        return set(self.choice) if self.choice is not None else {self.kernels()[0]}
+
+    def release_weight(self) -> bool:
+        """Drops the original weight if every kind this layer runs reads only its pack (made
+        now); whether it did. Nothing else may hold the weight (a tied embedding does)."""
+        kinds = self.kinds_run()
+        if self.released or "plain" in kinds:
+            return self.released
+        packs = {kind: self.packed(kind) for kind in kinds}
+        assert all(pack is not None for pack in packs.values())
+        weight = self.weight
+        stand_in = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        self.weight = nn.Parameter(stand_in, requires_grad=False)
+        self._packs = (self.weight._version, packs)
+        self.released = True
+        return True
 
     def pack(self) -> tuple[str, torch.Tensor | None]:
         """The unmeasured default kind and its pack."""
@@ -94,6 +121,7 @@ class Linear(nn.Linear):
         return packs[kind]
 
     def _make_pack(self, kind: str) -> torch.Tensor | None:
+        assert not self.released, f"released: no weight to make a {kind} pack of"
         weight = self.weight.detach()
         if kind == "native":
             return native.gemm_pack(weight)

@@ -18,6 +18,7 @@ from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
 from qworker.model.decode_graph import DecodeGraph
+from qworker.model.embedding import Embedding
 from qworker.model.kv_cache import KVCache
 from qworker.model.linear import Linear
 from qworker.model.rope import RotaryTable, rotate
@@ -125,7 +126,7 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         with torch.device(self.device if init_weights else "meta"):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
             layers = [DecoderLayer(config) for _ in range(config.num_layers)]
             self.layers = nn.ModuleList(layers)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -174,6 +175,33 @@ class LlamaModel(nn.Module):
         log.info("kernels_chosen", **self.kernel_report())
         return chosen
 
+    def release_weights(self) -> int:
+        """After the kernel choice: drops each linear layer's original weight that its packs
+        make redundant, and a tied embedding's where the LM head runs only the native GEMM (rows
+        are then read from its pack). Returns the bytes no longer held."""
+        before = self.weight_bytes()
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, Linear) and (module is not self.lm_head or not tied):
+                module.release_weight()
+        if tied and self.lm_head.kinds_run() == {"native"} and self.lm_head.release_weight():
+            pack = self.lm_head.packed("native")
+            assert pack is not None
+            self.embed_tokens.release_to(lambda ids: native.gemm_rows(pack, ids))
+        self.decode_graph.reset()
+        return before - self.weight_bytes()
+
+    def weight_bytes(self) -> int:
+        """Bytes of every distinct weight and pack this model holds."""
+        seen: dict[int, int] = {}
+        for tensor in [*self.parameters(), *self.buffers(), *_packs(self)]:
+            if tensor.is_mkldnn:  # an opaque oneDNN pack: no storage to look at
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
+            else:
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
     def kernel_report(self) -> dict[str, str]:
         """What runs each op here, in words: the native level (or why there is none), the
         attention path, and each linear shape's kernel per token bucket."""
@@ -202,6 +230,14 @@ class LlamaModel(nn.Module):
                 expected = own[name].shape
                 assert expected == tensor.shape, f"{name}: {tensor.shape} for {expected}"
                 own[name].copy_(tensor)
+
+
+def _packs(model: nn.Module) -> list[torch.Tensor]:
+    packs = []
+    for module in model.modules():
+        if isinstance(module, Linear) and module._packs is not None:
+            packs += [p for p in module._packs[1].values() if p is not None]
+    return packs
 
 
 def _fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -201,6 +201,12 @@ def gemm_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.detach().view(n // 16, 16, k // step, step).permute(0, 2, 1, 3).contiguous()
 
 
+def gemm_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight W that `packed` = `gemm_pack(W)` holds: W[ids], [len(ids), k]."""
+    rows = packed[ids // 16, :, ids % 16, :]  # [len(ids), k / step, step]
+    return rows.reshape(ids.shape[0], -1)
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] @ W.T + bias, W given as `gemm_pack(W)` (only where that gave a pack)."""
     lib = library()

@@ -1,0 +1,28 @@
+"""The token embedding: `nn.Embedding`, whose rows may instead come from a pack that already
+holds them (the tied LM head's native pack, a quantized weight), so the weight is not kept twice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+RowLookup = Callable[[torch.Tensor], torch.Tensor]  # token ids [t] -> rows [t, hidden]
+
+
+class Embedding(nn.Embedding):
+    lookup: RowLookup | None = None  # set once the weight is released
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup is not None:
+            return self.lookup(ids)
+        return super().forward(ids)
+
+    def release_to(self, lookup: RowLookup) -> None:
+        """Rows from `lookup` from now on; the weight becomes a stand-in of its shape and dtype
+        (one element, broadcast)."""
+        weight = self.weight
+        stand_in = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        self.weight = nn.Parameter(stand_in, requires_grad=False)
+        self.lookup = lookup
