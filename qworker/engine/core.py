@@ -109,6 +109,9 @@ class EngineCore:
             arrival=next(self._arrivals),
             text=TextStream(self._detokenizer(), params.stop),
             isolate=request.isolate,
+            # a resumed request already published its prompt's logprobs with its first token
+            prompt_logprobs=([] if params.prompt_logprobs is not None
+                             and not request.output_token_ids else None),
         )
         self._seqs[seq.request_id] = seq
         for token in request.output_token_ids:  # replay what an earlier run already streamed
@@ -247,6 +250,17 @@ class EngineCore:
         return StepOutput(seq.request_id, [], first_index=seq.num_output_tokens, preempted=True,
                           num_prompt_tokens=seq.num_prompt_tokens)
 
+    @staticmethod
+    def _take_logprobs(seq: Sequence, out: StepOutput) -> None:
+        """Moves what the runner computed for this token (and, with the first token, for the
+        prompt) onto its output. A replayed token (Request.output_token_ids) has none."""
+        if seq.sampled_logprobs is not None:
+            assert seq.sampled_logprobs.token_id == out.new_token_ids[0], "another token's"
+            out.logprobs, seq.sampled_logprobs = [seq.sampled_logprobs], None
+        if seq.prompt_logprobs is not None:
+            assert len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1, "prompt logprobs missing"
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         """Adds a generated token; decides whether the sequence is finished."""
         index = seq.num_output_tokens
@@ -263,6 +277,7 @@ class EngineCore:
                 delta, reason = delta + seq.text.flush(), "length"
         out = StepOutput(seq.request_id, [token], delta, first_index=index,
                          num_prompt_tokens=seq.num_prompt_tokens)
+        self._take_logprobs(seq, out)
         if reason is not None:
             out.finished, out.finish_reason, out.text = True, reason, seq.text.final_text
             seq.finish_reason = reason

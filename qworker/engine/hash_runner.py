@@ -4,7 +4,8 @@ The hash covers prompt and output tokens and the request's seed (0 when it has n
 is a pure function of the request: a job resumed after preemption or on another worker continues
 exactly as an uninterrupted run. Tokens are printable ASCII; with `eos_every` N, a token whose
 hash is divisible by N is EOS. As the real sampler, it never samples a stop token id or EOS before
-`min_tokens`. Each step sleeps `step_ms`, plus `token_us` per computed token.
+`min_tokens`. Each step sleeps `step_ms`, plus `token_us` per computed token. Logprobs, when asked,
+are a deterministic function of the context's hash (`_logprobs`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from weakref import WeakKeyDictionary
 
 from qworker.engine.byte_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from qworker.engine.request import TokenLogprobs
 from qworker.engine.sequence import Sequence
 
 _MASK = (1 << 64) - 1
@@ -41,8 +43,14 @@ class HashRunner:
     def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         computed = sum(n for _, n in work)
         time.sleep((self.step_ms + self.token_us * computed / 1000) / 1000)
-        return {seq: self._sample(seq) for seq, n in work
-                if seq.num_computed + n == len(seq.token_ids)}
+        for seq, n in work:
+            self._prompt_logprobs(seq, n)
+        sampled = {seq: self._sample(seq) for seq, n in work
+                   if seq.num_computed + n == len(seq.token_ids)}
+        for seq, token in sampled.items():
+            if seq.params.logprobs is not None:
+                seq.sampled_logprobs = _logprobs(self._hash(seq), token, seq.params.logprobs)
+        return sampled
 
     def warm_up(self) -> None:
         pass
@@ -63,9 +71,30 @@ class HashRunner:
         others = [*_PRINTABLE[start:], *_PRINTABLE[:start], *range(1, 32), *range(127, 256)]
         return next(t for t in others if t not in banned)
 
+    def _prompt_logprobs(self, seq: Sequence, n: int) -> None:
+        positions = seq.prompt_logprob_positions(n)
+        if not positions:
+            return
+        assert seq.prompt_logprobs is not None
+        assert len(seq.prompt_logprobs) == positions.start, "a prompt position was skipped"
+        h = _FNV_OFFSET
+        for p, token in enumerate(seq.token_ids[: positions.stop]):
+            h = ((h ^ token) * _FNV_PRIME) & _MASK
+            if p >= positions.start:
+                seq.prompt_logprobs.append(_logprobs(h, seq.token_ids[p + 1],
+                                                     seq.params.prompt_logprobs or 0))
+
     def _hash(self, seq: Sequence) -> int:
         done, h = self._hashed.get(seq, (0, _FNV_OFFSET))
         for token in seq.token_ids[done:]:
             h = ((h ^ token) * _FNV_PRIME) & _MASK
         self._hashed[seq] = (len(seq.token_ids), h)
         return h
+
+
+def _logprobs(h: int, token: int, k: int) -> TokenLogprobs:
+    """Deterministic stand-in logprobs for `token` after a context hashing to `h`: the token
+    itself is the most likely, then the ids after it, one nat apart each."""
+    first = -(_mix(h) % 4096) / 1024
+    top = tuple(((token + j) % VOCAB_SIZE, first - j) for j in range(k))
+    return TokenLogprobs(token, first, top)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled"]
+MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may ask for
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # log-probabilities from the raw logits: of each sampled token (and its `logprobs` most
+    # likely alternatives), of each prompt token from the second on (`prompt_logprobs` top);
+    # None: not computed at all
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +53,16 @@ class Request:
     isolate: bool = False
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities (float32 log_softmax of the model's raw logits, before
+    temperature, penalties and bans): of `token_id`, and the `top` most likely, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), k of them
+
+
 @dataclass
 class StepOutput:
     """What happened to one request in one engine step."""
@@ -63,6 +79,11 @@ class StepOutput:
     # set (with finished=True, no finish_reason) when the request failed inside a step: names the
     # exception; the engine has let it go and freed its blocks
     error: str | None = None
+    # with SamplingParams.logprobs: one entry per new token
+    logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs, on the output of the first generated token: prompt
+    # tokens 1 .. P-1 (the first has no context to be predicted from)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class RequestRejectedError(ValueError):

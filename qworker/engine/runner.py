@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import torch
+
+from qworker.engine.logprobs import log_softmax_rows, token_logprobs
 from qworker.engine.sampler import SampleRow, sample
 from qworker.engine.sequence import Sequence
 from qworker.model.batch import SequenceInput, build_batch
@@ -41,6 +44,7 @@ class Runner:
                 num_cached=seq.num_computed,
                 block_table=seq.block_table,
                 need_logits=seq.num_computed + n == len(seq.token_ids),
+                all_logits=bool(seq.prompt_logprob_positions(n)),
             )
             for seq, n in work
         ]
@@ -49,10 +53,46 @@ class Runner:
         logits = self.model(batch, self.cache)
         self.forward_seconds += time.perf_counter() - started
         sampled = [seq for (seq, _), inp in zip(work, inputs, strict=True) if inp.need_logits]
+        if any(inp.all_logits for inp in inputs):  # rows beside the sampling ones
+            logits = self._collect_prompt_logprobs(work, inputs, logits)
         if not sampled:
             return {}
+        asking = [r for r, seq in enumerate(sampled) if seq.params.logprobs is not None]
+        raw = log_softmax_rows(logits[asking]) if asking else None  # before the sampler edits
         tokens = sample(logits, [self._row(seq) for seq in sampled])
+        if raw is not None:
+            found = token_logprobs(raw, [tokens[r] for r in asking],
+                                   [sampled[r].params.logprobs or 0 for r in asking])
+            for r, entry in zip(asking, found, strict=True):
+                sampled[r].sampled_logprobs = entry
         return dict(zip(sampled, tokens, strict=True))
+
+    @staticmethod
+    def _collect_prompt_logprobs(work: list[tuple[Sequence, int]], inputs: list[SequenceInput],
+                                 logits: torch.Tensor) -> torch.Tensor:
+        """Appends each asking sequence's prompt logprobs of this chunk; returns the sampling
+        rows' logits alone (one per sequence that reaches its end), in order."""
+        sampling_rows: list[int] = []
+        row = 0
+        for (seq, n), inp in zip(work, inputs, strict=True):
+            if not inp.all_logits:
+                if inp.need_logits:
+                    sampling_rows.append(row)
+                row += int(inp.need_logits)
+                continue
+            positions = seq.prompt_logprob_positions(n)
+            assert seq.prompt_logprobs is not None
+            assert len(seq.prompt_logprobs) == positions.start, "a prompt position was skipped"
+            first = row + positions.start - seq.num_computed
+            lp = log_softmax_rows(logits[first : first + len(positions)])
+            targets = [seq.token_ids[p + 1] for p in positions]
+            k = seq.params.prompt_logprobs or 0
+            seq.prompt_logprobs += token_logprobs(lp, targets, [k] * len(targets))
+            if inp.need_logits:
+                sampling_rows.append(row + n - 1)
+            row += n
+        assert row == logits.shape[0], "logits rows do not match the batch"
+        return logits[sampling_rows]
 
     def warm_up(self) -> None:
         """One tiny forward (written to block 0, which any sequence overwrites before reading),

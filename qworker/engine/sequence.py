@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from qworker.engine.request import FinishReason, SamplingParams
+from qworker.engine.request import FinishReason, SamplingParams, TokenLogprobs
 from qworker.engine.text import TextStream
 
 
@@ -31,6 +31,10 @@ class Sequence:
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
     isolate: bool = False  # runs alone in its steps until it samples a token (Request.isolate)
+    # logprobs, written by the runner, taken by the core with the token they belong to: of the
+    # token the last run sampled; of prompt tokens 1.. (None: not asked, or already handed out)
+    sampled_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -48,6 +52,20 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         return self.num_pending > 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still collecting its prompt's logprobs: every prompt position must be computed (a
+        prefix cache must not skip any of them for this sequence)."""
+        return self.prompt_logprobs is not None
+
+    def prompt_logprob_positions(self, n: int) -> range:
+        """Of the next `n` tokens to compute, the positions whose logits give a prompt token's
+        logprob not yet collected (position p predicts token p + 1)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        start = max(self.num_computed, len(self.prompt_logprobs))
+        return range(start, min(self.num_computed + n, self.num_prompt_tokens - 1))
 
     @property
     def queue_key(self) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qworker.engine.request import Request, RequestRejectedError, SamplingParams
+from qworker.engine.request import MAX_LOGPROBS, Request, RequestRejectedError, SamplingParams
 
 INVALID_REQUEST = "invalid_request"
 PROMPT_TOO_LONG = "prompt_too_long"
@@ -130,7 +130,13 @@ def _check_params(p: SamplingParams) -> None:
         ("presence_penalty must be finite", math.isfinite(p.presence_penalty)),
         ("frequency_penalty must be finite", math.isfinite(p.frequency_penalty)),
         ("stop strings must not be empty", all(p.stop)),
+        (f"logprobs must be in 0..{MAX_LOGPROBS}", _logprobs_ok(p.logprobs)),
+        (f"prompt_logprobs must be in 0..{MAX_LOGPROBS}", _logprobs_ok(p.prompt_logprobs)),
     ]
     failed = [what for what, ok in problems if not ok]
     if failed:
         raise RequestRejectedError(INVALID_REQUEST, "; ".join(failed))
+
+
+def _logprobs_ok(k: int | None) -> bool:
+    return k is None or 0 <= k <= MAX_LOGPROBS

@@ -24,6 +24,8 @@ class SequenceInput:
     num_cached: int  # tokens of this sequence already in the KV cache
     block_table: list[int]  # cache blocks of the sequence, in order; enough for all its tokens
     need_logits: bool = True  # whether the last new token's logits are wanted
+    # logits of every new token (prompt logprobs), in order; includes the last one
+    all_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,9 @@ def build_batch(
         for pos in range(seq.num_cached, total):
             positions.append(pos)
             slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-        if seq.need_logits:
+        if seq.all_logits:
+            logits_rows.extend(range(start, start + n))
+        elif seq.need_logits:
             logits_rows.append(start + n - 1)
         if n == 1:
             decode_rows.append(start)
