@@ -2,12 +2,14 @@
 clients.
 
     .venv/bin/python -m benchmarks.gateway [--clients 256] [--requests 4] [--max-tokens 64]
-                                           [--workers 2] [--step-ms 10]
+                                           [--workers 2] [--step-ms 10] [--stream-interval MS]
 
 A throwaway redis-server, K `qworker serve --model sim:...` processes (no model: a fixed step
 time; 256 sequences each), one `qworker gateway` process, then N asyncio clients in this process
 (a lean HTTP client: `benchmarks.sse_client`), each sending `--requests` streamed completions one
-after another and counting the chunks that carry text. Prints one JSON line: streamed tokens/s
+after another and counting the tokens streamed (the usage chunk's completion tokens) and the
+chunks that carry text (several tokens each with a stream interval). Prints one JSON line:
+streamed tokens/s
 over the run, the gateway's CPU seconds and its CPU per streamed token (µs), the CPU of the
 workers, of Redis and of the clients, the machine's CPU over the run, time to first chunk
 p50/p99, and the machine (`benchmarks.machine`).
@@ -44,6 +46,7 @@ from qworker_client.protocol import Keys
 @dataclass
 class Tally:
     tokens: int = 0
+    text_chunks: int = 0
     errors: int = 0
     first_chunk_s: list[float] = field(default_factory=list)
 
@@ -81,12 +84,14 @@ class Fleet:
 
 
 @contextmanager
-def fleet(url: str, workers: int, step_ms: float, port: int) -> Iterator[Fleet]:
+def fleet(url: str, workers: int, step_ms: float, port: int, stream_interval: float | None
+          ) -> Iterator[Fleet]:
     sim = f"sim:step_ms={step_ms},num_blocks=8192,max_num_seqs=256"
     sims = [spawn("qworker.cli", "serve", "--redis-url", url, "--name", f"bench-{k}",
                   "--model", sim) for k in range(workers)]
+    interval = [] if stream_interval is None else ["--stream-interval", str(stream_interval)]
     gateway = spawn("qworker_client", "gateway", "--redis-url", url, "--port", str(port),
-                    "--log-level", "warning")
+                    "--log-level", "warning", *interval)
     try:
         wait_ready(url, workers, port)
         redis_pid = int(redis.Redis.from_url(url).info("server")["process_id"])
@@ -118,7 +123,8 @@ def wait_ready(url: str, workers: int, port: int) -> None:
 async def one_stream(conn: Connection, model: str, k: int, max_tokens: int, tally: Tally
                      ) -> None:
     body = {"model": model, "prompt": f"client {k}: tell me about queues", "stream": True,
-            "max_tokens": max_tokens, "ignore_eos": True, "seed": k}
+            "max_tokens": max_tokens, "ignore_eos": True, "seed": k,
+            "stream_options": {"include_usage": True}}
     start, first = time.monotonic(), 0.0
     pieces: list[bytes] = []
     async for piece in conn.post("/v1/completions", json.dumps(body).encode()):
@@ -129,7 +135,10 @@ async def one_stream(conn: Connection, model: str, k: int, max_tokens: int, tall
         return
     tally.first_chunk_s.append(first)
     whole = b"".join(pieces)
-    tally.tokens += whole.count(b"data: {") - whole.count(b'"text":""')  # not the finish chunk
+    usage = whole.rpartition(b"data: {")[2].partition(b"\n")[0]  # the last chunk's
+    tally.tokens += json.loads(b"{" + usage)["usage"]["completion_tokens"]
+    # the text chunks: not the finish chunk, nor the usage chunk
+    tally.text_chunks += whole.count(b"data: {") - whole.count(b'"text":""') - 1
 
 
 async def clients(port: int, n: int, requests: int, max_tokens: int, tally: Tally) -> None:
@@ -154,9 +163,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--stream-interval", type=float, default=None,
+                        help="the gateway's --stream-interval, ms (default: the gateway's own)")
     args = parser.parse_args()
     port = free_port()
-    with local_redis() as url, fleet(url, args.workers, args.step_ms, port) as procs:
+    with local_redis() as url, fleet(url, args.workers, args.step_ms, port,
+                                     args.stream_interval) as procs:
         tally = Tally()
         cpu0, mine0 = procs.cpu(), time.process_time()
         machine0, t0 = machine_cpu_seconds(), time.monotonic()
@@ -171,7 +183,10 @@ def main() -> None:
                                                      *sys.argv[1:]]),
         "clients": args.clients, "requests_per_client": args.requests,
         "max_tokens": args.max_tokens, "workers": args.workers, "step_ms": args.step_ms,
-        "streamed_tokens": tally.tokens, "errors": tally.errors, "wall_s": round(wall, 3),
+        "stream_interval_ms": args.stream_interval,
+        "streamed_tokens": tally.tokens, "text_chunks": tally.text_chunks,
+        "tokens_per_chunk": round(tally.tokens / max(tally.text_chunks, 1), 2),
+        "errors": tally.errors, "wall_s": round(wall, 3),
         "tokens_per_s": round(tally.tokens / wall, 1),
         "gateway_cpu_s": round(cpu["gateway"], 3),
         "gateway_cpu_us_per_token": round(cpu["gateway"] / tokens * 1e6, 1),

@@ -11,6 +11,7 @@ import os
 
 from qworker_client.cli import EXIT_USAGE, add_connection_args, report_error
 from qworker_client.connect import DEFAULT_RESULT_TTL_S, redis_url_from_env
+from qworker_client.gateway.config import GatewayConfig  # needs no extra
 from qworker_client.protocol import DEFAULT_PREFIX
 
 INSTALL_HINT = "pip install 'qworker-client[gateway]'"
@@ -44,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the workers' --result-ttl, in seconds (default: 3600)")
     parser.add_argument("--files-dir", default=_env("FILES_DIR"),
                         help="directory of the Files and Batch APIs (default: none, no batches)")
+    default_interval = GatewayConfig.stream_interval_ms
+    parser.add_argument("--stream-interval", type=float,
+                        default=float(_env("STREAM_INTERVAL") or default_interval),
+                        help="milliseconds: read the output streams at most once per interval "
+                             "and send a choice's tokens of one read as one chunk (0: each token "
+                             f"its own chunk; default: {default_interval:g})")
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", "info"))
     parser.set_defaults(func=run)
 
@@ -59,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from qworker_client.gateway.app import create_app
-        from qworker_client.gateway.config import GatewayConfig
     except ModuleNotFoundError as exc:
         report_error(f"`gateway` needs its extra ({exc.name} is missing): {INSTALL_HINT}")
         return EXIT_USAGE
@@ -67,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url or redis_url_from_env(), prefix=args.prefix, host=args.host,
         port=args.port, max_queued=args.max_queued, api_keys=api_keys(args.api_key),
         result_ttl_s=args.result_ttl, files_dir=args.files_dir,
+        stream_interval_ms=args.stream_interval,
     )
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=args.log_level, lifespan="on")

@@ -54,6 +54,7 @@ def _follow(gateway: Gateway, req: GatewayRequest, shape: Shape) -> streams.Foll
         include_usage=req.include_usage,
         tagged=len(req.choices) > 1,
         cancel=gateway.cancel,
+        coalesce=gateway.config.stream_interval_ms > 0,
     )
 
 

@@ -22,3 +22,6 @@ class GatewayConfig:
     models_cache_s: float = 1.0  # how long the live workers' models are taken as known
     max_n: int = 16  # most choices one request may ask for
     files_dir: str | None = None  # the Files and Batch APIs' directory (None: no batches)
+    # the output streams read at most once per interval, a choice's tokens of one read sent as
+    # one chunk; 0: each token its own chunk, read as soon as it is there
+    stream_interval_ms: float = 20.0

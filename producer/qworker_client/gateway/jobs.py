@@ -42,7 +42,8 @@ async def resume(gateway: Gateway, request: Request) -> ASGIApp:
                        "through the gateway)", param="job_id", code="job_not_found")
     after = _after(request.headers.get("last-event-id"))
     follow = streams.Follow(shape=job.shape, index={job_id: job.index}, prompt={job_id: 0},
-                            include_usage=job.include_usage, tagged=False, cancel=_keep)
+                            include_usage=job.include_usage, tagged=False, cancel=_keep,
+                            coalesce=gateway.config.stream_interval_ms > 0)
     headers = {JOB_ID_HEADER: job_id}
     if await _ended_at_or_before(gateway, job_id, after):
         return EventStream(_only_done(), _keep, headers)

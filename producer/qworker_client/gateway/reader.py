@@ -17,6 +17,7 @@ from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
 from qworker_client.result import OutputState
 
 Event = Text | DoneEvent | ErrorEvent
+Batch = list[tuple[str, str, Event]]  # (job id, entry id, event)
 
 
 class OutputReader:
@@ -32,7 +33,7 @@ class OutputReader:
             for item in batch:
                 yield item
 
-    async def batches(self) -> AsyncIterator[list[tuple[str, str, Event]]]:
+    async def batches(self) -> AsyncIterator[Batch]:
         """`events()` as the reads bring them: one list per job per read (never empty)."""
         queue: Queue = asyncio.Queue()
         self.hub.follow(self.after, queue)

@@ -36,7 +36,7 @@ class Gateway:
         self.gate = Gate(self.redis, self.keys, config.max_queued, config.retry_after_s)
         self.catalog = Catalog(self.redis, self.keys, config.models_cache_s)
         self.metrics = Metrics()
-        self.hub = Hub(self.redis, self.keys)
+        self.hub = Hub(self.redis, self.keys, interval_s=config.stream_interval_ms / 1000)
         self.batches = None if config.files_dir is None else Batches(
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)

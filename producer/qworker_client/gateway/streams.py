@@ -3,19 +3,24 @@
 Each frame comes from one entry of a job's output stream and carries its entry id as the SSE
 `id:` (prefixed `<choice index>/` when a response has several choices), so a client that lost its
 connection resumes after the last id it saw, and gets every chunk exactly once.
+
+With `coalesce` (the gateway's stream interval), the tokens of a choice that one read brings go
+out as one chunk (their texts joined, the id of the last one's entry), as vLLM's
+`--stream-interval` joins tokens: OpenAI's deltas may hold several tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 from qworker_client.gateway import shaping
 from qworker_client.gateway.chunks import ChoiceFrames
 from qworker_client.gateway.errors import from_job_error
 from qworker_client.gateway.metrics import Metrics
-from qworker_client.gateway.reader import OutputReader
+from qworker_client.gateway.reader import Batch, OutputReader
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.sse import DONE, frame
 from qworker_client.gateway.tokens import Text
@@ -32,6 +37,7 @@ class Follow:
     include_usage: bool
     tagged: bool  # SSE ids as `<index>/<entry id>` (several choices in one stream)
     cancel: Callable[[list[str]], Awaitable[None]]
+    coalesce: bool = False  # the tokens of one read as one chunk
 
 
 @dataclass
@@ -56,11 +62,10 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
         async for batch in reader.batches():
             parts: list[str] = []
             failed = False
-            tokens = 0
-            for job_id, entry_id, event in batch:
+            metrics.tokens.inc(sum(isinstance(e, Text) for _, _, e in batch))
+            for job_id, entry_id, event in coalesced(batch) if follow.coalesce else batch:
                 choice = choices[job_id]
                 if isinstance(event, Text):
-                    tokens += 1
                     part = choice.text(entry_id, event.i, event.text)
                     if part is not None:
                         parts.append(part)
@@ -73,7 +78,6 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                     failed = True
                     break
             last = choice, entry_id
-            metrics.tokens.inc(tokens)
             if parts:
                 yield "".join(parts)
             if failed:
@@ -87,6 +91,22 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
         yield DONE
     finally:
         metrics.streams_open.dec()
+
+
+def coalesced(batch: Batch) -> Batch:
+    """`batch` (one job's events of one read) with each run of tokens as one token: the first's
+    index, their texts joined, the last one's entry id."""
+    out: Batch = []
+    for is_text, group in groupby(batch, key=lambda item: isinstance(item[2], Text)):
+        items = list(group)
+        if not is_text or len(items) == 1:
+            out += items
+            continue
+        first = items[0][2]
+        assert isinstance(first, Text)
+        text = "".join(event.text for _, _, event in items if isinstance(event, Text))
+        out.append((items[-1][0], items[-1][1], Text(first.i, text)))
+    return out
 
 
 async def body(reader: OutputReader, follow: Follow) -> dict[str, Any]:
