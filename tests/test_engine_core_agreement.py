@@ -1,7 +1,8 @@
 """The real engine (tiny random Llama) and the simulated engine are one core over two runners: a
-random schedule (arrivals, priorities, cancels, isolated jobs, a small block pool that preempts)
-run through both makes the same decision every step. Requests ignore EOS and have no stop
-strings, so when a sequence ends does not depend on which tokens its runner samples."""
+random schedule (arrivals, priorities, cancels, isolated jobs, shared prompt prefixes and cache
+salts, a small block pool that preempts) run through both makes the same decision every step.
+Requests ignore EOS and have no stop strings, so when a sequence ends does not depend on which
+tokens its runner samples."""
 
 from __future__ import annotations
 
@@ -34,16 +35,19 @@ class Job:
     priority: int
     cancel: int | None  # step at which it is aborted, or never
     isolate: bool
+    shared: int = 0  # leading tokens of the prompt that every job with the same salt shares
+    salt: str | None = None
 
 
 jobs = st.builds(Job, st.integers(0, 15), st.integers(1, 30), st.integers(1, 12),
-                 st.integers(0, 2), st.one_of(st.none(), st.integers(0, 40)),
-                 st.sampled_from([False, False, False, True]))
+                 st.integers(-2, 2), st.one_of(st.none(), st.integers(0, 40)),
+                 st.sampled_from([False, False, False, True]), st.integers(0, 24),
+                 st.sampled_from([None, None, "b"]))
 configs = st.builds(
     EngineConfig, model=st.just("sim"), num_blocks=st.integers(8, 24), block_size=st.just(4),
     max_num_seqs=st.integers(1, 5), max_batched_tokens=st.integers(2, 24),
     prefill_chunk=st.integers(1, 12), requeue_preempted=st.booleans(),
-    watermark=st.sampled_from([0.0, 0.1]))
+    watermark=st.sampled_from([0.0, 0.1]), prefix_caching=st.booleans())
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +67,19 @@ def trace(engine: EngineCore, plan: list[Job]) -> list[tuple[Any, ...]]:
         return run(work)
 
     engine.runner.run = recording_run  # type: ignore[method-assign]
-    requests = {f"j{k}": Request(f"j{k}", [(7 * k + i) % VOCAB for i in range(job.prompt_len)],
+    requests = {f"j{k}": Request(f"j{k}", [(3 + i) % VOCAB for i in range(job.shared)]
+                                 + [(7 * k + i) % VOCAB  # the smallest pool holds 32 tokens
+                                    for i in range(min(job.prompt_len, 31 - job.shared))],
                                  SamplingParams(max_tokens=job.max_tokens, temperature=0.0,
                                                 ignore_eos=True),
-                                 priority=job.priority, isolate=job.isolate)
+                                 priority=job.priority, isolate=job.isolate,
+                                 cache_salt=job.salt)
                 for k, job in enumerate(plan)}
     streamed: dict[str, list[int]] = {rid: [] for rid in requests}
     records: list[tuple[Any, ...]] = []
     last = max(max(job.arrival, job.cancel or 0) for job in plan)
     step = 0
+    engine.clock = lambda: float(step)  # priority aging by steps: the same in both engines
     while step <= last or engine.has_unfinished():
         assert step < 2000, "no progress"
         for k, job in enumerate(plan):
@@ -88,6 +96,7 @@ def trace(engine: EngineCore, plan: list[Job]) -> list[tuple[Any, ...]]:
                                    output_token_ids=list(streamed[out.request_id])))
         records.append((
             step, tuple(batches), tuple(s.request_id for s in engine.last_schedule.preempted),
+            tuple(s.request_id for s in engine.last_schedule.displaced),
             sorted((o.request_id, o.first_index, len(o.new_token_ids), o.finished,
                     str(o.finish_reason), o.preempted, str(o.error)) for o in outputs),
             engine.free_slots(), tuple(sorted(engine.stats().items()))))
@@ -106,18 +115,20 @@ def both(tokenizer: Tokenizer, model: LlamaModel, config: EngineConfig
 
 @settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=st.lists(jobs, min_size=1, max_size=10), config=configs)
+@given(plan=st.lists(jobs, min_size=1, max_size=10), config=configs,
+       aging=st.sampled_from([0.0, 3.0, 60.0]))
 def test_real_and_simulated_engines_schedule_alike(smollm2_tokenizer: Tokenizer,
                                                    model: LlamaModel, plan: list[Job],
-                                                   config: EngineConfig) -> None:
-    real, sim = both(smollm2_tokenizer, model, config)
+                                                   config: EngineConfig, aging: float) -> None:
+    real, sim = both(smollm2_tokenizer, model, replace(config, priority_aging_s=aging))
     assert trace(real, plan) == trace(sim, plan)
 
 
 def test_a_small_pool_preempts_alike_in_both(smollm2_tokenizer: Tokenizer,
                                              model: LlamaModel) -> None:
     """A fixed schedule that is sure to preempt (the property above covers it only by chance)."""
-    plan = [Job(k // 3, 10 + 3 * k, 12, k % 2, 9 if k == 4 else None, k == 5) for k in range(8)]
+    plan = [Job(k // 3, 10 + 3 * k, 12, k % 2, 9 if k == 4 else None, k == 5, shared=8 * (k % 2))
+            for k in range(8)]
     for requeue in (False, True):
         config = EngineConfig(model="sim", num_blocks=12, block_size=4, max_num_seqs=4,
                               max_batched_tokens=16, prefill_chunk=8, requeue_preempted=requeue)
@@ -125,6 +136,7 @@ def test_a_small_pool_preempts_alike_in_both(smollm2_tokenizer: Tokenizer,
         got = trace(real, plan)
         assert got == trace(sim, plan)
         assert real.num_preemptions == sim.num_preemptions > 0
+        assert real.stats()["prefix_cache_hits"] == sim.stats()["prefix_cache_hits"] > 0
         assert any(preempted for _, _, preempted, *_ in got)
 
 

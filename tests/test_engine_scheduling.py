@@ -61,8 +61,10 @@ def test_scheduler_invariants(smollm2_tokenizer: Tokenizer, model: LlamaModel,
         assert step < 5000, "no progress"
         while pending and pending[0][1][0] <= step:
             i, (_, prompt_len, max_tokens, _) = pending.pop(0)
+            # equal prompts: every one shares its prefix's cached blocks (a third under a salt)
             request = Request(f"r{i}", [7] * prompt_len,
-                              SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                              SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                              cache_salt="t" if i % 3 == 0 else None)
             try:
                 engine.add(request)
             except RequestRejectedError:

@@ -100,6 +100,8 @@ def other_value(flag: Flag) -> str:
     """A valid value of the flag's type that is not its default."""
     if flag.choices:
         return next(c for c in flag.choices if c != flag.default)
+    if flag.type is bool:
+        return "1"  # given: the other value of its field
     if flag.type is int:
         return str((flag.default or 0) + 3)
     if flag.type is float:
@@ -114,13 +116,13 @@ def test_each_serve_flag_reaches_its_config_field(given_as: str,
     expected = {}
     for cls, flag in config_flags(*SERVE_CONFIGS):
         value = other_value(flag)
-        expected[cls, flag.field] = flag.type(value)
+        expected[cls, flag.field] = not flag.default if flag.type is bool else flag.type(value)
         if given_as == "env":
             monkeypatch.setenv(env_name(flag.name), value)
         elif flag.name in ("--redis-url", "--model"):
             argv[argv.index(flag.name) + 1] = value
         else:
-            argv += [flag.name, value]
+            argv += [flag.name] if flag.type is bool else [flag.name, value]
     args = command("serve").parse_args([] if given_as == "env" else argv)
     built = {ServiceConfig: serve.service_config(args), EngineConfig: serve.engine_config(args)}
     for (cls, field), value in expected.items():

@@ -1,7 +1,8 @@
 """Command-line flags made from the fields of a config dataclass, and the config made from them.
 
 Each field is the flag `--field-name` (metadata `flag` names another, `flag: None` means no flag),
-with the field's type and default and the help of its metadata `help` (and `choices`, if any).
+with the field's type and default (a bool field that is True by default is a flag that turns it
+off, e.g. `--no-prefix-caching`) and the help of its metadata `help` (and `choices`, if any).
 Every flag can also be given as `QWORKER_<FLAG>` (dashes as underscores, upper case); the command
 line wins. So a setting is stated once, where its dataclass states it.
 """
@@ -32,7 +33,8 @@ class Flag:
 
     @property
     def dest(self) -> str:
-        return dest(self.name)
+        """Where argparse keeps its value: a flag that turns a field off keeps the field's."""
+        return self.field if self.default is True else dest(self.name)
 
 
 def dest(flag: str) -> str:
@@ -99,9 +101,12 @@ def add_flag(parser: argparse.ArgumentParser, flag: Flag, env: bool = True) -> N
     if flag.default is not None:
         notes.append(f"default {flag.default}")
     shown = flag.help + (f" ({'; '.join(notes)})" if notes else "")
-    if flag.type is bool:
-        parser.add_argument(flag.name, action="store_true", help=shown,
-                            default=parse_bool(default) if isinstance(default, str) else default)
+    if flag.type is bool:  # a field that is on by default is a flag that turns it off
+        on = flag.default is not True
+        if isinstance(default, str):  # the variable says what the flag would: set means given
+            default = parse_bool(default) == on
+        parser.add_argument(flag.name, action="store_true" if on else "store_false", help=shown,
+                            default=default, dest=flag.dest)
         return
     kind = _checked(flag.type, flag.choices) if flag.choices else flag.type
     parser.add_argument(flag.name, type=kind, default=default, required=required,
@@ -134,7 +139,8 @@ def config_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     values = {}
     for f in dataclasses.fields(cls):
         name = flag_name(f)
-        value = getattr(args, dest(name), None) if name else None
+        key = f.name if f.default is True else dest(name or "")  # True: a flag that turns it off
+        value = getattr(args, key, None) if name else None
         if value is not None:
             values[f.name] = value
     return values

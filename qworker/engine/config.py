@@ -46,6 +46,11 @@ class EngineConfig:
         "help": "pace prefill so a step with decodes takes about this many times a decode-only "
                 "step (even inter-token latency while long prompts arrive; default: off)"})
 
+    # reuse the KV blocks of a prompt prefix already computed (prefix_cache.py)
+    prefix_caching: bool = field(default=True, metadata={
+        "flag": "--no-prefix-caching",
+        "help": "turn off prefix caching (reusing the KV blocks of shared prompt prefixes)"})
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batched_tokens", "prefill_chunk", "block_size"):
             if getattr(self, name) < 1:

@@ -69,7 +69,7 @@ class EngineCore:
         self.tokenizer = vocab.tokenizer
         self._detokenizer = vocab.detokenizer
         self.eos_token_ids = vocab.eos_token_ids
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk,
                             int(config.watermark * num_blocks)),
@@ -92,6 +92,7 @@ class EngineCore:
 
     def warm_up(self) -> None:
         """Runs one tiny forward, so that no request pays for first-call costs."""
+        self.blocks.drop_cache()  # the forward writes block 0
         self.runner.warm_up()
 
     def add(self, request: Request) -> None:
@@ -109,6 +110,7 @@ class EngineCore:
             arrival=next(self._arrivals),
             text=TextStream(self._detokenizer(), params.stop),
             isolate=request.isolate,
+            cache_salt=request.cache_salt,
             # a resumed request already published its prompt's logprobs with its first token
             prompt_logprobs=([] if params.prompt_logprobs is not None
                              and not request.output_token_ids else None),
@@ -148,7 +150,15 @@ class EngineCore:
         work = self.last_schedule.work
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.blocks.num_free, "blocks_total": self.blocks.num_blocks,
-                "batch_seqs": len(work), "batch_tokens": sum(n for _, n in work)}
+                "batch_seqs": len(work), "batch_tokens": sum(n for _, n in work),
+                **self._prefix_cache_stats()}
+
+    def _prefix_cache_stats(self) -> dict[str, int]:
+        cache = self.blocks.cache
+        if cache is None:
+            return {}
+        return {"prefix_cache_queries": cache.queries, "prefix_cache_hits": cache.hits,
+                "blocks_cached": self.blocks.num_cached}
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._ready)
@@ -183,6 +193,7 @@ class EngineCore:
                     self.pacer.observe(decodes, step.prefill_tokens, time.perf_counter() - started)
             for seq, n in work:
                 seq.num_computed += n
+                self.blocks.commit(seq)
                 seq.isolate = seq.isolate and seq not in sampled
             outputs += [self._append(seq, token) for seq, token in sampled.items()]
         return outputs

@@ -46,4 +46,5 @@ class Engine(EngineCore):
         config = self.config
         self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs,
                                          config.max_num_seqs, qworker_home() / "kernels")
+        self.blocks.drop_cache()  # the forward writes block 0
         self.runner.warm_up()

@@ -51,6 +51,8 @@ class Request:
     # run alone, in a step of its own, until it has produced a token: a job whose earlier runs
     # may have crashed their process (a reclaimed entry delivered more than once)
     isolate: bool = False
+    # prefix caching: only requests with the same salt share cached blocks (tenants apart)
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

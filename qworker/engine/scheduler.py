@@ -5,7 +5,8 @@ Running sequences go first, oldest first: a decode takes one token, a prefill a 
 running sequence needs a block and none is free, the newest running sequence is preempted (possibly
 itself), so nobody is ever preempted for a later arrival. Waiting sequences are then admitted in
 (priority, arrival) order while the budget, `max_num_seqs` and the free blocks (less a watermark)
-allow; nothing is admitted in a step that had to preempt.
+allow; nothing is admitted in a step that had to preempt. With prefix caching a sequence starts
+from its longest cached prefix (block_manager.py): those tokens and blocks are already there.
 
 Isolation: a sequence with `isolate` set (a job whose earlier runs may have crashed their process)
 runs in steps of its own until it has sampled a token: when it is running, or at the head of the
@@ -96,6 +97,7 @@ class Scheduler:
             return False
         if seq.status is Status.WAITING:
             self.waiting.pop(0)
+            self.blocks.share(seq, self.blocks.cached_prefix(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
         n = min(seq.num_pending, self.limits.prefill_chunk, budget)
@@ -138,12 +140,15 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.isolate:
                 return  # it starts alone, in a step of its own
-            n = min(seq.num_pending, self.limits.prefill_chunk, budget)
+            prefix = self.blocks.cached_prefix(seq)  # counted as there: no prefill, no new block
+            start = len(prefix) * self.blocks.block_size
+            n = min(seq.num_pending - start, self.limits.prefill_chunk, budget)
             reserve = self.limits.watermark_blocks if self.running else 0
-            if self.blocks.blocks_needed(seq, n) + reserve > self.blocks.num_free:
+            if self.blocks.admission_cost(prefix, start + n) + reserve > self.blocks.num_free:
                 return
             self.waiting.pop(0)
-            self.blocks.grow(seq, n)
+            self.blocks.share(seq, prefix)
+            self.blocks.grow(seq, start + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             step.work.append((seq, n))

@@ -31,6 +31,11 @@ class Sequence:
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
     isolate: bool = False  # runs alone in its steps until it samples a token (Request.isolate)
+    cache_salt: str | None = None  # isolates its prefix cache entries (Request.cache_salt)
+    # prefix caching (prefix_cache.py): the chained hashes of its full blocks, as far as computed,
+    # and how many of its blocks the cache knows (its shared prefix, then each one it completed)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
     # logprobs, written by the runner, taken by the core with the token they belong to: of the
     # token the last run sampled; of prompt tokens 1.. (None: not asked, or already handed out)
     sampled_logprobs: TokenLogprobs | None = None

@@ -1,0 +1,165 @@
+"""Prefix caching: a run that reuses cached prefix blocks gives the tokens of a run without the
+cache (greedy and seeded; across preemption and a requeue to a second engine), salts keep tenants
+apart, and the pool evicts parked blocks least recently used first."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from qworker.engine.block_manager import BlockManager
+from qworker.engine.byte_tokenizer import ByteDetokenizer
+from qworker.engine.config import EngineConfig
+from qworker.engine.core import EngineCore
+from qworker.engine.engine import Engine
+from qworker.engine.prefix_cache import block_hash
+from qworker.engine.request import Request, SamplingParams
+from qworker.engine.sequence import Sequence
+from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
+from qworker.engine.text import TextStream
+from qworker.model.llama import LlamaModel, load_model
+from qworker.model.tokenizer import Tokenizer
+from tests.engine_fixtures import tiny_engine, tiny_model
+
+PREFIX = [(5 * i + 3) % 200 + 1 for i in range(40)]
+
+
+def requests(n: int, seeded: bool, salt: str | None = None) -> list[Request]:
+    """n prompts sharing PREFIX, each with its own suffix of 3..3+n tokens."""
+    params = [SamplingParams(max_tokens=8, temperature=0.8 if seeded else 0.0,
+                             seed=k if seeded else None, ignore_eos=True) for k in range(n)]
+    return [Request(f"r{k}", PREFIX + [(11 * k + j) % 200 + 1 for j in range(3 + k)], params[k],
+                    cache_salt=salt) for k in range(n)]
+
+
+def tokens(engine: EngineCore, reqs: list[Request]) -> dict[str, list[int]]:
+    """Runs `reqs` (a preempted one re-added with what it streamed, as the worker does)."""
+    return {rid: r.token_ids for rid, r in run_offline(engine, reqs).items()}
+
+
+def sequence(token_ids: list[int], salt: str | None = None) -> Sequence:
+    return Sequence("s", token_ids, len(token_ids), SamplingParams(), 0, 0, 0,
+                    TextStream(ByteDetokenizer()), cache_salt=salt)
+
+
+def test_block_hashes_chain_tokens_and_salt() -> None:
+    a = block_hash(None, [1, 2], None)
+    assert a == block_hash(None, [1, 2], None) != block_hash(None, [1, 3], None)
+    assert a != block_hash(None, [1, 2], "t") != block_hash(None, [1, 2], "u")
+    assert block_hash(a, [3, 4], None) != block_hash(block_hash(None, [9], None), [3, 4], None)
+
+
+def test_parked_blocks_are_reused_then_evicted_least_recent_first() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=2, prefix_caching=True)
+    first, second = sequence([1, 2, 3, 4, 5]), sequence([1, 2, 3, 4, 9])
+    blocks.grow(first, 5)
+    first.num_computed = 5
+    blocks.commit(first)  # blocks 0 and 1 complete and cached, 2 is the partial one
+    assert blocks.cached_prefix(second) == first.block_table[:2]
+    blocks.release(first)  # parked: 1 then 0 (tail first); 2 plain free
+    blocks.check([])
+    assert (blocks.num_free, blocks.num_cached) == (4, 2)
+    prefix = blocks.cached_prefix(second)
+    assert blocks.admission_cost(prefix, 5) == 3  # one new block, two parked ones taken back
+    blocks.share(second, prefix)
+    blocks.grow(second, 5)
+    blocks.check([second])
+    assert second.num_computed == 4 and second.block_table[:2] == prefix
+    blocks.release(second)
+    third = sequence([7] * 7)
+    blocks.grow(third, 7)  # plain blocks first (2 and 3), then the tail block 1, then 0
+    assert third.block_table[:2] == [2, 3] and set(third.block_table[2:]) == {0, 1}
+    assert blocks.num_cached == 0
+    blocks.check([third])
+
+
+def sim(**config: object) -> SimulatedEngine:
+    settings: dict[str, object] = dict(model="sim", block_size=8, num_blocks=64,
+                                       max_num_seqs=4, prefill_chunk=16, max_batched_tokens=32)
+    return SimulatedEngine(EngineConfig(**{**settings, **config}),  # type: ignore[arg-type]
+                           SimOptions(step_ms=0))
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_simulated_tokens_and_hits_with_and_without_the_cache(seeded: bool) -> None:
+    off, on = sim(prefix_caching=False), sim()
+    assert tokens(on, requests(6, seeded)) == tokens(off, requests(6, seeded))
+    stats = on.stats()
+    # the later ones find what the first computed of the prefix, the last 2 all its 5 blocks
+    assert 2 * 40 <= stats["prefix_cache_hits"] <= 5 * 40
+    queries = sum(len(r.prompt_token_ids) for r in requests(6, seeded))
+    assert stats["prefix_cache_queries"] == queries
+    assert "prefix_cache_hits" not in off.stats()
+
+
+def test_a_salt_keeps_its_blocks_apart() -> None:
+    engine = sim(max_num_seqs=1)
+    first, = requests(1, False, salt="tenant-a")
+    tokens(engine, [first])
+    for salt, hits in (("tenant-b", 0), (None, 0), ("tenant-a", 40)):
+        before = engine.stats()["prefix_cache_hits"]
+        tokens(engine, [replace(first, request_id=f"again-{salt}", cache_salt=salt)])
+        assert engine.stats()["prefix_cache_hits"] - before == hits, salt
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return tiny_model(256)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_tiny_model_across_preemption_equals_no_cache(smollm2_tokenizer: Tokenizer,
+                                                      model: LlamaModel, seeded: bool) -> None:
+    """A pool of 20 blocks of 4 for 6 sequences of 51-56 tokens: they preempt each other and come
+    back through their own cached blocks (float64: the same tokens, exactly)."""
+    def engine(caching: bool) -> Engine:
+        return tiny_engine(smollm2_tokenizer, model, num_blocks=20, block_size=4, max_num_seqs=6,
+                           prefill_chunk=16, requeue_preempted=True, prefix_caching=caching)
+    off, on = engine(False), engine(True)
+    assert tokens(on, requests(6, seeded)) == tokens(off, requests(6, seeded))
+    assert on.num_preemptions > 0 and on.stats()["prefix_cache_hits"] > 0
+    on.blocks.check([])
+
+
+def test_a_job_requeued_to_a_second_engine_reuses_its_cache(smollm2_tokenizer: Tokenizer,
+                                                           model: LlamaModel) -> None:
+    """Half of a job's tokens on one engine, the rest on another that has the prefix cached from
+    other jobs: the job's tokens are those of an uninterrupted run without the cache."""
+    first, *others = requests(3, seeded=True)
+    alone = tokens(tiny_engine(smollm2_tokenizer, model, prefix_caching=False), [first])
+    a, b = (tiny_engine(smollm2_tokenizer, model) for _ in range(2))
+    half = tokens(a, [replace(first, params=replace(first.params, max_tokens=4))])[first.request_id]
+    tokens(b, others)
+    hits = b.stats()["prefix_cache_hits"]
+    resumed = tokens(b, [replace(first, output_token_ids=half)])
+    assert resumed == alone
+    assert b.stats()["prefix_cache_hits"] - hits == 40
+
+
+def test_smollm2_shared_prefix_equals_no_cache(smollm2_path: Path,
+                                               smollm2_tokenizer: Tokenizer) -> None:
+    """The real model in float32: 6 prompts sharing a 40-token prefix, greedy, token for token
+    the texts of a run without the cache; the later ones read the prefix from shared blocks."""
+    model = load_model(smollm2_path, dtype=torch.float32)
+    prefix = smollm2_tokenizer.encode("You are a careful assistant. Answer in one short sentence, "
+                                      "plainly, without any preamble, lists or markdown at all, "
+                                      "and never repeat the question. Be kind, be brief, be "
+                                      "right; if you do not know, say so.")[:40]
+    assert len(prefix) == 40
+    questions = ["What is the capital of France?", "Why is the sky blue?", "Name a prime.",
+                 "What is 2 + 2?", "Who wrote Hamlet?", "What do bees make?"]
+    prompts = [prefix + smollm2_tokenizer.encode(" " + q) for q in questions]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def run(caching: bool) -> tuple[list[list[int]], dict[str, int]]:
+        config = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=3, prefill_chunk=64,
+                              max_batched_tokens=192, prefix_caching=caching)
+        engine = Engine(model, smollm2_tokenizer, config)
+        return [c.token_ids for c in engine.generate(prompts, params)], engine.stats()
+
+    (cached, stats), (plain, _) = run(True), run(False)
+    assert cached == plain
+    assert stats["prefix_cache_hits"] >= 3 * 32  # the last 3 start from 2 shared blocks each
