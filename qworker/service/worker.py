@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import random
 import re
@@ -28,7 +29,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
+from qworker.engine.request import (
+    Request,
+    RequestRejectedError,
+    SamplingParams,
+    StepOutput,
+    StructuredOutputs,
+)
 from qworker.service import publisher as pub
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import (
@@ -56,6 +63,7 @@ from qworker_client.protocol import (
     Keys,
     WorkerInfo,
 )
+from qworker_client.protocol import StructuredOutputs as WireStructuredOutputs
 
 EXIT_GRACE_S = 5.0  # after a drain/requeue deadline, how long to keep retrying Redis writes
 
@@ -120,7 +128,18 @@ def sampling_params(job: Job, job_id: str) -> SamplingParams:
     values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     if values["seed"] is None:
         values["seed"] = default_seed(job_id)
+    values["structured_outputs"] = structured_outputs(job.structured_outputs)
     return SamplingParams(**values)
+
+
+def structured_outputs(wire: WireStructuredOutputs | None) -> StructuredOutputs | None:
+    """The engine's form of a job's constraint (a schema as JSON text, choices as a tuple)."""
+    if wire is None:
+        return None
+    schema = json.dumps(wire.json_schema) if wire.json_schema is not None else None
+    choice = tuple(wire.choice) if wire.choice is not None else None
+    return StructuredOutputs(json=schema, json_object=bool(wire.json_object), regex=wire.regex,
+                             choice=choice, grammar=wire.grammar)
 
 
 class Worker:
