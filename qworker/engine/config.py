@@ -40,6 +40,11 @@ class EngineConfig:
     watermark: float = field(default=0.01, metadata={"flag": None})
     # True: hand preempted requests back instead of re-waiting (a worker always does)
     requeue_preempted: bool = field(default=False, metadata={"flag": None})
+    # starvation bound: a request's effective priority improves by one per this many seconds since
+    # it arrived (see EngineCore.rank); 0: no aging, strict priority
+    priority_aging_s: float = field(default=60.0, metadata={
+        "help": "seconds of waiting that make a request as urgent as one of the next better "
+                "priority (bounds starvation; 0: strict priority)"})
     # pace prefill beside decodes so that such a step takes about this many times a decode-only
     # step (keeps inter-token latency even while a long prompt arrives); None: no pacing
     decode_stretch: float | None = field(default=None, metadata={
@@ -59,5 +64,7 @@ class EngineConfig:
             raise ValueError("num_blocks must be >= 1")
         if self.decode_stretch is not None and self.decode_stretch <= 1:
             raise ValueError("decode_stretch must be > 1")
+        if not self.priority_aging_s >= 0:
+            raise ValueError("priority_aging_s must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")

@@ -21,7 +21,6 @@ from qworker.engine.pacer import PrefillPacer
 from qworker.engine.request import FinishReason, Request, SamplingParams, StepOutput
 from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from qworker.engine.sequence import Sequence, Status
-from qworker.engine.structured import Grammars
 from qworker.engine.text import Detokenizer, TextStream
 from qworker.engine.validation import ModelLimits, check_prompt_chars, check_request
 
@@ -82,13 +81,13 @@ class EngineCore:
                                   max_token_chars=vocab.max_token_chars)
         # no sequence can outgrow the model's context nor the whole cache
         self.max_seq_len = self.limits.max_seq_len
-        self.grammars = Grammars(vocab.tokenizer, runner.vocab_size, vocab.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._ready: list[StepOutput] = []  # outputs decided outside a step (resumed, finished)
         self._arrivals = itertools.count()
         self.pacer = (PrefillPacer(config.decode_stretch, config.max_batched_tokens)
                       if config.decode_stretch else None)
         self.num_preemptions = 0
+        self.clock: Callable[[], float] = time.monotonic  # for aging (tests set their own)
         self.num_steps = 0
         self.last_schedule = ScheduledStep()
 
@@ -102,9 +101,6 @@ class EngineCore:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
         check_request(request, self.limits)
         params = request.params
-        # compiled before anything is taken: an invalid one is a RequestRejectedError here
-        matcher = (self.grammars.matcher(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
         seq = Sequence(
             request_id=request.request_id,
             token_ids=list(request.prompt_token_ids),
@@ -112,6 +108,7 @@ class EngineCore:
             params=params,
             seed=params.seed if params.seed is not None else random.getrandbits(63),
             priority=request.priority,
+            rank=self.rank(request.priority, request.queued_s),
             arrival=next(self._arrivals),
             text=TextStream(self._detokenizer(), params.stop),
             isolate=request.isolate,
@@ -120,7 +117,6 @@ class EngineCore:
             prompt_logprobs=([] if params.prompt_logprobs is not None
                              and not request.output_token_ids else None),
         )
-        seq.matcher = matcher
         self._seqs[seq.request_id] = seq
         for token in request.output_token_ids:  # replay what an earlier run already streamed
             if (out := self._append(seq, token)).finished:  # it had ended; only `done` was lost
@@ -144,12 +140,32 @@ class EngineCore:
         """Which kernel runs each op, for the worker's logs, metrics and liveness key."""
         return self.runner.kernel_report()
 
-    def free_slots(self) -> int:
-        """How many more requests admission would take now."""
-        if self.blocks.num_free <= self.scheduler.limits.watermark_blocks:
+    def rank(self, priority: int, queued_s: float = 0.0) -> float:
+        """Where a request of `priority` that has waited `queued_s` seconds before now goes in the
+        queues, lower first. With aging (`priority_aging_s` = A) the rank is priority * A plus
+        the time it arrived: at any moment a request's effective priority is its priority less
+        one per A seconds since it arrived, so a later arrival overtakes it only by being more
+        urgent by more levels than it has waited A's; ranks never change, so preemption by
+        priority cannot thrash. Without aging (0) the rank is the priority."""
+        aging = self.config.priority_aging_s
+        if not aging:
+            return float(priority)
+        return priority * aging + self.clock() - queued_s
+
+    def free_slots(self, priority: int | None = None) -> int:
+        """How many more requests admission would take now; with `priority`, how many of that
+        priority it would take, counting the slots held by requests it would displace (of a
+        worse rank), so a full worker still takes urgent work."""
+        held = self.scheduler.running + self.scheduler.waiting
+        if priority is not None:
+            rank = self.rank(priority)
+            held = [seq for seq in held if seq.rank <= rank]
+            displaceable = any(seq.rank > rank for seq in self.scheduler.running)
+        else:
+            displaceable = False
+        if self.blocks.num_free <= self.scheduler.limits.watermark_blocks and not displaceable:
             return 0
-        queued = len(self.scheduler.running) + len(self.scheduler.waiting)
-        return max(0, self.config.max_num_seqs - queued)
+        return max(0, self.config.max_num_seqs - len(held))
 
     def stats(self) -> dict[str, int]:
         """Plain numbers for the service's metrics."""
@@ -280,9 +296,6 @@ class EngineCore:
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         """Adds a generated token; decides whether the sequence is finished."""
-        if seq.matcher is not None and not seq.matcher.advance(token):  # a mask let it through?
-            return self._fail(seq, ValueError(f"token {token} does not fit structured_outputs: "
-                                              f"{seq.matcher.error[:200]}"))
         index = seq.num_output_tokens
         seq.token_ids.append(token)
         p = seq.params
@@ -293,8 +306,6 @@ class EngineCore:
         else:
             delta = seq.text.add(token, check_stop=count >= p.min_tokens)
             reason = "stop" if seq.text.stopped else None
-            if reason is None and seq.matcher is not None and seq.matcher.done:
-                delta, reason = delta + seq.text.flush(), "stop"  # its grammar is complete
             if reason is None and (count >= p.max_tokens or len(seq.token_ids) >= self.max_seq_len):
                 delta, reason = delta + seq.text.flush(), "length"
         out = StepOutput(seq.request_id, [token], delta, first_index=index,

@@ -10,17 +10,6 @@ MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may as
 
 
 @dataclass(frozen=True)
-class StructuredOutputs:
-    """Output constrained to exactly one of these (structured.py compiles it)."""
-
-    json: str | None = None  # a JSON Schema, as JSON text
-    json_object: bool = False  # any JSON object
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None  # exactly one of these strings
-    grammar: str | None = None  # Lark, or GBNF (a grammar with `::=`)
-
-
-@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
@@ -35,7 +24,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    structured_outputs: StructuredOutputs | None = None  # None: unconstrained
     # log-probabilities from the raw logits: of each sampled token (and its `logprobs` most
     # likely alternatives), of each prompt token from the second on (`prompt_logprobs` top);
     # None: not computed at all
@@ -60,6 +48,8 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     output_token_ids: list[int] = field(default_factory=list)
     priority: int = 0  # lower runs first, as in vLLM
+    # seconds it already waited before this add (a job since first queued): counts for aging
+    queued_s: float = 0.0
     # run alone, in a step of its own, until it has produced a token: a job whose earlier runs
     # may have crashed their process (a reclaimed entry delivered more than once)
     isolate: bool = False

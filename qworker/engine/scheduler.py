@@ -12,6 +12,11 @@ Isolation: a sequence with `isolate` set (a job whose earlier runs may have cras
 runs in steps of its own until it has sampled a token: when it is running, or at the head of the
 waiting queue with room for its whole prefill, the step is that sequence alone and the others wait;
 otherwise nothing is admitted behind it. So whatever it does to a step, no other sequence was in it.
+
+Priority: queues and the running list are in rank order (`Sequence.rank`: the priority, aged by
+the time waited, see EngineCore.rank; ties by arrival, kept across preemption). A block shortage
+preempts the worst-ranked running sequence, the newest of equals. A waiting head that does not fit
+(no slot, no blocks) preempts running sequences it strictly outranks until it fits (`_displace`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class SchedulerLimits:
 class ScheduledStep:
     work: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     preempted: list[Sequence] = field(default_factory=list)
+    displaced: list[Sequence] = field(default_factory=list)  # of those, preempted for priority
     prefill_tokens: int = 0  # tokens spent from the step's budget
 
 
@@ -65,10 +71,12 @@ class Scheduler:
         """budget: prefill tokens this step may take (at most, and by default, the limit's)."""
         step = ScheduledStep()
         limit = self.limits.max_batched_tokens
+        self.running.sort(key=lambda s: s.queue_key)  # admission appends; rank order again
         if not self._schedule_alone(step, limit):
-            budget = self._schedule_running(step, limit if budget is None else min(budget, limit))
+            total = limit if budget is None else min(budget, limit)
+            self._schedule_running(step, total)
             if not step.preempted:
-                self._admit_waiting(step, budget)
+                self._admit(step, total)
         assert len(step.work) == 1 or not any(seq.isolate for seq, _ in step.work), \
             "an isolated sequence shares a step"
         return step
@@ -99,7 +107,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.blocks.share(seq, self.blocks.cached_prefix(seq))
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=lambda s: s.queue_key)
         n = min(seq.num_pending, self.limits.prefill_chunk, budget)
         if self._make_room(seq, seq.num_computed + n, step):
             self.blocks.grow(seq, seq.num_computed + n)
@@ -135,11 +143,43 @@ class Scheduler:
                 return False
         return True
 
+    def _admit(self, step: ScheduledStep, total: int) -> None:
+        """Admits waiting sequences in queue order; where the head does not fit and outranks the
+        worst running sequence, that one is preempted for it and admission goes on."""
+        self._admit_waiting(step, total - step.prefill_tokens)
+        while self._displace(step, total - step.prefill_tokens):
+            self._admit_waiting(step, total - step.prefill_tokens)
+
+    def _displace(self, step: ScheduledStep, budget: int) -> bool:
+        """Preempts the worst running sequence (highest rank, newest) for the waiting head, if
+        the head outranks it strictly and was stopped by slots or blocks (not by the budget, not
+        isolated). The victim waits behind the head (its rank is worse), so it is never admitted
+        again ahead of the one that displaced it, and ranks never change: no thrashing."""
+        if not self.waiting or not self.running or budget <= 0:
+            return False
+        head = self.waiting[0]
+        victim = max(self.running, key=lambda s: s.queue_key)
+        if head.isolate or victim.rank <= head.rank:
+            return False
+        for k, (seq, n) in enumerate(step.work):
+            if seq is victim:  # scheduled earlier in this step: it gives its tokens back
+                del step.work[k]
+                step.prefill_tokens -= n if seq.is_prefill else 0
+                break
+        self.running.remove(victim)
+        self.blocks.release(victim)
+        self.add(victim)
+        step.preempted.append(victim)
+        step.displaced.append(victim)
+        return True
+
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             if seq.isolate:
                 return  # it starts alone, in a step of its own
+            if seq in step.displaced:
+                return  # displaced in this step: not back before the next
             prefix = self.blocks.cached_prefix(seq)  # counted as there: no prefill, no new block
             start = len(prefix) * self.blocks.block_size
             n = min(seq.num_pending - start, self.limits.prefill_chunk, budget)

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
 
 from qworker.engine.request import FinishReason, SamplingParams, TokenLogprobs
 from qworker.engine.text import TextStream
-
-if TYPE_CHECKING:
-    from qworker.engine.structured import Matcher
 
 
 class Status(Enum):
@@ -32,9 +28,10 @@ class Sequence:
     text: TextStream
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
-    matcher: Matcher | None = None  # its place in its structured_outputs grammar (structured.py)
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
+    # its place in the queues, lower first: the priority aged by waiting (EngineCore.rank)
+    rank: float = 0.0
     isolate: bool = False  # runs alone in its steps until it samples a token (Request.isolate)
     cache_salt: str | None = None  # isolates its prefix cache entries (Request.cache_salt)
     # prefix caching (prefix_cache.py): the chained hashes of its full blocks, as far as computed,
@@ -78,5 +75,5 @@ class Sequence:
         return range(start, min(self.num_computed + n, self.num_prompt_tokens - 1))
 
     @property
-    def queue_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
+    def queue_key(self) -> tuple[float, int]:
+        return (self.rank, self.arrival)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import random
 import re
@@ -29,13 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from qworker.engine.request import (
-    Request,
-    RequestRejectedError,
-    SamplingParams,
-    StepOutput,
-    StructuredOutputs,
-)
+from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
 from qworker.service import publisher as pub
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import (
@@ -49,7 +42,6 @@ from qworker.service.errors import (
 from qworker.service.heartbeat import Heartbeat, Held
 from qworker.service.intake import Intake, Reject, Taken
 from qworker.service.job import ActiveJob, Entry, now_ms
-from qworker.service.logprobs import token_text, wire_logprobs
 from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics
 from qworker.service.on_done import OnDone
@@ -64,7 +56,6 @@ from qworker_client.protocol import (
     Keys,
     WorkerInfo,
 )
-from qworker_client.protocol import StructuredOutputs as WireStructuredOutputs
 
 EXIT_GRACE_S = 5.0  # after a drain/requeue deadline, how long to keep retrying Redis writes
 
@@ -119,7 +110,7 @@ def default_seed(job_id: str) -> int:
 # the fields of a job that say what to run and when, not how to sample: every other field of a
 # Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
 JOB_NOT_SAMPLING = frozenset({"id", "model", "prompt", "messages", "prompt_token_ids",
-                              "priority", "deadline_ms", "logprobs_text"})
+                              "priority", "deadline_ms"})
 
 
 def sampling_params(job: Job, job_id: str) -> SamplingParams:
@@ -129,18 +120,7 @@ def sampling_params(job: Job, job_id: str) -> SamplingParams:
     values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     if values["seed"] is None:
         values["seed"] = default_seed(job_id)
-    values["structured_outputs"] = structured_outputs(job.structured_outputs)
     return SamplingParams(**values)
-
-
-def structured_outputs(wire: WireStructuredOutputs | None) -> StructuredOutputs | None:
-    """The engine's form of a job's constraint (a schema as JSON text, choices as a tuple)."""
-    if wire is None:
-        return None
-    schema = json.dumps(wire.json_schema) if wire.json_schema is not None else None
-    choice = tuple(wire.choice) if wire.choice is not None else None
-    return StructuredOutputs(json=schema, json_object=bool(wire.json_object), regex=wire.regex,
-                             choice=choice, grammar=wire.grammar)
 
 
 class Worker:
@@ -161,7 +141,6 @@ class Worker:
         self.backoff = Backoff(config.backoff_min_s, config.backoff_max_s)
         self.log = get_logger(worker=config.name)
         self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
-        self._token_text = token_text(engine.tokenizer)  # for jobs with logprobs_text
         self.active: dict[str, ActiveJob] = {}
         self._alone: str | None = None  # the job our alone key names (see _move_alone)
         self.draining = False
@@ -344,11 +323,7 @@ class Worker:
             if out.text_delta and not out.new_token_ids:
                 job.log.warning("engine gave text without a token; dropped",
                                 chars=len(out.text_delta))
-            text = self._token_text if job.job.logprobs_text else None
-            if out.prompt_logprobs is not None:
-                job.add_prompt_logprobs(wire_logprobs(out.prompt_logprobs, text))
-            job.add_tokens(out.first_index, out.new_token_ids, out.text_delta,
-                           wire_logprobs(out.logprobs, text) if out.logprobs else None)
+            job.add_tokens(out.first_index, out.new_token_ids, out.text_delta)
             self.metrics.tokens.inc(len(out.new_token_ids))
             if out.finished:
                 job.prompt_tokens = out.num_prompt_tokens or job.prompt_tokens
