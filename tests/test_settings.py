@@ -18,7 +18,7 @@ from qworker.commands import serve
 from qworker.commands.config_flags import Flag, env_name, flag_name, flags_of
 from qworker.commands.up import EmbeddedRedis, LocalRedis, UpConfig, choose_redis
 from qworker.engine.config import EngineConfig
-from qworker.engine.request import SamplingParams
+from qworker.engine.request import SamplingParams, StructuredOutputs
 from qworker.service.config import ServiceConfig
 from qworker.service.worker import JOB_NOT_SAMPLING, default_seed, sampling_params
 from qworker_client.protocol import Job
@@ -178,6 +178,9 @@ SAMPLED: dict[str, Any] = {
     "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "seed": 11,
     "stop": ["zz"], "stop_token_ids": [5], "ignore_eos": True, "min_tokens": 2,
     "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.4}
+SAMPLED["structured_outputs"] = {"regex": "[ab]+"}
+# what the engine gets where it is not the job's value itself (or its list as a tuple)
+CARRIED: dict[str, Any] = {"structured_outputs": StructuredOutputs(regex="[ab]+")}
 
 
 def test_a_jobs_sampling_fields_are_the_sampling_params_fields() -> None:
@@ -190,7 +193,7 @@ def test_each_sampling_field_of_a_job_is_carried() -> None:
     params = sampling_params(Job(prompt="x", **SAMPLED), "1-0")
     default = SamplingParams()
     for name, value in SAMPLED.items():
-        carried = tuple(value) if isinstance(value, list) else value
+        carried = CARRIED.get(name, tuple(value) if isinstance(value, list) else value)
         assert getattr(params, name) == carried != getattr(default, name), name
 
 

@@ -38,7 +38,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 1_000_000
 MAX_DEADLINE_MS = 2**53  # far beyond any real unix time in ms; keeps JSON numbers exact
-MAX_CACHE_SALT_CHARS = 256
+MAX_STRUCTURED_CHARS = 65_536  # a `structured_outputs` schema (as compact JSON), regex or grammar
+MAX_CHOICES = 256  # strings of `structured_outputs.choice`
+MAX_CHOICE_CHARS = 1_024
 MAX_FIELD_BYTES = 4 * 1024 * 1024  # one wire value, before any parsing
 MAX_FIELDS = 64  # fields of one entry
 
@@ -94,6 +96,46 @@ class ChatMessage(BaseModel):
     content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+ChoiceString = Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]
+
+
+class StructuredOutputs(BaseModel):
+    """Output constrained to exactly one of: a JSON Schema, any JSON object, a regular
+    expression, one of a list of strings, a Lark grammar (or GBNF: a grammar with `::=`).
+    Whether a schema, regex or grammar compiles is checked by the worker when it takes the job
+    (`invalid_request` if not)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    json_schema: Annotated[dict[str, Any] | None, Field(
+        alias="json", description="a JSON Schema (an object); the output is compact JSON")] = None
+    json_object: Annotated[Literal[True] | None, Field(description="any JSON object")] = None
+    regex: Annotated[str | None, Field(min_length=1, max_length=MAX_STRUCTURED_CHARS)] = None
+    choice: Annotated[list[ChoiceString] | None, Field(min_length=1, max_length=MAX_CHOICES)
+                      ] = None
+    grammar: Annotated[str | None, Field(
+        min_length=1, max_length=MAX_STRUCTURED_CHARS, description="Lark, or GBNF")] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> StructuredOutputs:
+        given = [kind for kind, value in zip(_STRUCTURED_KINDS, self._values(), strict=True)
+                 if value is not None]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise ValueError(f"exactly one of {', '.join(_STRUCTURED_KINDS)} is required "
+                             f"(got {got})")
+        if self.json_schema is not None:
+            size = len(json.dumps(self.json_schema, separators=(",", ":")))
+            if size > MAX_STRUCTURED_CHARS:
+                raise ValueError(f"the JSON Schema is longer than {MAX_STRUCTURED_CHARS} "
+                                 f"characters ({size})")
+        return self
+
+    def _values(self) -> tuple[Any, ...]:
+        return (self.json_schema, self.json_object, self.regex, self.choice, self.grammar)
+
+
 _PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -134,10 +176,9 @@ class Job(BaseModel):
     deadline_ms: Annotated[
         int | None, Field(ge=0, le=MAX_DEADLINE_MS, description="unix ms; past it: error expired")
     ] = None
-    cache_salt: Annotated[str | None, Field(
-        min_length=1, max_length=MAX_CACHE_SALT_CHARS,
-        description="prefix caching: only jobs with the same salt share cached prompt blocks")
-    ] = None
+    structured_outputs: Annotated[StructuredOutputs | None, Field(
+        description="constrain the output: exactly one of json, json_object, regex, choice, "
+                    "grammar")] = None
 
     @model_validator(mode="after")
     def _check(self) -> Job:
@@ -171,13 +212,12 @@ class Job(BaseModel):
 
 # Wire kind of each job field: how its string is decoded before validation.
 _JOB_WIRE_KINDS: dict[str, str] = {
-    "cache_salt": "str",
     "id": "str", "model": "str", "prompt": "str", "messages": "json", "prompt_token_ids": "json",
     "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",
     "ignore_eos": "bool", "min_tokens": "int", "repetition_penalty": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "priority": "int",
-    "deadline_ms": "int",
+    "deadline_ms": "int", "structured_outputs": "json",
 }
 assert set(_JOB_WIRE_KINDS) == set(Job.model_fields)
 
@@ -192,7 +232,8 @@ def encode_value(value: Any) -> str:
     if isinstance(value, (int, float, str)):
         return str(value) if not isinstance(value, float) else repr(value)
     if isinstance(value, BaseModel):
-        return json.dumps(value.model_dump(), ensure_ascii=False, separators=(",", ":"))
+        return json.dumps(value.model_dump(by_alias=True, exclude_none=True), ensure_ascii=False,
+                          separators=(",", ":"))
     if isinstance(value, (list, tuple)):
         items = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
         return json.dumps(items, ensure_ascii=False, separators=(",", ":"))

@@ -21,6 +21,7 @@ from qworker.engine.pacer import PrefillPacer
 from qworker.engine.request import FinishReason, Request, SamplingParams, StepOutput
 from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from qworker.engine.sequence import Sequence, Status
+from qworker.engine.structured import Grammars
 from qworker.engine.text import Detokenizer, TextStream
 from qworker.engine.validation import ModelLimits, check_prompt_chars, check_request
 
@@ -81,6 +82,7 @@ class EngineCore:
                                   max_token_chars=vocab.max_token_chars)
         # no sequence can outgrow the model's context nor the whole cache
         self.max_seq_len = self.limits.max_seq_len
+        self.grammars = Grammars(vocab.tokenizer, runner.vocab_size, vocab.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._ready: list[StepOutput] = []  # outputs decided outside a step (resumed, finished)
         self._arrivals = itertools.count()
@@ -101,6 +103,9 @@ class EngineCore:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
         check_request(request, self.limits)
         params = request.params
+        # compiled before anything is taken: an invalid one is a RequestRejectedError here
+        matcher = (self.grammars.matcher(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         seq = Sequence(
             request_id=request.request_id,
             token_ids=list(request.prompt_token_ids),
@@ -117,6 +122,7 @@ class EngineCore:
             prompt_logprobs=([] if params.prompt_logprobs is not None
                              and not request.output_token_ids else None),
         )
+        seq.matcher = matcher
         self._seqs[seq.request_id] = seq
         for token in request.output_token_ids:  # replay what an earlier run already streamed
             if (out := self._append(seq, token)).finished:  # it had ended; only `done` was lost
@@ -296,6 +302,9 @@ class EngineCore:
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         """Adds a generated token; decides whether the sequence is finished."""
+        if seq.matcher is not None and not seq.matcher.advance(token):  # a mask let it through?
+            return self._fail(seq, ValueError(f"token {token} does not fit structured_outputs: "
+                                              f"{seq.matcher.error[:200]}"))
         index = seq.num_output_tokens
         seq.token_ids.append(token)
         p = seq.params
@@ -306,6 +315,8 @@ class EngineCore:
         else:
             delta = seq.text.add(token, check_stop=count >= p.min_tokens)
             reason = "stop" if seq.text.stopped else None
+            if reason is None and seq.matcher is not None and seq.matcher.done:
+                delta, reason = delta + seq.text.flush(), "stop"  # its grammar is complete
             if reason is None and (count >= p.max_tokens or len(seq.token_ids) >= self.max_seq_len):
                 delta, reason = delta + seq.text.flush(), "length"
         out = StepOutput(seq.request_id, [token], delta, first_index=index,

@@ -16,6 +16,7 @@ from weakref import WeakKeyDictionary
 from qworker.engine.byte_tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
 from qworker.engine.request import TokenLogprobs
 from qworker.engine.sequence import Sequence
+from qworker.engine.structured import Matcher, allowed_masks
 
 _MASK = (1 << 64) - 1
 _FNV_PRIME = 0x100000001B3
@@ -63,6 +64,8 @@ class HashRunner:
         h = _mix(self._hash(seq) ^ ((p.seed or 0) * 0x9E3779B97F4A7C15 & _MASK))
         banned = set(p.stop_token_ids) if seq.num_output_tokens < p.min_tokens else set()
         may_end = not p.ignore_eos and seq.num_output_tokens >= p.min_tokens
+        if seq.matcher is not None:
+            return _constrained(seq.matcher, h, banned if may_end else banned | {EOS_TOKEN_ID})
         if self.eos_every and may_end and h % self.eos_every == 0:
             return EOS_TOKEN_ID
         start = (h >> 8) % len(_PRINTABLE)
@@ -98,3 +101,10 @@ def _logprobs(h: int, token: int, k: int) -> TokenLogprobs:
     first = -(_mix(h) % 4096) / 1024
     top = tuple(((token + j) % VOCAB_SIZE, first - j) for j in range(k))
     return TokenLogprobs(token, first, top)
+
+
+def _constrained(matcher: Matcher, h: int, banned: set[int]) -> int:
+    """Structured output: the hash picks among the tokens the grammar allows next."""
+    mask = allowed_masks([matcher])[0]
+    allowed = [t for t in range(len(mask)) if mask[t] and t not in banned]
+    return allowed[(h >> 8) % len(allowed)] if allowed else EOS_TOKEN_ID

@@ -10,6 +10,17 @@ MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may as
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """Output constrained to exactly one of these (structured.py compiles it)."""
+
+    json: str | None = None  # a JSON Schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # Lark, or GBNF (a grammar with `::=`)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
@@ -24,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured_outputs: StructuredOutputs | None = None  # None: unconstrained
     # log-probabilities from the raw logits: of each sampled token (and its `logprobs` most
     # likely alternatives), of each prompt token from the second on (`prompt_logprobs` top);
     # None: not computed at all

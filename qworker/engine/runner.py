@@ -7,8 +7,9 @@ import time
 import torch
 
 from qworker.engine.logprobs import log_softmax_rows, token_logprobs
-from qworker.engine.sampler import SampleRow, sample
+from qworker.engine.sampler import Allowed, SampleRow, sample
 from qworker.engine.sequence import Sequence
+from qworker.engine.structured import MaskFuture
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.kv_cache import KVCache
 from qworker.model.llama import LlamaModel
@@ -49,6 +50,7 @@ class Runner:
             for seq, n in work
         ]
         batch = build_batch(inputs, self.cache.block_size, self.model.device)
+        masks = _start_masks(work, inputs)  # computed beside the forward
         started = time.perf_counter()
         logits = self.model(batch, self.cache)
         self.forward_seconds += time.perf_counter() - started
@@ -59,7 +61,7 @@ class Runner:
             return {}
         asking = [r for r, seq in enumerate(sampled) if seq.params.logprobs is not None]
         raw = log_softmax_rows(logits[asking]) if asking else None  # before the sampler edits
-        tokens = sample(logits, [self._row(seq) for seq in sampled])
+        tokens = sample(logits, [self._row(seq) for seq in sampled], _allowed(sampled, masks))
         if raw is not None:
             found = token_logprobs(raw, [tokens[r] for r in asking],
                                    [sampled[r].params.logprobs or 0 for r in asking])
@@ -110,3 +112,17 @@ class Runner:
         return SampleRow(p, seq.seed, seq.num_output_tokens, seq.token_ids,
                          seq.num_prompt_tokens, banned)
 
+
+def _start_masks(work: list[tuple[Sequence, int]], inputs: list[SequenceInput]
+                 ) -> MaskFuture | None:
+    """Starts computing the token masks of the constrained sequences that sample this step."""
+    matchers = [seq.matcher for (seq, _), inp in zip(work, inputs, strict=True)
+                if inp.need_logits and seq.matcher is not None]
+    return MaskFuture(matchers) if matchers else None
+
+
+def _allowed(sampled: list[Sequence], masks: MaskFuture | None) -> Allowed | None:
+    if masks is None:
+        return None
+    rows = [r for r, seq in enumerate(sampled) if seq.matcher is not None]
+    return Allowed(rows, torch.from_numpy(masks.result()))

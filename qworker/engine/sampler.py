@@ -34,15 +34,29 @@ class SampleRow:
     banned: tuple[int, ...]  # token ids not allowed now (EOS and stop ids before min_tokens)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+@dataclass(frozen=True)
+class Allowed:
+    """Structured output: the tokens each constrained row may sample; other rows are free."""
+
+    rows: list[int]  # indices of the constrained rows
+    mask: torch.Tensor  # [len(rows), vocab] bool: True where allowed
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: Allowed | None = None
+           ) -> list[int]:
     """logits: [len(rows), vocab]; returns one token id per row."""
     logits = logits.float()
-    if any(row.banned or _penalized(row.params) for row in rows):
+    if allowed is not None or any(row.banned or _penalized(row.params) for row in rows):
         logits = logits.clone()  # edited in place below; the common case copies nothing
     for r, row in enumerate(rows):
         _penalize(logits[r], row)
         if row.banned:
             logits[r, list(row.banned)] = float("-inf")
+    if allowed is not None:
+        assert allowed.mask.shape == (len(allowed.rows), logits.shape[1]), "mask of another vocab"
+        index = torch.tensor(allowed.rows, device=logits.device)
+        mask = allowed.mask.to(logits.device)
+        logits[index] = logits[index].masked_fill(~mask, float("-inf"))
     chosen = logits.argmax(dim=-1)
     random_rows = [r for r, row in enumerate(rows) if not row.params.greedy]
     if random_rows:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from qworker.engine.request import FinishReason, SamplingParams, TokenLogprobs
 from qworker.engine.text import TextStream
+
+if TYPE_CHECKING:
+    from qworker.engine.structured import Matcher
 
 
 class Status(Enum):
@@ -28,6 +32,7 @@ class Sequence:
     text: TextStream
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    matcher: Matcher | None = None  # its place in its structured_outputs grammar (structured.py)
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
     # its place in the queues, lower first: the priority aged by waiting (EngineCore.rank)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import random
 import re
@@ -28,7 +29,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
+from qworker.engine.request import (
+    Request,
+    RequestRejectedError,
+    SamplingParams,
+    StepOutput,
+    StructuredOutputs,
+)
 from qworker.service import publisher as pub
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import (
@@ -56,6 +63,7 @@ from qworker_client.protocol import (
     Keys,
     WorkerInfo,
 )
+from qworker_client.protocol import StructuredOutputs as WireStructuredOutputs
 
 EXIT_GRACE_S = 5.0  # after a drain/requeue deadline, how long to keep retrying Redis writes
 
@@ -109,8 +117,7 @@ def default_seed(job_id: str) -> int:
 
 # the fields of a job that say what to run and when, not how to sample: every other field of a
 # Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
-JOB_NOT_SAMPLING = frozenset({"id", "model", "cache_salt", "prompt", "messages",
-                              "prompt_token_ids",
+JOB_NOT_SAMPLING = frozenset({"id", "model", "prompt", "messages", "prompt_token_ids",
                               "priority", "deadline_ms"})
 
 
@@ -121,7 +128,18 @@ def sampling_params(job: Job, job_id: str) -> SamplingParams:
     values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     if values["seed"] is None:
         values["seed"] = default_seed(job_id)
+    values["structured_outputs"] = structured_outputs(job.structured_outputs)
     return SamplingParams(**values)
+
+
+def structured_outputs(wire: WireStructuredOutputs | None) -> StructuredOutputs | None:
+    """The engine's form of a job's constraint (a schema as JSON text, choices as a tuple)."""
+    if wire is None:
+        return None
+    schema = json.dumps(wire.json_schema) if wire.json_schema is not None else None
+    choice = tuple(wire.choice) if wire.choice is not None else None
+    return StructuredOutputs(json=schema, json_object=bool(wire.json_object), regex=wire.regex,
+                             choice=choice, grammar=wire.grammar)
 
 
 class Worker:
@@ -537,8 +555,7 @@ class Worker:
             # runs alone until it has produced a token and shares no step with others
             self.engine.add(Request(job_id, prompt, sampling_params(t.job, job_id),
                                     output_token_ids=list(t.readback.token_ids),
-                                    priority=t.job.priority, isolate=t.entry.deliveries > 1,
-                                    cache_salt=t.job.cache_salt))
+                                    priority=t.job.priority, isolate=t.entry.deliveries > 1))
         except RequestRejectedError as exc:
             return Reject(t.entry, exc.code, str(exc), job_id, drop_owner=True)
         except Exception as exc:  # a tokenizer / template failure must not stop the worker

@@ -32,7 +32,6 @@ _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--priority", "priority", int),
     ("--deadline-ms", "deadline_ms", int),
     ("--model", "model", str),  # to <prefix>:jobs:{<model>}, for the workers serving it
-    ("--cache-salt", "cache_salt", str),  # only jobs of the same salt share cached prefixes
 )
 
 
