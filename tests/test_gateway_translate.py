@@ -59,7 +59,7 @@ def test_stream_options_and_detach() -> None:
     ("chat", chat(n=0), "n"),
     ("chat", chat(n=5), "n"),
     ("chat", chat(seed=-1), "seed"),
-    ("chat", chat(response_format={"type": "json_object"}), "response_format"),
+    ("chat", chat(response_format={"type": "xml"}), "response_format"),
     ("chat", chat(stream_options="yes"), "stream_options"),
     ("chat", {"model": "m", "messages": []}, "messages"),
     ("chat", {"model": "m", "messages": [{"content": "x"}]}, "messages[0]"),

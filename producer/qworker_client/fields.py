@@ -43,7 +43,7 @@ def _encode(spec: Mapping[str, Any]) -> dict[str, str]:
         except TypeError:
             raise TypeError(
                 f"field {name!r}: cannot send a {type(value).__name__} (use str, int, float, "
-                "bool, or a list of them)"
+                "bool, a list of them, or a dict)"
             ) from None
     return fields
 

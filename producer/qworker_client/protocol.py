@@ -234,6 +234,8 @@ def encode_value(value: Any) -> str:
     if isinstance(value, BaseModel):
         return json.dumps(value.model_dump(by_alias=True, exclude_none=True), ensure_ascii=False,
                           separators=(",", ":"))
+    if isinstance(value, dict):  # an object field given as a plain dict (structured_outputs)
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     if isinstance(value, (list, tuple)):
         items = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
         return json.dumps(items, ensure_ascii=False, separators=(",", ":"))

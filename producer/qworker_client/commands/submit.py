@@ -68,6 +68,16 @@ def add_param_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-ids", default=None, help="JSON list of token ids")
     parser.add_argument("--ignore-eos", action="store_true", default=None)
     parser.add_argument("--id", dest="job_id", default=None, help="job id (default: random)")
+    structured = parser.add_mutually_exclusive_group()  # structured_outputs: one constraint
+    structured.add_argument("--json-schema", default=None, metavar="FILE",
+                            help="output JSON valid against the JSON Schema in FILE ('-': stdin)")
+    structured.add_argument("--json-object", action="store_true", default=None,
+                            help="output any JSON object")
+    structured.add_argument("--regex", default=None, help="output matching this regex")
+    structured.add_argument("--choice", action="append", default=None,
+                            help="output exactly one of these strings (repeatable)")
+    structured.add_argument("--grammar", default=None, metavar="FILE",
+                            help="output of the Lark (or GBNF) grammar in FILE")
 
 
 def job_spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,7 +88,32 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
         stop_token_ids=_json_arg("--stop-token-ids", args.stop_token_ids),
     )
     spec.update(_prompt_fields(args))
+    spec["structured_outputs"] = _structured_outputs(args)
     return spec
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.json_schema is not None:
+        return {"json": _json_arg("--json-schema", _read_file("--json-schema", args.json_schema))}
+    if args.grammar is not None:
+        return {"grammar": _read_file("--grammar", args.grammar)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    return None
+
+
+def _read_file(flag: str, path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror}") from None
 
 
 def _prompt_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.structured import structured_outputs
 
 Kind = Literal["chat", "completion"]
 
@@ -81,6 +82,7 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise bad_request("`seed` must be a non-negative integer", param="seed")
     params["seed"] = seed
+    params["structured_outputs"] = structured_outputs(body)
     return params
 
 
@@ -95,9 +97,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise bad_request("`echo` is not supported", param="echo")
     if (body.get("best_of") or 1) != 1:
         raise bad_request("`best_of` is not supported", param="best_of")
-    fmt = body.get("response_format")
-    if fmt and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("only a text `response_format` is supported", param="response_format")
 
 
 def _int_field(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
