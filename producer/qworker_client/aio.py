@@ -69,7 +69,11 @@ class AsyncProducer:
     async def submit_many(self, jobs: Iterable[JobInput]) -> list[AsyncJob]:
         """See `Producer.submit_many`: each id is queued once, retried after a dropped
         connection."""
-        prepared = [job_fields(job) for job in jobs]
+        return await self.submit_prepared([job_fields(job) for job in jobs])
+
+    async def submit_prepared(self, prepared: list[tuple[str, dict[str, str]]]
+                              ) -> list[AsyncJob]:
+        """`submit_many` of jobs already made wire fields (`job_fields`'s (id, fields))."""
         handles: dict[int, AsyncJob] = {}
         for stream, positions in by_stream(self.keys, prepared).items():
             group = [prepared[k] for k in positions]

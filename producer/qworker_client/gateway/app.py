@@ -14,18 +14,26 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from qworker_client.gateway import batch_routes, jobs
 from qworker_client.gateway.auth import RequireKey
 from qworker_client.gateway.catalog import model_card, model_list
 from qworker_client.gateway.completions import complete
 from qworker_client.gateway.config import GatewayConfig
+from qworker_client.gateway.disconnect import RAW_SEND
 from qworker_client.gateway.errors import APIError
 from qworker_client.gateway.metrics import CountResponses
 from qworker_client.gateway.service import Gateway
 
 log = logging.getLogger("qworker.gateway")
 Handler = Callable[[Gateway, Request], Awaitable[Any]]
+
+
+class GatewayApp(Starlette):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send  # the server's, for the streams' body pieces (disconnect.py)
+        await super().__call__(scope, receive, send)
 
 
 def create_app(config: GatewayConfig) -> Starlette:
@@ -60,7 +68,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         route("/health", _health),
         route("/metrics", _metrics),
     ]
-    app = Starlette(
+    app = GatewayApp(
         routes=routes, lifespan=lifespan,
         middleware=[Middleware(CountResponses, metrics=gateway.metrics),
                     Middleware(RequireKey, keys=config.api_keys)],

@@ -13,6 +13,10 @@ from qworker_client.gateway.sse import HEADERS, MEDIA_TYPE
 
 T = TypeVar("T")
 Abort = Callable[[], Awaitable[None]]
+# the server's own `send`, put in the scope by the app (`app.GatewayApp`): a stream's body pieces
+# go straight to it, not through the send of each middleware (which only watch the response's
+# start, still sent through them); nothing in the gateway rewrites a body
+RAW_SEND = "qworker.raw_send"
 
 
 async def _watch(receive: Receive, scope: anyio.CancelScope) -> None:
@@ -58,8 +62,9 @@ class EventStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw})
+        body_send: Send = scope.get(RAW_SEND, send)
         try:
-            await until_disconnect(receive, lambda: self._send_all(send), self.on_abort)
+            await until_disconnect(receive, lambda: self._send_all(body_send), self.on_abort)
         finally:  # its own cleanup (the hub's followers, the metrics) runs now, not at GC
             with anyio.CancelScope(shield=True):
                 await self.frames.aclose()

@@ -44,10 +44,8 @@ class Gateway:
     async def submit(self, request: GatewayRequest, shape: Shape) -> None:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
         streams, then queue them all at once."""
-        specs = [choice.spec for choice in request.choices]
         try:
-            for spec in specs:
-                job_fields(spec)
+            prepared = [job_fields(choice.spec) for choice in request.choices]
         except JobValidationError as exc:
             match = _PARAM_RE.match(exc.message)
             raise bad_request(exc.message, param=match.group(1) if match else None) from None
@@ -59,7 +57,7 @@ class Gateway:
             pipe.set(meta_key(self.keys.prefix, choice.job_id), meta.to_json(),
                      ex=self.config.result_ttl_s)
         await pipe.execute()
-        await self.producer.submit_many(specs)
+        await self.producer.submit_prepared(prepared)
 
     async def cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
