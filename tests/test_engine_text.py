@@ -23,6 +23,9 @@ class Pieces:
     def add(self, token_id: int) -> str:
         return self.pieces[token_id]
 
+    def flush(self) -> str:
+        return ""
+
 
 def stream(pieces: list[str], stop: tuple[str, ...]) -> tuple[list[str], TextStream]:
     text = TextStream(Pieces(pieces), stop)

@@ -40,3 +40,6 @@ class ByteDetokenizer:
 
     def add(self, token_id: int) -> str:
         return self._decoder.decode(bytes((token_id,)))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)  # an unfinished character: U+FFFD

@@ -8,6 +8,8 @@ from typing import Protocol
 class Detokenizer(Protocol):
     def add(self, token_id: int) -> str: ...
 
+    def flush(self) -> str: ...  # at the end: the text still held back (an unfinished character)
+
 
 class TextStream:
     """Turns generated tokens into text deltas.
@@ -35,6 +37,11 @@ class TextStream:
 
     def flush(self) -> str:
         """The sequence ended for another reason: what was held back is final now."""
+        if not self.stopped:  # the detokenizer's held-back text, cut at a stop string it ends
+            before = len(self.text)
+            self.text += self._detokenizer.flush()
+            if self._stop:
+                self._cut_at_stop(before)
         return self._emit(len(self.text))
 
     @property

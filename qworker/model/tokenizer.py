@@ -9,7 +9,8 @@ deltas whose concatenation is exactly the full decode.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -18,6 +19,8 @@ from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from qworker.model.spm_tokenizer import sentencepiece_bpe
 
 REPLACEMENT_CHAR = "\ufffd"
 Message = dict[str, Any]
@@ -45,7 +48,9 @@ GGUF_PRE_TOKENIZER_SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp token types
+_GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 2, 3, 4  # llama.cpp token types
+_GGUF_TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # SentencePiece's byte-fallback tokens
 _SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
 _GGUF_SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 
@@ -114,7 +119,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Build the byte-level BPE tokenizer a GGUF file describes in its metadata."""
+        """Build the tokenizer a GGUF file describes in its metadata: byte-level BPE ("gpt2") or
+        SentencePiece ("llama")."""
         from qworker.model.loader import LoaderError, gguf_eos_token_ids, gguf_value, open_gguf
 
         path = Path(path)
@@ -122,28 +128,38 @@ class Tokenizer:
             reader = open_gguf(path)
         except LoaderError as exc:
             raise TokenizerError(str(exc)) from exc
-        kind = gguf_value(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
+
+        def value(key: str, default: Any = None) -> Any:
+            return gguf_value(reader, f"tokenizer.ggml.{key}", default)
+
+        kind = value("model")
+        if kind not in _GGUF_TOKENIZER_MODELS:
             raise TokenizerError(
-                f"{path}: tokenizer.ggml.model is {kind!r}; "
-                "only byte-level BPE ('gpt2') is supported"
+                f"{path}: tokenizer.ggml.model is {kind!r}; supported: byte-level BPE ('gpt2') "
+                "and SentencePiece ('llama')"
             )
-        tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens") or []
-        types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges: list[str] = gguf_value(reader, "tokenizer.ggml.merges") or []
+        tokens: list[str] = value("tokens") or []
+        types: list[int] = value("token_type") or [1] * len(tokens)
         if not tokens or len(types) != len(tokens):
             raise TokenizerError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
-        backend = _byte_level_bpe(tokens, merges, gguf_value(reader, "tokenizer.ggml.pre"))
-        _add_gguf_special_tokens(backend, tokens, types)
         special = {
             f"{name}_token": tokens[token_id]
             for name, key in _GGUF_SPECIAL_KEYS.items()
-            if (token_id := gguf_value(reader, f"tokenizer.ggml.{key}_token_id")) is not None
-            and 0 <= token_id < len(tokens)
+            if (token_id := value(f"{key}_token_id")) is not None and 0 <= token_id < len(tokens)
         }
-        bos_id = gguf_value(reader, "tokenizer.ggml.bos_token_id")
-        if gguf_value(reader, "tokenizer.ggml.add_bos_token", False) and "bos_token" in special:
-            backend.post_processor = _prepend_bos(special["bos_token"], bos_id)
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, value("merges") or [], value("pre"))
+        else:
+            backend = _sentencepiece(path, tokens, value, special.get("unk_token"))
+        _add_gguf_special_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+        add_bos = value("add_bos_token", kind == "llama") and "bos_token" in special
+        add_eos = value("add_eos_token", False) and "eos_token" in special
+        if add_bos or add_eos:
+            backend.post_processor = _bos_eos_processor(
+                (special["bos_token"], value("bos_token_id")) if add_bos else None,
+                (special["eos_token"], value("eos_token_id")) if add_eos else None,
+            )
         template = gguf_value(reader, "tokenizer.chat_template")
         return cls(backend, template, special, gguf_eos_token_ids(reader), str(path))
 
@@ -166,6 +182,16 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """The `<0xNN>` tokens, where a ByteFallback decoder reads them (SentencePiece). It decodes
+        a run of them as a whole: its text if the bytes are valid UTF-8, else one U+FFFD each."""
+        decoder = json.loads(self.backend.to_str()).get("decoder")
+        if '"ByteFallback"' not in json.dumps(decoder):
+            return frozenset()
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for token, i in vocab.items() if _BYTE_PIECE.fullmatch(token))
 
     # ---- encode / decode -----------------------------------------------------------------
 
@@ -247,6 +273,18 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> to
     return backend
 
 
+def _sentencepiece(
+    path: Path, tokens: list[str], value: Callable[..., Any], unk: str | None
+) -> tokenizers.Tokenizer:
+    scores: list[float] | None = value("scores")
+    if scores is None or len(scores) != len(tokens):
+        count = "no" if scores is None else len(scores)
+        raise TokenizerError(f"{path}: {len(tokens)} tokens but {count} tokenizer.ggml.scores")
+    merges = value("merges")
+    pairs = None if merges is None else [_merge_pair(m) for m in merges]
+    return sentencepiece_bpe(tokens, scores, pairs, unk, bool(value("add_space_prefix", True)))
+
+
 def _merge_pair(merge: str) -> tuple[str, str]:
     left, sep, right = merge.partition(" ")
     if not sep:
@@ -254,23 +292,30 @@ def _merge_pair(merge: str) -> tuple[str, str]:
     return left, right
 
 
-def _prepend_bos(bos: str, bos_id: int) -> processors.TemplateProcessing:
+def _bos_eos_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.TemplateProcessing:
+    """Add BOS before and / or EOS after each sequence, as transformers' add_bos/eos_token do."""
+    start, end = f"{bos[0]} " if bos else "", f" {eos[0]}" if eos else ""
     return processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        single=f"{start}$A{end}",
+        pair=f"{start}$A{end} {start}$B{end}",
+        special_tokens=[t for t in (bos, eos) if t is not None],
     )
 
 
 def _add_gguf_special_tokens(
-    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]
+    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int], byte_level: bool
 ) -> None:
-    """Match control and user-defined tokens whole in text, as llama.cpp does."""
+    """Match control, unknown and user-defined tokens whole in text, as llama.cpp does."""
     alphabet = frozenset(_byte_alphabet().values())
-    # A control token spelled outside the byte alphabet is a converter mislabel; adding it would
-    # grow the vocabulary past the model's embedding.
+    # A control token spelled outside the byte alphabet of a byte-level vocabulary is a converter
+    # mislabel; adding it would grow the vocabulary past the model's embedding.
     control = [
         AddedToken(t, special=True, normalized=False)
         for t, kind in zip(tokens, types, strict=True)
-        if kind == _GGUF_CONTROL and set(t) <= alphabet
+        if kind == _GGUF_CONTROL or (kind == _GGUF_UNKNOWN and not byte_level)
+        if not byte_level or set(t) <= alphabet
     ]
     vocab = backend.get_vocab()
     user = [
@@ -314,14 +359,16 @@ class IncrementalDetokenizer:
 
     The deltas joined (plus `flush()` at the end) equal `tokenizer.decode(all_ids)`. Text that ends
     in an incomplete UTF-8 character (decoded as U+FFFD) is held back until a later token completes
-    it. Each step decodes only the window from `_prefix` to the end, where `_prefix.._read` is
-    text already emitted (kept so decoders that treat a sequence's first token specially see the
-    same context twice), so the cost per token does not grow with the sequence.
+    it; so is a run of byte-fallback tokens until it ends (a later byte of the run can turn all of
+    it into U+FFFD). Each step decodes only the window from `_prefix` to the end, where
+    `_prefix.._read` is text already emitted (kept so decoders that treat a sequence's first token
+    specially see the same context twice), so the cost per token does not grow with the sequence.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._held_ids = _run_ids(tokenizer, skip_special_tokens)
         self.ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # ids[:_read] are fully emitted
@@ -332,6 +379,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one id; return the text it makes final (empty while a character is split)."""
         self.ids.append(token_id)
+        if token_id in self._held_ids:  # a byte run is decoded when it has ended
+            return ""
         emitted = self._decode(self._prefix, self._read)
         text = self._decode(self._prefix)
         if text.endswith(REPLACEMENT_CHAR) or not text.startswith(emitted):
@@ -352,3 +401,13 @@ class IncrementalDetokenizer:
         text = self._decode(self._prefix)
         self._read = len(self.ids)
         return text[len(emitted) :] if text.startswith(emitted) else ""
+
+
+def _run_ids(tokenizer: Tokenizer, skip_special_tokens: bool) -> frozenset[int]:
+    """Ids that do not end a run of byte-fallback tokens: those tokens, and special tokens where
+    they are skipped (the decoder sees the bytes on either side of one as a single run)."""
+    held = tokenizer.byte_fallback_ids
+    if not held or not skip_special_tokens:
+        return held
+    added = tokenizer.backend.get_added_tokens_decoder()
+    return held | {i for i, token in added.items() if token.special}
