@@ -87,7 +87,7 @@ class DecodeGraph:
     def _weights(self) -> list[torch.Tensor]:
         """Read afresh each step: holding them would keep a released weight alive."""
         weights = [p for layer in self.layers for p in layer.parameters()]
-        return [*weights, self.norm.weight, self.lm_head.weight]
+        return [*weights, self.norm.weight, *self.lm_head.parameters()]
 
     def _make_table(self, cache: KVCache, versions: tuple[int, ...]) -> _LayerTable:
         linears = [self.lm_head]

@@ -13,16 +13,18 @@ RowLookup = Callable[[torch.Tensor], torch.Tensor]  # token ids [t] -> rows [t, 
 
 class Embedding(nn.Embedding):
     lookup: RowLookup | None = None  # set once the weight is released
+    quant: object = None  # the QuantWeight the lookup reads, if it is one (counted, reported)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.lookup is not None:
             return self.lookup(ids)
         return super().forward(ids)
 
-    def release_to(self, lookup: RowLookup) -> None:
+    def release_to(self, lookup: RowLookup, device: torch.device | None = None) -> None:
         """Rows from `lookup` from now on; the weight becomes a stand-in of its shape and dtype
-        (one element, broadcast)."""
+        (one element, broadcast; on `device`, else the weight's)."""
         weight = self.weight
-        stand_in = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        where = weight.device if device is None else device
+        stand_in = torch.zeros((), dtype=weight.dtype, device=where).expand(weight.shape)
         self.weight = nn.Parameter(stand_in, requires_grad=False)
         self.lookup = lookup

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import structlog
 import torch
@@ -27,6 +27,9 @@ from qworker.model import native_build as nb
 
 if TYPE_CHECKING:
     from qworker.model.linear import Linear
+    from qworker.model.quant_linear import QuantLinear
+
+Layer: TypeAlias = "Linear | QuantLinear"  # what takes a measured choice
 
 BUCKETS = (1, 8, 32, 128, 512)  # rows a step's matmul is timed at
 _EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
@@ -61,7 +64,7 @@ def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def measure(layer: Linear, max_rows: int,
+def measure(layer: Layer, max_rows: int,
             timer: Timer = one_call) -> dict[str, list[float | None]]:
     """Seconds per call of each kernel the layer can run, at every bucket up to max_rows: the
     best of ROUNDS calls, the kernels taking turns (a busy neighbour slows them alike)."""
@@ -73,7 +76,7 @@ def measure(layer: Linear, max_rows: int,
             for kind in kinds:
                 out[kind].append(None)
             continue
-        x = torch.randn(rows, layer.in_features, generator=generator).to(layer.weight.dtype)
+        x = torch.randn(rows, layer.in_features, generator=generator).to(layer.input_dtype)
         runs = {kind: (lambda k=kind, x=x: layer.run(k, x)) for kind in kinds}
         with torch.inference_mode():
             for run in runs.values():
@@ -92,16 +95,15 @@ def _rounds(runs: Mapping[str, Callable[[], object]], rows: int, timer: Timer) -
     return best
 
 
-def shape_key(layer: Linear) -> str:
-    dtype = str(layer.weight.dtype).removeprefix("torch.")
-    return f"{layer.out_features}x{layer.in_features}:{dtype}"
+def shape_key(layer: Layer) -> str:
+    return f"{layer.out_features}x{layer.in_features}:{layer.weight_format}"
 
 
-def choose(layers: Iterable[tuple[Linear, int]], cache_dir: Path | None,
+def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
            timer: Timer = one_call) -> dict[str, tuple[str, ...]]:
     """Sets every layer's `choice` (layers given with the most rows a step gives each); returns
     the choice by shape. Layers of one shape share one measurement."""
-    by_shape: dict[str, list[Linear]] = {}
+    by_shape: dict[str, list[Layer]] = {}
     rows_of: dict[str, int] = {}
     for layer, rows in layers:
         if len(layer.kernels()) > 1:

@@ -51,6 +51,14 @@ class Linear(nn.Linear):
     choice: tuple[str, ...] | None = None  # the kind per kernel_choice bucket, once measured
     released: bool = False  # the weight is a stand-in: only the packs are left
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def weight_format(self) -> str:  # as kernel_choice keys a shape
+        return str(self.weight.dtype).removeprefix("torch.")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(self.kind_for(x.shape[0]), x)
 

@@ -6,6 +6,7 @@ packed tokens of a step, and logits are computed only for the rows the caller as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -21,6 +22,9 @@ from qworker.model.decode_graph import DecodeGraph
 from qworker.model.embedding import Embedding
 from qworker.model.kv_cache import KVCache
 from qworker.model.linear import Linear
+from qworker.model.loader import Weight
+from qworker.model.quant_linear import QuantLinear, quant_lookup
+from qworker.model.quant_weight import QuantWeight
 from qworker.model.rope import RotaryTable, rotate
 
 log = structlog.get_logger(__name__)
@@ -120,7 +124,8 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu", init_weights: bool = True,
     ) -> None:
-        """With init_weights=False the parameters are left uninitialised (to be loaded)."""
+        """With init_weights=False the parameters stay on the meta device until
+        `load_hf_weights` (which allocates only what it does not keep quantized)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -131,8 +136,6 @@ class LlamaModel(nn.Module):
             self.layers = nn.ModuleList(layers)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if not init_weights:
-            self.to_empty(device=self.device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.decode_graph = DecodeGraph(layers, self.norm, self.lm_head, config)
@@ -140,7 +143,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta,
             config.rope_scaling, dtype, device,
         )
-        self.to(dtype=dtype, device=device)
+        self.to(dtype=dtype, device=device if init_weights else "meta")
         self.requires_grad_(False)
 
     @torch.inference_mode()
@@ -169,7 +172,7 @@ class LlamaModel(nn.Module):
         """Measures every linear layer's kernels (`kernel_choice`) for steps of up to `max_rows`
         tokens, `max_logit_rows` of which sample; the choice by shape, logged once."""
         layers = [(m, max_rows) for m in self.modules()
-                  if isinstance(m, Linear) and m is not self.lm_head]
+                  if isinstance(m, Linear | QuantLinear) and m is not self.lm_head]
         chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir)
         self.decode_graph.reset()
         log.info("kernels_chosen", **self.kernel_report())
@@ -180,7 +183,7 @@ class LlamaModel(nn.Module):
         make redundant, and a tied embedding's where the LM head runs only the native GEMM (rows
         are then read from its pack). Returns the bytes no longer held."""
         before = self.weight_bytes()
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = getattr(self.lm_head, "weight", None) is self.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, Linear) and (module is not self.lm_head or not tied):
                 module.release_weight()
@@ -194,7 +197,9 @@ class LlamaModel(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of every distinct weight and pack this model holds."""
         seen: dict[int, int] = {}
-        for tensor in [*self.parameters(), *self.buffers(), *_packs(self)]:
+        quant = [seg.raw for m in self.modules() if isinstance(q := getattr(m, "quant", None),
+                                                              QuantWeight) for seg in q.segments]
+        for tensor in [*self.parameters(), *self.buffers(), *_packs(self), *quant]:
             if tensor.is_mkldnn:  # an opaque oneDNN pack: no storage to look at
                 seen[id(tensor)] = tensor.numel() * tensor.element_size()
             else:
@@ -209,19 +214,27 @@ class LlamaModel(nn.Module):
         on_cpu = self.device.type == "cpu"
         report = {"native": (status.level or f"missing: {status.reason}") if on_cpu else "cuda",
                   "attention": "native" if native.serves(self.norm.weight) else "torch"}
-        shapes: dict[str, Linear] = {}
+        shapes: dict[str, Linear | QuantLinear] = {}
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear | QuantLinear):
                 shapes.setdefault(kernel_choice.shape_key(module), module)
         for key, layer in shapes.items():
             kinds = layer.choice or tuple(layer.kind_for(b) for b in kernel_choice.BUCKETS)
             report[f"linear {key}"] = kernel_choice.describe({key: kinds})[key]
         return report
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up)."""
-        own = self.state_dict()
+    def load_hf_weights(self, weights: Mapping[str, Weight]) -> None:
+        """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up).
+        A `QuantWeight` stays in its blocks: its layer becomes a `QuantLinear` (an embedding, a
+        quantized row lookup, shared with a tied LM head); nothing else is allocated for it."""
         given = _fused(weights, self.config)
+        kept = [n for n, w in given.items() if isinstance(w, QuantWeight)]
+        for name in kept:
+            quant = given.pop(name)
+            assert isinstance(quant, QuantWeight)
+            self._keep_quantized(name.removesuffix(".weight"), quant, given)
+        self._materialize()
+        own = {n: t for n, t in self.state_dict().items() if n not in kept}
         missing = set(own) - set(given) - ({"lm_head.weight"} if self.config.tie_word_embeddings
                                            else set())
         assert not missing, f"weights missing: {sorted(missing)[:5]}"
@@ -230,6 +243,35 @@ class LlamaModel(nn.Module):
                 expected = own[name].shape
                 assert expected == tensor.shape, f"{name}: {tensor.shape} for {expected}"
                 own[name].copy_(tensor)
+
+    def _keep_quantized(self, module_name: str, quant: QuantWeight,
+                        given: dict[str, Weight]) -> None:
+        if module_name == "embed_tokens":
+            self.embed_tokens.release_to(quant_lookup(quant, self.dtype), self.device)
+            self.embed_tokens.quant = quant
+            if self.config.tie_word_embeddings:
+                self._set_module("lm_head", QuantLinear(quant, None))
+            return
+        bias = given.pop(f"{module_name}.bias", None)
+        assert bias is None or isinstance(bias, torch.Tensor)
+        self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float()))
+
+    def _set_module(self, dotted: str, module: nn.Module) -> None:
+        parent, _, name = dotted.rpartition(".")
+        setattr(self.get_submodule(parent) if parent else self, name, module)
+        if dotted == "lm_head":
+            self.decode_graph.lm_head = module  # type: ignore[assignment]
+
+    def _materialize(self) -> None:
+        """Allocates every parameter still on the meta device (a tied one once)."""
+        made: dict[int, nn.Parameter] = {}
+        for module in self.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.is_meta:
+                    if id(param) not in made:
+                        made[id(param)] = nn.Parameter(torch.empty_like(param, device=self.device),
+                                                       requires_grad=False)
+                    module._parameters[name] = made[id(param)]
 
 
 def _packs(model: nn.Module) -> list[torch.Tensor]:
@@ -240,7 +282,16 @@ def _packs(model: nn.Module) -> list[torch.Tensor]:
     return packs
 
 
-def _fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _cat(parts: list[Weight]) -> Weight:
+    """Rows of every part; quantized parts stay so where all are (else all dequantized)."""
+    quant = [p for p in parts if isinstance(p, QuantWeight)]
+    if len(quant) == len(parts):
+        return QuantWeight.cat(quant)
+    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p.float() for p in parts]
+                     if quant else [p for p in parts if isinstance(p, torch.Tensor)])
+
+
+def _fused(weights: Mapping[str, Weight], config: ModelConfig) -> dict[str, Weight]:
     out = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
     for i in range(config.num_layers):
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
@@ -248,8 +299,8 @@ def _fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
             parts = [out.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
             present = [p for p in parts if p is not None]
             if len(present) == len(parts):
-                out[f"{attn}qkv_proj.{kind}"] = torch.cat(present)
-        out[f"{mlp}gate_up_proj.weight"] = torch.cat(
+                out[f"{attn}qkv_proj.{kind}"] = _cat(present)
+        out[f"{mlp}gate_up_proj.weight"] = _cat(
             [out.pop(f"{mlp}gate_proj.weight"), out.pop(f"{mlp}up_proj.weight")]
         )
     if config.tie_word_embeddings:
@@ -257,15 +308,23 @@ def _fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, t
     return out
 
 
+WEIGHTS = ("auto", "quantized", "bfloat16", "float32")  # --weights
+
+
 def load_model(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", weights: str = "dense",
 ) -> LlamaModel:
-    """Build a model from a HF folder, a .gguf file or a known model name."""
+    """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
+    keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
+    the CPU); anything else dequantizes them to `dtype`."""
     from qworker.model.hub import resolve_model
-    from qworker.model.loader import load_checkpoint
+    from qworker.model.loader import is_quantized_file, load_checkpoint
 
-    config, weights = load_checkpoint(resolve_model(str(name_or_path)))
+    path = resolve_model(str(name_or_path))
+    keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
+                                      and is_quantized_file(path))
+    config, weights_ = load_checkpoint(path, keep_quantized=keep)
     model = LlamaModel(config, dtype=dtype, device=device, init_weights=False)
-    model.load_hf_weights(weights)
+    model.load_hf_weights(weights_)
     return model

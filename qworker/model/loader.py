@@ -16,6 +16,9 @@ import numpy as np
 import torch
 
 from qworker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from qworker.model.quant_weight import TYPE_IDS, QuantWeight
+
+Weight = torch.Tensor | QuantWeight  # a GGUF block-quantized weight may be kept as it is
 
 
 class LoaderError(Exception):
@@ -69,7 +72,7 @@ def _natural_key(name: str) -> list[Any]:
 
 def validate(
     config: ModelConfig,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Weight],
     origin: Mapping[str, Path],
     checkpoint: Path,
 ) -> None:
@@ -107,24 +110,46 @@ def validate(
 # Entry point
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a HF safetensors folder, a `.gguf` file, or a folder holding exactly one `.gguf`."""
+def load_checkpoint(path: str | Path,
+                    keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
+    """Load a HF safetensors folder, a `.gguf` file, or a folder holding exactly one `.gguf`.
+    With keep_quantized, a GGUF's block-quantized matrices come back as `QuantWeight`s (their
+    blocks as stored); otherwise every tensor is dequantized."""
     path = Path(path)
     if not path.exists():
         raise LoaderError(f"{path}: no such file or directory")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise LoaderError(f"{path}: not a .gguf file (pass a GGUF file or a checkpoint folder)")
-        return load_gguf(path)
+        return load_gguf(path, keep_quantized)
     if (path / "config.json").is_file():
-        return load_hf_folder(path)
+        return dict_of_weights(load_hf_folder(path))
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return load_gguf(ggufs[0])
+        return load_gguf(ggufs[0], keep_quantized)
     if ggufs:
         names = ", ".join(p.name for p in ggufs)
         raise LoaderError(f"{path}: holds {len(ggufs)} .gguf files ({names}); pass one of them")
     raise LoaderError(f"{path}: neither a config.json nor a .gguf file in this folder")
+
+
+def dict_of_weights(loaded: tuple[ModelConfig, dict[str, torch.Tensor]]
+                    ) -> tuple[ModelConfig, dict[str, Weight]]:
+    return loaded[0], dict(loaded[1])
+
+
+def is_quantized_file(path: str | Path) -> bool:
+    """Whether a checkpoint is a GGUF holding block-quantized matrices (the default of
+    `--weights` keeps them so)."""
+    path = Path(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1 or (path / "config.json").is_file():
+            return False
+        path = ggufs[0]
+    if path.suffix.lower() != ".gguf":
+        return False
+    return any(t.tensor_type.name in TYPE_IDS for t in open_gguf(path).tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,7 +259,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", *TYPE_IDS)  # Q4_0 ... Q6_K
 # General end-of-generation tokens llama.cpp also stops on when a file marks them as control tokens.
 _EOG_TOKEN_TEXTS = frozenset(
     {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
@@ -268,11 +293,11 @@ def gguf_eos_token_ids(reader: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     _check_gguf_types(reader, path)
-    tensors = {_hf_name(t.name, path): _gguf_tensor(t) for t in reader.tensors}
+    tensors = {_hf_name(t.name, path): _gguf_tensor(t, keep_quantized) for t in reader.tensors}
     if config.architecture == "llama":
         _unpermute_qk(tensors, config)
     validate(config, tensors, dict.fromkeys(tensors, path), path)
@@ -377,11 +402,14 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise LoaderError(f"{path}: unknown GGUF tensor {gguf_name!r}")
 
 
-def _gguf_tensor(tensor: Any) -> torch.Tensor:
+def _gguf_tensor(tensor: Any, keep_quantized: bool) -> Weight:
     import gguf
 
     kind = tensor.tensor_type
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    if keep_quantized and kind.name in TYPE_IDS and len(shape) == 2:
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
+        return QuantWeight.of(kind.name, raw, shape[1])
     if kind == gguf.GGMLQuantizationType.F32:
         array = np.array(tensor.data, dtype=np.float32)
     elif kind == gguf.GGMLQuantizationType.F16:
@@ -394,14 +422,17 @@ def _gguf_tensor(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
 
 
-def _unpermute_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+def _unpermute_qk(tensors: dict[str, Weight], config: ModelConfig) -> None:
     """Undo the row interleaving llama.cpp's converter applies to q/k for its RoPE layout."""
     for i in range(config.num_layers):
         for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
             for kind in ("weight", "bias"):
                 name = f"model.layers.{i}.self_attn.{proj}.{kind}"
-                if name in tensors:
-                    tensors[name] = _unpermute_rows(tensors[name], heads)
+                tensor = tensors.get(name)
+                if isinstance(tensor, QuantWeight):  # rows are whole runs of blocks
+                    tensors[name] = tensor.map_rows(lambda raw, h=heads: _unpermute_rows(raw, h))
+                elif tensor is not None:
+                    tensors[name] = _unpermute_rows(tensor, heads)
 
 
 def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -111,6 +111,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("qw_gemm_f32", "qw_gemm_bf16"):
         getattr(lib, name).argtypes = [_P] * 4 + [_I] * 3
         getattr(lib, name).restype = ctypes.c_int
+    lib.qw_quant_gemm.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P, _I]
+    lib.qw_quant_gemm.restype = ctypes.c_int
+    lib.qw_quant_rows.argtypes = [ctypes.c_int, _P, _P, _I, _I, _P]
+    lib.qw_quant_rows.restype = ctypes.c_int
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
         getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P, _P, _P, _I, _P,
                                        *[_P] * 6, _I, ctypes.POINTER(DecodeDims), _D, _D]
@@ -218,6 +222,33 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
         x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
         out.data_ptr(), x.shape[0], n, k)
     assert done, "gemm_pack gave a pack the kernel does not take"
+    return out
+
+
+QUANT_METHODS = {"int8": 0, "dequant": 1}  # qw_quant_gemm's methods
+
+
+def quant_gemm(method: str, type_id: int, x: torch.Tensor, raw: torch.Tensor,
+               out: torch.Tensor) -> bool:
+    """out[:, :n] = x @ W.T for W of ggml type `type_id` as its raw rows [n, row_bytes]; x
+    float32 [m, k] contiguous, out float32 [m, >= n] with unit column stride. False, computing
+    nothing, where the method does not serve this type or shape."""
+    lib = library()
+    assert lib is not None and x.dtype == out.dtype == torch.float32 and x.is_contiguous()
+    assert raw.dtype == torch.uint8 and raw.is_contiguous() and out.stride(1) == 1
+    return bool(lib.qw_quant_gemm(type_id, QUANT_METHODS[method], x.data_ptr(), x.shape[0],
+                                  x.shape[1], raw.data_ptr(), raw.shape[0], out.data_ptr(),
+                                  out.stride(0)))
+
+
+def quant_rows(type_id: int, raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows ids of W (ggml type `type_id`, raw rows [n, row_bytes]) dequantized: float32 [t, k]."""
+    lib = library()
+    assert lib is not None and raw.is_contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+    assert lib.qw_quant_rows(type_id, raw.data_ptr(), ids.data_ptr(), ids.shape[0], k,
+                             out.data_ptr())
     return out
 
 

@@ -1,0 +1,248 @@
+// GGUF block formats, kept as the file stores them: each weight row is its blocks, back to back.
+// Two ways to multiply: an integer dot (the activations quantized per 32-block to 8 bits, then
+// _mm256_maddubs_epi16 / _mm256_madd_epi16 per block, as llama.cpp's AVX2 path does) for Q4_0,
+// Q4_1, Q5_0, Q5_1 and Q8_0; and dequantize a row to float32 and FMA it with the activations (every
+// format, the K-quants included). Types are named by their ggml ids.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace qw::quant {
+
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+                  Q6_K = 14 };
+
+struct Format { int64_t elems, bytes; };  // per block
+
+inline Format format(int type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+inline bool int8_dot_serves(int type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// ---- dequantizing one block into float32 (reference: ggml's dequantize_row_*)
+
+inline void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+inline void dequant_block(int type, const uint8_t* b, float* y) {
+  switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+      const bool five = type == Q5_0 || type == Q5_1, offset = type == Q4_1 || type == Q5_1;
+      const float d = half(b), m = offset ? half(b + 2) : 0.0f;
+      const uint8_t* qs = b + (offset ? 4 : 2) + (five ? 4 : 0);
+      uint32_t qh = 0;
+      if (five) std::memcpy(&qh, b + (offset ? 4 : 2), 4);
+      const int zero = offset ? 0 : (five ? 16 : 8);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (qs[j] & 0xF) | (five ? ((qh >> j) & 1) << 4 : 0);
+        const int hi = (qs[j] >> 4) | (five ? ((qh >> (j + 16)) & 1) << 4 : 0);
+        y[j] = d * static_cast<float>(lo - zero) + m;
+        y[j + 16] = d * static_cast<float>(hi - zero) + m;
+      }
+      return;
+    }
+    case Q8_0: {
+      const float d = half(b);
+      for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+      return;
+    }
+    case Q4_K: case Q5_K: {
+      const float d = half(b), dmin = half(b + 2);
+      const uint8_t* scales = b + 4;
+      const bool five = type == Q5_K;
+      const uint8_t* qh = b + 16;
+      const uint8_t* q = b + (five ? 48 : 16);
+      uint8_t u1 = 1, u2 = 2;
+      for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+        int sc, mn;
+        scale_min_k4(is, scales, &sc, &mn);
+        const float d1 = d * sc, m1 = dmin * mn;
+        scale_min_k4(is + 1, scales, &sc, &mn);
+        const float d2 = d * sc, m2 = dmin * mn;
+        for (int l = 0; l < 32; ++l) {
+          const int lo = (q[l] & 0xF) + (five && (qh[l] & u1) ? 16 : 0);
+          const int hi = (q[l] >> 4) + (five && (qh[l] & u2) ? 16 : 0);
+          y[j + l] = d1 * static_cast<float>(lo) - m1;
+          y[j + 32 + l] = d2 * static_cast<float>(hi) - m2;
+        }
+        u1 = static_cast<uint8_t>(u1 << 2);
+        u2 = static_cast<uint8_t>(u2 << 2);
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half(b + 208);
+      for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          y[n + l] = d * sc[is] * q1;
+          y[n + l + 32] = d * sc[is + 2] * q2;
+          y[n + l + 64] = d * sc[is + 4] * q3;
+          y[n + l + 96] = d * sc[is + 6] * q4;
+        }
+      }
+      return;
+    }
+    default: return;
+  }
+}
+
+inline void dequant_row(int type, const uint8_t* row, int64_t k, float* y) {
+  const Format f = format(type);
+  for (int64_t b = 0; b < k / f.elems; ++b) dequant_block(type, row + b * f.bytes, y + b * f.elems);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot_f32(const float* a, const float* b, int64_t k) {  // k % 32 == 0
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (int64_t i = 0; i < k; i += 32)
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u),
+                               acc[u]);
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+// ---- activations quantized per 32-block: q = round(x / d), d = max|x| / 127; s = d * sum(q)
+
+struct Q8Block { float d, s; int8_t q[32]; };
+
+inline void quantize_row_q8(const float* x, int64_t k, Q8Block* out) {
+  for (int64_t b = 0; b < k / 32; ++b, x += 32) {
+    __m256 v[4], mx = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int u = 0; u < 4; ++u) {
+      v[u] = _mm256_loadu_ps(x + 8 * u);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[u]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4), d = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m256i i32[4];
+    for (int u = 0; u < 4; ++u)
+      i32[u] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[u], inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // pack 32 int32 -> 32 int8 in order (packs interleave 128-bit lanes: permute back)
+    __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+    __m256i i8 = _mm256_packs_epi16(i16a, i16b);
+    i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), i8);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i wide = _mm256_madd_epi16(_mm256_add_epi16(_mm256_cvtepi8_epi16(
+        _mm256_castsi256_si128(i8)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(i8, 1))), ones);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+// ---- integer dot of one weight row with one quantized activation row
+
+inline __m256i nibbles(const uint8_t* qs) {  // 16 bytes -> 32 values: low nibbles, then high
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(raw),
+                                               _mm_srli_epi16(raw, 4), 1);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i bits_as_bytes(const uint8_t* p) {  // 32 bits -> 32 bytes, 0xFF where set
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                            0x0101010101010101, 0x0000000000000000);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// One 32-value weight block of type T as 32 bytes: signed int8 (Q4_0, Q5_0, Q8_0), or unsigned
+// values below 32 with a block minimum m (Q4_1, Q5_1: w = d q + m).
+template <int T> struct Block {
+  static constexpr int64_t kBytes =
+      T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  static constexpr bool kUnsigned = T == Q4_1 || T == Q5_1;
+  static __m256i values(const uint8_t* w) {
+    if constexpr (T == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+    if constexpr (T == Q4_0) return _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+    if constexpr (T == Q4_1) return nibbles(w + 4);
+    if constexpr (T == Q5_0)  // nibble | 0xF0 where the fifth bit is clear: -16..15
+      return _mm256_or_si256(nibbles(w + 6),
+                             _mm256_andnot_si256(bits_as_bytes(w + 2), _mm256_set1_epi8(-16)));
+    return _mm256_or_si256(nibbles(w + 8),  // Q5_1: 0..31
+                           _mm256_and_si256(bits_as_bytes(w + 4), _mm256_set1_epi8(0x10)));
+  }
+};
+
+// out[r] = dot(weight row w, activation row r) for R activation rows, `stride` blocks apart:
+// each weight block is unpacked once for all R.
+template <int T, int R>
+inline void rows_dot(const uint8_t* w, const Q8Block* x, int64_t blocks, int64_t stride,
+                     float* out, int64_t out_stride) {
+  using B = Block<T>;
+  __m256 acc[R];
+  float offsets[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); offsets[r] = 0.0f; }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b, w += B::kBytes) {
+    const __m256i wv = B::values(w);
+    const __m256i aw = B::kUnsigned ? wv : _mm256_sign_epi8(wv, wv);
+    const float dw = half(w);
+    for (int r = 0; r < R; ++r) {
+      const Q8Block& xb = x[r * stride + b];
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
+      if constexpr (!B::kUnsigned) xq = _mm256_sign_epi8(xq, wv);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), dot, acc[r]);
+      if constexpr (B::kUnsigned) offsets[r] += half(w + 2) * xb.s;
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + offsets[r];
+}
+
+}  // namespace qw::quant

@@ -1,0 +1,102 @@
+"""A linear layer over a weight kept in its GGUF block format (`QuantWeight`), and the lookup of
+a quantized embedding. Activations run in float32 (converted from and back to the model's dtype).
+
+The kernels ("kinds"):
+- "int8": the native integer dot (activations quantized per 32-block to 8 bits, llama.cpp's
+  scheme); Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0;
+- "dequant": native, each weight row dequantized to float32 in registers and L1, then FMA with
+  every activation row; every format (the K-quants too);
+- "torch": gguf's reference dequantization of the whole weight, then `F.linear`. Only where no
+  native build is loaded: it reads and writes 4 bytes per weight per call and cannot win.
+Which native kind runs at each token-count bucket is measured at warm-up (`kernel_choice`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qworker.model import kernel_choice, native
+from qworker.model.embedding import RowLookup
+from qworker.model.quant_weight import INT8_DOT_TYPES, QuantWeight, Segment
+
+
+class QuantLinear(nn.Module):
+    choice: tuple[str, ...] | None = None
+    released = False  # nothing to release: the blocks are the only copy
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.quant = weight  # a plain attribute: no state_dict entry, untouched by .to()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def weight_format(self) -> str:
+        return "+".join(self.quant.type_names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self.kind_for(x.shape[0]), x)
+
+    def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float().contiguous()
+        if kind == "torch" or x.shape[0] == 0:
+            out = F.linear(x, self.quant.dequantize())
+        else:
+            out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+            row = 0
+            for seg in self.quant.segments:
+                done = native.quant_gemm(kind, seg.type_id, x, seg.raw,
+                                         out[:, row : row + seg.rows])
+                assert done, f"{kind} does not serve {seg.name}"
+                row += seg.rows
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(dtype)
+
+    def kind_for(self, rows: int) -> str:
+        if self.choice is not None:
+            return self.choice[kernel_choice.bucket(rows)]
+        return self.kernels()[0]
+
+    def kernels(self) -> tuple[str, ...]:
+        if native.library() is None:
+            return ("torch",)
+        int8 = set(self.quant.type_names) <= INT8_DOT_TYPES and self.in_features % 32 == 0
+        return ("int8", "dequant") if int8 else ("dequant",)
+
+    def kinds_run(self) -> set[str]:
+        return set(self.choice) if self.choice is not None else {self.kernels()[0]}
+
+    def set_choice(self, choice: tuple[str, ...]) -> None:
+        assert all(kind in self.kernels() for kind in choice), choice
+        self.choice = choice
+
+    def release_weight(self) -> bool:
+        return False
+
+    def packed(self, kind: str) -> None:  # the decode graph's question: no native GEMM pack
+        return None
+
+
+def quant_lookup(weight: QuantWeight, dtype: torch.dtype) -> RowLookup:
+    """Token ids -> rows of a quantized embedding, dequantized, in `dtype`."""
+    assert len(weight.segments) == 1
+    seg = weight.segments[0]
+    k = weight.in_features
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        if native.library() is not None:
+            rows = native.quant_rows(seg.type_id, seg.raw, ids.reshape(-1), k)
+        else:
+            picked = Segment(seg.type_id, seg.raw[ids.reshape(-1)].contiguous())
+            rows = QuantWeight((picked,), k).dequantize()
+        return rows.to(dtype).reshape(*ids.shape, k)
+
+    return lookup

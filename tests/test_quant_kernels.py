@@ -1,0 +1,86 @@
+"""The native kernels over GGUF blocks against gguf's own dequantization, then a float64 matmul:
+random blocks of every kept format, several token counts, odd widths."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from qworker.model import kernel_choice, native
+from qworker.model.quant_linear import QuantLinear, quant_lookup
+from qworker.model.quant_weight import INT8_DOT_TYPES, QuantWeight
+from tests.quant_fixtures import KEPT, random_blocks
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
+
+
+def _activations_q8(x: np.ndarray) -> np.ndarray:
+    """The integer kernel's view of x: per 32-block, q = round(x / d), d = max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    q = np.round(blocks * np.where(d > 0, np.float32(1) / d, 0))
+    return (q * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_quantized_matmul_matches_dequantize_then_matmul(kind: gguf.GGMLQuantizationType,
+                                                         rows: int) -> None:
+    rng = np.random.default_rng(rows + int(kind))
+    elems = gguf.GGML_QUANT_SIZES[kind][0]
+    cols, outputs = (3 * elems if elems == 32 else 2 * elems), 37  # odd widths
+    raw = random_blocks(kind, outputs, cols, rng)
+    w = gguf.quants.dequantize(raw, kind).astype(np.float64)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    layer = QuantLinear(QuantWeight.of(kind.name, torch.from_numpy(raw), cols), None)
+    assert set(layer.kernels()) == ({"int8", "dequant"} if kind.name in INT8_DOT_TYPES
+                                    else {"dequant"})
+    scale = np.abs(x.astype(np.float64) @ w.T).max()
+    got = layer.run("dequant", torch.from_numpy(x)).double().numpy()
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, atol=1e-5 * scale, rtol=0)
+    if "int8" in layer.kernels():
+        want = _activations_q8(x).astype(np.float64) @ w.T
+        got = layer.run("int8", torch.from_numpy(x)).double().numpy()
+        np.testing.assert_allclose(got, want, atol=1e-4 * scale, rtol=0)
+        plain = x.astype(np.float64) @ w.T  # and within 8-bit activations' error of float
+        assert np.abs(got - plain).max() < 0.03 * scale
+
+
+@pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
+def test_quantized_embedding_rows_are_the_dequantized_rows(
+        kind: gguf.GGMLQuantizationType) -> None:
+    rng = np.random.default_rng(int(kind))
+    raw = random_blocks(kind, 50, 256, rng)
+    lookup = quant_lookup(QuantWeight.of(kind.name, torch.from_numpy(raw), 256), torch.float32)
+    ids = torch.tensor([[0, 49, 7], [7, 3, 3]])
+    want = torch.from_numpy(gguf.quants.dequantize(raw, kind))[ids]
+    assert torch.equal(lookup(ids), want)
+
+
+def test_a_fused_layer_of_two_formats_writes_each_segment_s_columns() -> None:
+    rng = np.random.default_rng(5)
+    a, b = random_blocks(gguf.GGMLQuantizationType.Q4_K, 5, 256, rng), random_blocks(
+        gguf.GGMLQuantizationType.Q6_K, 9, 256, rng)
+    fused = QuantWeight.cat([QuantWeight.of("Q4_K", torch.from_numpy(a), 256),
+                             QuantWeight.of("Q6_K", torch.from_numpy(b), 256)])
+    assert fused.shape == (14, 256) and fused.type_names == ("Q4_K", "Q6_K")
+    bias = torch.randn(14)
+    layer = QuantLinear(fused, bias)
+    x = torch.randn(3, 256)
+    want = x.double() @ fused.dequantize().double().T + bias.double()
+    torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_the_kernel_per_bucket_is_the_measured_fastest() -> None:
+    raw = random_blocks(gguf.GGMLQuantizationType.Q4_0, 16, 64, np.random.default_rng(1))
+    layer = QuantLinear(QuantWeight.of("Q4_0", torch.from_numpy(raw), 64), None)
+
+    def timer(kind: str, rows: int, run: object) -> float:  # int8 wins below 32 rows
+        return {"int8": 1.0, "dequant": 2.0}[kind] if rows < 32 else {"int8": 3.0,
+                                                                       "dequant": 2.0}[kind]
+
+    chosen = kernel_choice.choose([(layer, 512)], None, timer)
+    assert chosen == {"16x64:Q4_0": ("int8", "int8", "dequant", "dequant", "dequant")}
+    assert layer.kind_for(1) == "int8" and layer.kind_for(300) == "dequant"

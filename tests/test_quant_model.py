@@ -1,0 +1,64 @@
+"""A GGUF of each kept format loads with its matrices still in their blocks, holds about the
+file's bytes, and computes what the same file dequantized to float32 computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from qworker.model import native
+from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.kv_cache import KVCache
+from qworker.model.llama import LlamaModel, load_model
+from qworker.model.loader import is_quantized_file, load_checkpoint
+from qworker.model.quant_linear import QuantLinear
+from qworker.model.quant_weight import QuantWeight
+from tests.quant_fixtures import KEPT, SIZES, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
+
+
+def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    cache = KVCache.allocate(model.config, 4, 16, model.dtype, model.device)
+    batch = build_batch([SequenceInput(tokens, 0, [0, 1], need_logits=True)], 16, model.device)
+    return model(batch, cache)
+
+
+@pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
+def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
+                                                      kind: gguf.GGMLQuantizationType) -> None:
+    path = write_tiny_gguf(tmp_path / f"{kind.name}.gguf", kind, seed=int(kind))
+    assert is_quantized_file(path)
+    _, tensors = load_checkpoint(path, keep_quantized=True)
+    assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], QuantWeight)
+    quant = load_model(path, weights="quantized")
+    dense = load_model(path, weights="float32")
+    linears = [m for m in quant.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 5 and quant.lm_head in linears  # 4 projections + the tied head
+    assert quant.embed_tokens.quant is quant.lm_head.quant  # one copy for both
+    file_bytes = path.stat().st_size
+    assert quant.weight_bytes() <= file_bytes < dense.weight_bytes()
+    tokens = [5, 9, 1, 33, 60, 2, 17]
+    want = _logits(dense, tokens)
+    for kinds in {(k,) * 5 for m in linears for k in m.kernels()}:
+        if all(kinds[0] in m.kernels() for m in linears):
+            for m in linears:
+                m.set_choice(kinds)
+            got = _logits(quant, tokens)
+            tol = 1e-4 if kinds[0] == "dequant" else 0.05  # 8-bit activations
+            scale = want.abs().max().item()
+            assert (got - want).abs().max().item() <= tol * scale, kinds
+
+
+def test_an_untied_head_is_its_own_quantized_layer(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", gguf.GGMLQuantizationType.Q4_K, tied=False)
+    quant = load_model(path, weights="auto")  # a quantized file: kept so by default
+    assert isinstance(quant.lm_head, QuantLinear) and quant.embed_tokens.quant is not None
+    assert quant.lm_head.quant is not quant.embed_tokens.quant
+    dense = load_model(path, weights="float32")
+    tokens = list(range(SIZES["vocab"] - 9, SIZES["vocab"]))
+    torch.testing.assert_close(_logits(quant, tokens), _logits(dense, tokens), atol=1e-4,
+                               rtol=1e-4)
