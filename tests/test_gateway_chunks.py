@@ -19,7 +19,7 @@ from qworker_client.gateway.hub import Hub
 from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.sse import frame
-from qworker_client.gateway.tokens import Text, plain_token
+from qworker_client.gateway.tokens import Text, plain_token, plain_token_listed
 from qworker_client.protocol import DoneEvent, Keys, TokenEvent, parse_event
 from qworker_client.result import START_ID
 
@@ -72,6 +72,16 @@ def test_a_plain_token_entry_reads_as_parse_event_reads_it(fields: dict[str, str
     event = parse_event(fields)
     assert isinstance(event, TokenEvent)
     assert plain_token(fields) == Text(event.i, event.text)
+    assert plain_token_listed(listed(fields)) == Text(event.i, event.text)
+
+
+def listed(fields: dict[str, str]) -> list[str]:
+    """The fields as an XREAD reply lists them."""
+    return [part for pair in fields.items() for part in pair]
+
+
+def test_a_plain_token_listed_in_another_order_is_left_to_the_rest() -> None:
+    assert plain_token_listed(["i", "0", "type", "token", "token_id", "1", "text", "x"]) is None
 
 
 @pytest.mark.parametrize("fields", [
@@ -89,11 +99,14 @@ def test_a_plain_token_entry_reads_as_parse_event_reads_it(fields: dict[str, str
 ])
 def test_anything_else_is_left_to_parse_event(fields: dict[str, str]) -> None:
     assert plain_token(fields) is None
+    assert plain_token_listed(listed(fields)) is None
 
 
-def test_the_reader_takes_plain_and_other_entries_as_output_state_does(redis_url: str) -> None:
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_reader_takes_plain_and_other_entries_as_output_state_does(redis_url: str,
+                                                                      protocol: int) -> None:
     """Plain token entries (fast path), one written otherwise (pydantic), a token index seen
-    before (skipped), the end, and what follows it (ignored)."""
+    before (skipped), the end, and what follows it (ignored); over RESP2 and RESP3 replies."""
     keys = Keys("fast")
     sync = redis.Redis.from_url(redis_url, decode_responses=True)
     out = keys.out("j1")
@@ -109,7 +122,8 @@ def test_the_reader_takes_plain_and_other_entries_as_output_state_does(redis_url
         sync.xadd(out, fields)
 
     async def read() -> list[object]:
-        client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True,
+                                              protocol=protocol)
         hub = Hub(client, keys)
         try:
             reader = OutputReader(hub, {"j1": START_ID})

@@ -5,6 +5,9 @@ follower's queue in stream order.
 A follower that joins while a read is blocked waits for that read to return: reads block at most
 `block_ms`, short, so a new response's first token is late by that much at worst.
 
+The reply is taken as the wire gives it (each entry's fields a flat list), not through redis-py's
+XREAD callback: its dict per entry and its RESP3-to-RESP2 reshaping were a fifth of the read.
+
 `interval_s` paces the reads: one starts at most once per interval (a read that found nothing
 has already waited). Each read then brings several tokens of a busy stream, so the reads, the
 wake-ups and the sends (one per stream per read) cost less per token; a token waits at most one
@@ -16,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio
-from redis.typing import KeyT, StreamIdT
 
 from qworker_client.connect import READ_COUNT
-from qworker_client.multiplex import Entries, xread_by_stream
 from qworker_client.protocol import Keys
 from qworker_client.retry import TRANSIENT_ERRORS, Backoff
 
@@ -30,6 +33,8 @@ BLOCK_MS = 20
 GIVE_UP_S = 60.0  # a dropped connection is retried this long, then every follower gets the error
 
 
+Entry = Sequence[Any]  # [entry id, [field, value, field, value, ...]], as XREAD replies
+Entries = list[Entry]
 # each follower's queue: (job id, its new entries), or the error that ended every read
 Queue = asyncio.Queue[tuple[str, Entries] | BaseException]
 
@@ -53,6 +58,8 @@ class Hub:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._out_prefix = keys.out("")
+        self._reads = redis.asyncio.Redis(connection_pool=client.connection_pool)  # not its own
+        self._reads.set_response_callback("XREAD", _as_is)
 
     def follow(self, job_ids: dict[str, str], queue: Queue) -> None:
         """Put each job's new entries (read after the given entry id) on `queue`, as
@@ -82,6 +89,7 @@ class Hub:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._reads.aclose()  # leaves the pool open: the client's
 
     async def _run(self) -> None:
         backoff = Backoff(give_up_s=GIVE_UP_S)
@@ -90,11 +98,12 @@ class Hub:
                 self._joined.clear()
                 await self._joined.wait()
                 continue
-            streams: dict[KeyT, StreamIdT] = {
-                self._out_prefix + j: _earliest(fs) for j, fs in self._follows.items()}
+            streams = {self._out_prefix + j: _earliest(fs) for j, fs in self._follows.items()}
             started = time.monotonic()
             try:
-                reply = await self.client.xread(streams, count=READ_COUNT, block=self.block_ms)
+                reply = await self._reads.execute_command(
+                    "XREAD", "COUNT", READ_COUNT, "BLOCK", self.block_ms, "STREAMS", *streams,
+                    *streams.values())
             except TRANSIENT_ERRORS as exc:
                 try:
                     delay = backoff.failed(exc)
@@ -111,12 +120,12 @@ class Hub:
             if reply and self.interval_s:
                 await asyncio.sleep(started + self.interval_s - time.monotonic())
 
-    def _deliver(self, reply: object, asked: dict[KeyT, StreamIdT]) -> None:
+    def _deliver(self, reply: object, asked: dict[str, str]) -> None:
         """Each follower gets the entries past its position, if the read started at or before
         it (one that joined behind it while the read was out waits for the next read)."""
-        for key, entries in xread_by_stream(reply):
+        for key, entries in _by_stream(reply):
             job_id = key.removeprefix(self._out_prefix)
-            asked_id = str(asked[key])
+            asked_id = asked[key]
             for follow in self._follows.get(job_id, ()):  # none: dropped while the read was out
                 new = entries if follow.last_id == asked_id else _past(entries, follow.last_id,
                                                                         asked_id)
@@ -130,6 +139,17 @@ class Hub:
         for queue in queues.values():
             queue.put_nowait(exc)
         self._follows.clear()
+
+
+def _as_is(response: object, **_: object) -> object:
+    return response
+
+
+def _by_stream(reply: Any) -> Iterable[tuple[str, Entries]]:
+    """(key, entries) of an XREAD reply: a RESP3 map, or RESP2's [[key, entries], ...]."""
+    if not reply:
+        return ()
+    return reply.items() if isinstance(reply, dict) else reply
 
 
 def _earliest(follows: list[_Follow]) -> str:

@@ -3,15 +3,16 @@ turn for the whole process), each taken as `OutputState` takes it (docs/protocol
 loop": a token index seen before is skipped, nothing after the first `done` or `error`).
 
 A token is passed on as a `Text` (its index and new text), a plain token entry read without
-pydantic (`tokens.plain_token`); a job's end as its `DoneEvent` or `ErrorEvent`."""
+pydantic (`tokens.plain_token_listed`, on the fields as the reply lists them); a job's end as its
+`DoneEvent` or `ErrorEvent`."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from qworker_client.gateway.hub import Hub, Queue
-from qworker_client.gateway.tokens import Text, plain_token
+from qworker_client.gateway.tokens import Text, plain_token_listed
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
 from qworker_client.result import OutputState
@@ -57,11 +58,12 @@ class OutputReader:
             self.hub.drop(list(self.after), queue)
 
 
-def _take(state: OutputState, entry_id: str, fields: Mapping[str, str]) -> Event | None:
-    """`OutputState.apply`, with a plain token entry taken without pydantic."""
-    token = None if state.finished else plain_token(fields)
+def _take(state: OutputState, entry_id: str, listed: Sequence[str]) -> Event | None:
+    """`OutputState.apply` of an entry's fields (field, value, ...), with a plain token entry
+    taken without pydantic."""
+    token = None if state.finished else plain_token_listed(listed)
     if token is None:
-        event = _apply(state, entry_id, fields)
+        event = _apply(state, entry_id, dict(zip(listed[::2], listed[1::2], strict=True)))
         return Text(event.i, event.text) if isinstance(event, TokenEvent) else event
     state.last_id = entry_id
     if token.i < state.next_index:

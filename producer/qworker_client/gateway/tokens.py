@@ -8,7 +8,7 @@ extra field, a number pydantic would have to judge) returns None and goes throug
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 _MAX_DIGITS = 18  # within int64: no question of bounds
 
@@ -38,6 +38,19 @@ def plain_token(fields: Mapping[str, str]) -> Text | None:
         i, token_id, text = fields["i"], fields["token_id"], fields["text"]
     except KeyError:
         return None
+    return _token(i, token_id, text)
+
+
+def plain_token_listed(fields: Sequence[object]) -> Text | None:
+    """`plain_token` of an entry's fields as XREAD lists them (field, value, ...), in the order
+    workers write them (type, i, token_id, text); any other order or entry gives None."""
+    if (len(fields) != 8 or fields[1] != "token" or fields[0] != "type" or fields[2] != "i"
+            or fields[4] != "token_id" or fields[6] != "text"):
+        return None
+    return _token(fields[3], fields[5], fields[7])
+
+
+def _token(i: object, token_id: object, text: object) -> Text | None:
     if (type(i) is str and type(token_id) is str and type(text) is str
             and len(i) <= _MAX_DIGITS and len(token_id) <= _MAX_DIGITS
             and i.isdigit() and token_id.isdigit() and i.isascii() and token_id.isascii()):
