@@ -96,6 +96,8 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
 def coalesced(batch: Batch) -> Batch:
     """`batch` (one job's events of one read) with each run of tokens as one token: the first's
     index, their texts joined, the last one's entry id."""
+    if len(batch) == 1:
+        return batch  # most reads bring one entry of a stream
     out: Batch = []
     for is_text, group in groupby(batch, key=lambda item: isinstance(item[2], Text)):
         items = list(group)
