@@ -62,3 +62,22 @@ def test_an_untied_head_is_its_own_quantized_layer(tmp_path: Path) -> None:
     tokens = list(range(SIZES["vocab"] - 9, SIZES["vocab"]))
     torch.testing.assert_close(_logits(quant, tokens), _logits(dense, tokens), atol=1e-4,
                                rtol=1e-4)
+
+
+def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from qworker.service.metrics import Metrics
+
+    path = write_tiny_gguf(tmp_path / "q.gguf", gguf.GGMLQuantizationType.Q8_0)
+    model = load_model(path, weights="quantized")
+    report = model.kernel_report()
+    assert report["weights"] == "quantized (Q8_0)"
+    assert int(report["weight_bytes"]) == model.weight_bytes()
+    assert report["linear 64x256:Q8_0"].startswith("int8@1")  # the tied LM head
+    metrics = Metrics()
+    metrics.set_kernels(report)
+    text = generate_latest(metrics.registry).decode()
+    assert f"qworker_weight_bytes {float(model.weight_bytes())}" in text
+    assert 'qworker_kernel{kernel="quantized (Q8_0)",op="weights"} 1.0' in text
+    assert load_model(path, weights="float32").kernel_report()["weights"] == "float32"

@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
                                    description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", help="the user message (or raw text with --raw)")
-    add_config_flags(parser, EngineConfig, env=False, only=("model", "dtype", "device"),
+    add_config_flags(parser, EngineConfig, env=False, only=("model", "dtype", "weights", "device"),
                      model={"help": "model name, HF folder or .gguf file; sim: the simulated "
                                     "engine"})
     add_config_flags(parser, SamplingParams, env=False, only=tuple(SAMPLING_HELP),

@@ -21,6 +21,11 @@ class EngineConfig:
                                                   "choices": ("cpu", "cuda")})
     # auto: bfloat16 where the CPU has AVX512-BF16/AMX or on CUDA, else float32
     dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16"})
+    # a GGUF's block-quantized matrices: kept in their blocks (native kernels over Q4_0 ... Q6_K),
+    # or expanded to bf16 / float32 weights (which then set the dtype)
+    weights: str = field(default="auto", metadata={
+        "help": "auto (quantized for a quantized GGUF on the CPU, else --dtype) | quantized | "
+                "bf16 | float32", "choices": ("auto", "quantized", "bf16", "float32")})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
     # decode tokens do not count
     max_batched_tokens: int = field(default=2048, metadata={"help": "prefill tokens per step"})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from qworker.engine.config import EngineConfig
 from qworker.engine.core import EngineCore, Vocabulary
 from qworker.engine.runner import Runner
@@ -31,8 +33,9 @@ class Engine(EngineCore):
         from qworker.model.llama import load_model
 
         path = resolve_model(config.model)
-        model = load_model(path, dtype=resolve_dtype(config.dtype, config.device),
-                           device=config.device)
+        dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(
+            config.weights, resolve_dtype(config.dtype, config.device))
+        model = load_model(path, dtype=dtype, device=config.device, weights=config.weights)
         engine = cls(model, Tokenizer.load(path), config)
         engine.warm_up()
         model.release_weights()  # the packs the choice runs are all that is kept

@@ -207,13 +207,21 @@ class LlamaModel(nn.Module):
                 seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
+    def weights_kept(self) -> str:
+        """"quantized (Q4_1, Q8_0)" where matrices stay in GGUF blocks, else the dtype."""
+        formats = {name: None for m in self.modules() if isinstance(m, QuantLinear)
+                   for name in m.quant.type_names}
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"quantized ({', '.join(formats)})" if formats else dtype
+
     def kernel_report(self) -> dict[str, str]:
         """What runs each op here, in words: the native level (or why there is none), the
         attention path, and each linear shape's kernel per token bucket."""
         status = native.status()
         on_cpu = self.device.type == "cpu"
         report = {"native": (status.level or f"missing: {status.reason}") if on_cpu else "cuda",
-                  "attention": "native" if native.serves(self.norm.weight) else "torch"}
+                  "attention": "native" if native.serves(self.norm.weight) else "torch",
+                  "weights": self.weights_kept(), "weight_bytes": str(self.weight_bytes())}
         shapes: dict[str, Linear | QuantLinear] = {}
         for module in self.modules():
             if isinstance(module, Linear | QuantLinear):

@@ -101,6 +101,8 @@ class Metrics:
         self.kernels = Gauge("qworker_kernel", "1 for the kernel each op runs (linear shapes: "
                              "kernel@rows per token bucket), as measured at start",
                              ["op", "kernel"], registry=r)
+        self.weight_bytes = Gauge("qworker_weight_bytes", "Bytes of the model's weights as held "
+                                  "in memory (quantized blocks, packs), after start", registry=r)
         self.native_kernels = Gauge("qworker_native_kernels_loaded", "1 when the native CPU "
                                     "kernels are loaded; 0: every op runs the slow torch path",
                                     ["level"], registry=r)
@@ -161,7 +163,10 @@ class Metrics:
 
     def set_kernels(self, report: dict[str, str]) -> None:
         for op, kernel in report.items():
-            self.kernels.labels(op, kernel).set(1)
+            if op == "weight_bytes":
+                self.weight_bytes.set(float(kernel))
+            else:
+                self.kernels.labels(op, kernel).set(1)
         native = report.get("native", "")
         self.native_kernels.labels(native).set(0 if native.startswith("missing") else 1)
 
