@@ -54,6 +54,28 @@ def test_held_back_text_that_was_not_a_stop_is_released() -> None:
     assert "".join(deltas) == text.final_text == "a <|ex!"
 
 
+class Holding(Pieces):
+    """A detokenizer that holds every piece back until flush() (as a byte-fallback run)."""
+
+    held = ""
+
+    def add(self, token_id: int) -> str:
+        self.held += self.pieces[token_id]
+        return ""
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+@pytest.mark.parametrize(("stop", "final"), [((), "abc"), (("bc",), "a")])
+def test_flush_releases_what_the_detokenizer_held(stop: tuple[str, ...], final: str) -> None:
+    text = TextStream(Holding(["a", "b", "c"]), stop)
+    assert [text.add(t) for t in range(3)] == ["", "", ""]
+    assert text.flush() == final == text.final_text  # a stop string in it still cuts it
+    assert text.stopped == bool(stop)
+
+
 def test_earliest_of_several_stop_strings_wins() -> None:
     _, text = stream(["xx", "yzzy"], stop=("zz", "xy"))
     assert text.final_text == "x"
