@@ -20,8 +20,16 @@ class Metrics:
                                  "unfinished jobs when last looked at", registry=self.registry)
         self.tokens = Counter("qworker_gateway_streamed_tokens", "token events passed on",
                               registry=self.registry)
+        self._tokens = 0  # counted per read of a stream; put in `tokens` when scraped
+        self._tokens_put = 0
+
+    def count_tokens(self, n: int) -> None:
+        """A plain addition: a Counter's inc (its lock) was 2% of the gateway's CPU, per read."""
+        self._tokens += n
 
     def exposition(self) -> tuple[bytes, str]:
+        self.tokens.inc(self._tokens - self._tokens_put)
+        self._tokens_put = self._tokens
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
