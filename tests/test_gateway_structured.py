@@ -47,7 +47,7 @@ def test_each_form_of_constraint_reaches_the_worker(client: OpenAI) -> None:
 
 
 def test_an_invalid_schema_is_an_error_not_a_text(client: OpenAI) -> None:
-    with pytest.raises(openai.APIError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model=MODEL, messages=USER, max_tokens=5,  # type: ignore[arg-type]
             response_format={"type": "json_schema",
