@@ -1,7 +1,7 @@
 """Single stream: one request, a 64-token prompt, 128 new tokens; milliseconds per output token.
 
     .venv/bin/python -m benchmarks.single_stream [--dtype bfloat16] [--runs 5]
-        [--llama-bench PATH --gguf MODEL.gguf]
+        [--weights dense|quantized] [--llama-bench PATH --gguf MODEL.gguf]
 
 In-process engine on the default model (SmolLM2-135M). Each run times the decode steps after the
 prompt's prefill (time to first token is printed apart). Runs alternate between the decode graph
@@ -11,7 +11,8 @@ one decode token (all layers' projections and the LM head through the same prepa
 layers), the floor the engine's step sits on. With `--llama-bench`, llama.cpp's `llama-bench` runs
 the same shape between our runs (`-p 0 -n 128 -d 64`: 128 tokens generated after 64 in the
 context) on the given GGUF (make a BF16 one with `llama-quantize`; see
-../shared/bench/peers/README.md).
+../shared/bench/peers/README.md). `--weights quantized` keeps the GGUF's blocks (Q4_1 for the
+default model; activations in `--dtype`), as `qworker serve` does by default for such a file.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from qworker.model.dtypes import resolve_dtype
 from qworker.model.hub import resolve_model
 from qworker.model.linear import Linear
 from qworker.model.llama import LlamaModel, load_model
+from qworker.model.quant_linear import QuantLinear
 from qworker.model.tokenizer import Tokenizer
 
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
@@ -56,7 +58,7 @@ def one_run(engine: Engine, prompt: list[int], run: int, graph: bool) -> tuple[f
 
 def bare_matmul_seconds(model: LlamaModel, repeats: int = 20) -> float:
     """One token through every linear layer (inputs of the right widths, no attention)."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
     inputs = {m: torch.randn(1, m.in_features, dtype=model.dtype) for m in layers}
     times = []
     with torch.inference_mode():
@@ -73,6 +75,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--weights", default="dense", choices=("dense", "quantized"),
+                        help="quantized: a GGUF's blocks kept (native quantized kernels)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, to run beside")
     parser.add_argument("--gguf", help="the model for llama-bench (a BF16 GGUF)")
@@ -81,9 +85,10 @@ def main() -> None:
         parser.error("--llama-bench needs --gguf")
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model))
-    model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"))
+    model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"), weights=args.weights)
     engine = Engine(model, Tokenizer.load(path), EngineConfig(max_num_seqs=1, kv_cache_gb=0.25))
     engine.warm_up()
+    model.release_weights()
     rng = random.Random(0)
     prompt = [rng.randrange(32, model.config.vocab_size) for _ in range(PROMPT_TOKENS)]
     runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
@@ -95,9 +100,11 @@ def main() -> None:
             llama_ms.append(llama_bench_ms_per_token(args.llama_bench, args.gguf, args.threads))
     ms = {graph: statistics.median(r[1] for r in runs[graph]) * 1000 for graph in runs}
     figures = {
-        "dtype": args.dtype, "threads": args.threads, "prompt_tokens": PROMPT_TOKENS,
+        "dtype": args.dtype, "weights": model.weights_kept(),
+        "weight_mb": round(model.weight_bytes() / 2**20, 1), "threads": args.threads,
+        "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": NEW_TOKENS, "runs": args.runs, **machine_info(),
-        "ms_per_token": round(ms[True], 2),
+        "kernels": model.kernel_report(), "ms_per_token": round(ms[True], 2),
         "layer_by_layer_ms_per_token": round(ms[False], 2),
         "ttft_ms": round(statistics.median(r[0] for r in runs[True]) * 1000, 1),
         "bare_matmul_ms_per_token": round(bare_matmul_seconds(model) * 1000, 2),

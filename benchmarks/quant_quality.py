@@ -1,0 +1,89 @@
+"""Quality of the quantized kernels: teacher-forced logits of a GGUF kept quantized against the
+same file dequantized to float32, over the reference chats (tests/test_model_smollm2.py's).
+
+    .venv/bin/python -m benchmarks.quant_quality [--model smollm2] [--new-tokens 48]
+
+The float32 model answers each chat greedily; prompt and answer are then run through both models
+in one prefill each, and every position's next-token distribution is compared: top-1 agreement
+(target >= 99%) and the mean KL divergence KL(float32 || quantized). Both greedy answers are
+printed. One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from benchmarks.machine import machine_info
+from qworker.engine.config import EngineConfig
+from qworker.engine.engine import Engine
+from qworker.engine.request import SamplingParams
+from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.hub import resolve_model
+from qworker.model.kv_cache import KVCache
+from qworker.model.llama import LlamaModel, load_model
+from qworker.model.tokenizer import Tokenizer
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name three colours."}],
+    [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
+]
+
+
+def all_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    """float32 logits at every position of one prefill."""
+    block = 128
+    blocks = list(range(-(-len(tokens) // block)))
+    cache = KVCache.allocate(model.config, len(blocks), block, model.dtype, model.device)
+    batch = build_batch([SequenceInput(tokens, 0, blocks, need_logits=True)], block, model.device)
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(len(tokens)))
+    return model(batch, cache).float()
+
+
+def greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    return [c.token_ids for c in engine.generate(prompts, params)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    path = str(resolve_model(args.model))
+    tokenizer = Tokenizer.load(path)
+    models = {w: load_model(path, dtype=torch.float32, weights=w) for w in ("float32", "quantized")}
+    engines = {w: Engine(m, tokenizer, EngineConfig(max_num_seqs=4, kv_cache_gb=0.1))
+               for w, m in models.items()}
+    for engine in engines.values():
+        engine.warm_up()
+    prompts = [tokenizer.encode_chat(chat) for chat in CHATS]
+    answers = {w: greedy(e, prompts, args.new_tokens) for w, e in engines.items()}
+    agree = positions = 0
+    kl_sum = 0.0
+    for prompt, answer in zip(prompts, answers["float32"], strict=True):
+        tokens = prompt + answer
+        ref, got = (all_logits(models[w], tokens) for w in ("float32", "quantized"))
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        positions += len(tokens)
+        log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)
+        kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+    quant = models["quantized"]
+    print(json.dumps({
+        "model": args.model, "weights": quant.weights_kept(), **machine_info(),
+        "positions": positions, "top1_agreement": round(agree / positions, 4),
+        "mean_kl": round(kl_sum / positions, 5),
+        "greedy": [{"float32": tokenizer.decode(a), "quantized": tokenizer.decode(b)}
+                   for a, b in zip(answers["float32"], answers["quantized"], strict=True)],
+    }))
+
+
+if __name__ == "__main__":
+    main()
