@@ -160,7 +160,7 @@ def work_streams(client: redis.Redis) -> list[str]:
     """Every job and requeue stream: the model-less ones, then each model's."""
     found = {_text(key) for pattern in KEYS.model_stream_patterns
              for key in client.scan_iter(match=pattern, _type="stream")}
-    return [*KEYS.streams, *sorted(found)]
+    return [*KEYS.streams, *sorted(found - set(KEYS.streams))]
 
 
 def _text(value: bytes | str) -> str:

@@ -202,8 +202,8 @@ def test_a_worker_that_cannot_beat_exits_2(acl: tuple[redis.Redis, str]) -> None
 
 
 def _seed_live_and_dead(client: redis.Redis, live: int, dead: int) -> tuple[list[str], list[str]]:
-    client.xgroup_create(KEYS.jobs, "workers", id="0", mkstream=True)
-    client.xgroup_create(KEYS.requeue, "workers", id="0", mkstream=True)
+    for stream in KEYS.streams:  # every model-less band's (a worker creates them at start)
+        client.xgroup_create(stream, "workers", id="0", mkstream=True)
     pipe = client.pipeline(transaction=False)
     for k in range(live):
         pipe.xadd(KEYS.jobs, {"id": f"live{k}", "prompt": "x"})

@@ -141,7 +141,8 @@ def test_keys_stay_under_the_prefix() -> None:
     names = [keys.jobs, keys.requeue, keys.dead, keys.out("a"), keys.cancel("a"),
              keys.owner("a"), keys.worker("w"), keys.worker_pattern]
     assert all(n.startswith("tenant1:qw:") for n in names)
-    assert keys.streams == ("tenant1:qw:requeue", "tenant1:qw:jobs")
+    assert keys.streams[2:4] == ("tenant1:qw:requeue", "tenant1:qw:jobs")
+    assert all(s.startswith("tenant1:qw:") for s in keys.streams)
     assert Keys().out("x") == "qw:out:x"
 
 

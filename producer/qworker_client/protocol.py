@@ -393,6 +393,25 @@ def parse_event(fields: WireFields) -> TokenEvent | DoneEvent | ErrorEvent:
 
 # ----------------------------------------------------------------------------- keys
 
+# Priority bands, most urgent first: a job's band is the sign of its priority (`band_of`). Each band
+# has its own work streams (`Keys.jobs_of`, `Keys.requeue_of`); workers read them in this order, so
+# a worker with room takes the most urgent waiting job. The normal band ("") has v1's streams.
+BANDS = ("high", "", "low")
+
+
+def band_of(priority: int) -> str:
+    """The band of a job's priority: `high` below 0, `low` above, normal ("") at 0."""
+    return "high" if priority < 0 else "low" if priority > 0 else ""
+
+
+def band_of_fields(fields: Mapping[str, str]) -> str:
+    """The band of a job's wire fields (normal where `priority` is missing or not a number: the
+    worker refuses such a job wherever it is)."""
+    try:
+        return band_of(int(fields.get("priority") or 0))
+    except ValueError:
+        return ""
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -435,41 +454,60 @@ class Keys:
         """SCAN pattern matching every live worker's key."""
         return f"{self.prefix}:worker:*"
 
-    def jobs_of(self, model: str | None) -> str:
+    def jobs_of(self, model: str | None, band: str = "") -> str:
         """The stream a job goes to: `<prefix>:jobs`, or `<prefix>:jobs:{<model>}` for a job that
-        names its model (the `{...}` hash tag keeps a model's keys in one Cluster slot)."""
-        return self.jobs if model is None else f"{self.jobs}:{{{_checked_model(model)}}}"
+        names its model (the `{...}` hash tag keeps a model's keys in one Cluster slot); in the
+        high or low band `<prefix>:jobs:high`, `<prefix>:jobs:high:{<model>}`, ..."""
+        return _work_stream(self.jobs, model, band)
 
-    def requeue_of(self, model: str | None) -> str:
-        """Where a started job goes back to: `<prefix>:requeue`, or `<prefix>:requeue:{<model>}`."""
-        return self.requeue if model is None else f"{self.requeue}:{{{_checked_model(model)}}}"
+    def requeue_of(self, model: str | None, band: str = "") -> str:
+        """Where a started job goes back to: `<prefix>:requeue`, or `<prefix>:requeue:{<model>}`
+        (in the high or low band `<prefix>:requeue:high`, `<prefix>:requeue:high:{<model>}`)."""
+        return _work_stream(self.requeue, model, band)
 
     def stream_model(self, stream: str) -> str | None:
         """The model of a work stream (None: a model-less one)."""
         for base in (self.jobs, self.requeue):
-            head = base + ":{"
-            if stream.startswith(head) and "}" in stream[len(head):]:
-                return stream[len(head):stream.index("}", len(head))]
+            for band in BANDS:
+                head = _work_stream(base, None, band) + ":{"
+                if stream.startswith(head) and "}" in stream[len(head):]:
+                    return stream[len(head):stream.index("}", len(head))]
         return None
+
+    def stream_band(self, stream: str) -> str:
+        """The priority band of a work stream."""
+        for base in (self.jobs, self.requeue):
+            for band in BANDS[::2]:
+                key = _work_stream(base, None, band)
+                if stream == key or stream.startswith(key + ":{"):
+                    return band
+        return ""
 
     def is_requeue(self, stream: str) -> bool:
         return stream == self.requeue or stream.startswith(self.requeue + ":")
 
     @property
-    def streams(self) -> tuple[str, str]:
-        """The model-less streams in the order workers read them."""
-        return (self.requeue, self.jobs)
+    def streams(self) -> tuple[str, ...]:
+        """The model-less streams in the order workers read them (see `streams_for`)."""
+        return self.streams_for(None)
 
     def streams_for(self, model: str | None) -> tuple[str, ...]:
-        """The streams a worker serving `model` reads, in order: requeued work first (its
-        model's, then model-less), then new jobs (its model's, then model-less)."""
+        """The streams a worker serving `model` reads, in order: band by band, most urgent
+        first (BANDS), and in each band requeued work first (its model's, then model-less), then
+        new jobs (its model's, then model-less)."""
+        return tuple(key for band in BANDS for key in self.band_streams(model, band))
+
+    def band_streams(self, model: str | None, band: str) -> tuple[str, ...]:
+        """One band's streams that a worker serving `model` reads, in order."""
         if model is None:
-            return self.streams
-        return (self.requeue_of(model), self.requeue, self.jobs_of(model), self.jobs)
+            return (self.requeue_of(None, band), self.jobs_of(None, band))
+        return (self.requeue_of(model, band), self.requeue_of(None, band),
+                self.jobs_of(model, band), self.jobs_of(None, band))
 
     @property
     def model_stream_patterns(self) -> tuple[str, str]:
-        """SCAN patterns matching every per-model stream (new jobs, requeued work)."""
+        """SCAN patterns matching every per-model stream (new jobs, requeued work), and every
+        stream of the high and low bands."""
         return (f"{self.jobs}:*", f"{self.requeue}:*")
 
 
@@ -489,6 +527,13 @@ class WorkerInfo(BaseModel):
     draining: bool = False
     native: str = ""  # the native CPU kernels' level, or "missing: <why>"
     served_model_name: str = ""  # the name clients ask for (`--served-model-name`; "": `model`)
+
+
+def _work_stream(base: str, model: str | None, band: str) -> str:
+    if band not in BANDS:
+        raise ValueError(f"unknown priority band {band!r} (want one of {BANDS})")
+    key = f"{base}:{band}" if band else base
+    return key if model is None else f"{key}:{{{_checked_model(model)}}}"
 
 
 def _checked_model(model: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qworker_client.protocol import Keys
+from qworker_client.protocol import Keys, band_of_fields
 
 # KEYS: the jobs' stream (`<prefix>:jobs`, or `<prefix>:jobs:{<model>}`), then per job: its output
 # stream, its submit marker.
@@ -58,11 +58,12 @@ class Submitted:
 
 def by_stream(keys: Keys, jobs: Sequence[tuple[str, dict[str, str]]]
               ) -> dict[str, list[int]]:
-    """The positions of the jobs in each stream they go to (by their `model` field), in order:
-    one script call per stream."""
+    """The positions of the jobs in each stream they go to (by their `model` field and the band
+    of their `priority`), in order: one script call per stream."""
     groups: dict[str, list[int]] = {}
     for k, (_, fields) in enumerate(jobs):
-        groups.setdefault(keys.jobs_of(fields.get("model")), []).append(k)
+        stream = keys.jobs_of(fields.get("model"), band_of_fields(fields))
+        groups.setdefault(stream, []).append(k)
     return groups
 
 

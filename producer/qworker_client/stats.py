@@ -12,7 +12,7 @@ import redis
 import redis.asyncio
 from pydantic import ValidationError
 
-from qworker_client.protocol import DEFAULT_GROUP, Keys, WorkerInfo
+from qworker_client.protocol import BANDS, DEFAULT_GROUP, Keys, WorkerInfo
 
 SCAN_COUNT = 1000
 
@@ -43,7 +43,9 @@ class Stats:
     requeue: StreamStats
     dead_letters: int
     workers: list[dict[str, Any]] = field(default_factory=list)
-    models: list[StreamStats] = field(default_factory=list)  # each model's streams, by model
+    # every other work stream: the high and low bands' (model-less first), each model's, by
+    # model, then band
+    models: list[StreamStats] = field(default_factory=list)
 
     @property
     def streams(self) -> list[StreamStats]:
@@ -89,7 +91,8 @@ def model_streams(client: redis.Redis, keys: Keys) -> list[str]:
 
 def _by_model(keys: Keys, found: Sequence[bytes | str]) -> list[str]:
     names = {k.decode() if isinstance(k, bytes) else k for k in found}
-    return sorted(names, key=lambda s: (keys.stream_model(s) or "", keys.is_requeue(s), s))
+    return sorted(names, key=lambda s: (keys.stream_model(s) or "",
+                                        BANDS.index(keys.stream_band(s)), keys.is_requeue(s), s))
 
 
 async def collect_stats_async(

@@ -5,7 +5,7 @@ dead-letter what cannot run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -42,6 +42,9 @@ MAX_DEAD_BYTES = 32_768  # all copied values together
 # Pending entries looked at per reclaim call, whatever the free slots (Redis filters by idle time
 # while it scans, so entries of live workers cost no round trips).
 RECLAIM_SCAN = 100
+# The priority whose room (engine free_slots) a band's entries are read by: its least urgent one;
+# None: the free slots alone (a low job displaces nothing it could be sure to outrank).
+BAND_PRIORITY: dict[str, int | None] = {"high": -1, "": 0, "low": None}
 
 
 @dataclass
@@ -88,8 +91,10 @@ class Intake:
         self.config = config
         self.scripts = scripts
         self.token = token
-        # requeued work first (its model's, then model-less), then new jobs in the same order
+        # band by band, most urgent first; in each, requeued work first (its model's, then
+        # model-less), then new jobs in the same order
         self.streams = keys.streams_for(config.served_model)
+        self._bands = [keys.stream_band(stream) for stream in self.streams]
         self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
 
     @property
@@ -106,17 +111,30 @@ class Intake:
 
     # ------------------------------------------------------------------ reading
 
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to `count` new entries, from `self.streams` in order (requeued work first). Blocks
-        (`block_ms`) only when nothing is there and the caller is idle."""
+    def caps(self, rooms: int | Mapping[str, int]) -> list[tuple[str, int]]:
+        """Each stream with the most entries to have taken in all once it is read: its band's
+        room (rooms: band -> how many jobs of that band the engine would take now; an int: the
+        same for every band)."""
+        return [(stream, rooms if isinstance(rooms, int) else rooms[band])
+                for stream, band in zip(self.streams, self._bands, strict=True)]
+
+    def read(self, rooms: int | Mapping[str, int], block_ms: int | None) -> list[Entry]:
+        """New entries from `self.streams` in order (the most urgent band first, requeued work
+        first in each), each band's only while fewer than its room were taken; one round trip.
+        Blocks (`block_ms`) only when nothing is there and the caller is idle."""
+        caps = self.caps(rooms)
         entries: list[Entry] = []
-        for stream in self.streams:
-            want = count - len(entries)
-            if want <= 0:
-                break
-            reply = self.client.xreadgroup(self.config.group, self.consumer, {stream: ">"},
-                                           count=want)
-            entries += self._parse_read(reply)
+        if any(cap > 0 for _, cap in caps):
+            try:
+                reply = self.scripts.read(self.client, group=self.config.group,
+                                          consumer=self.consumer, caps=caps)
+            except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+                Scripts.load(self.client)
+                reply = self.scripts.read(self.client, group=self.config.group,
+                                          consumer=self.consumer, caps=caps)
+            entries = [Entry(_s(stream), _s(eid), _pairs(flat))
+                       for stream, items in reply or () for eid, flat in items]
+        count = max(cap for _, cap in caps)
         if not entries and block_ms and count > 0:
             streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
             reply = self.client.xreadgroup(self.config.group, self.consumer, streams, count=1,
@@ -131,15 +149,16 @@ class Intake:
             out += _entries(_s(stream), items)
         return out
 
-    def reclaim(self, count: int, skip_entry_ids: set[str]) -> list[Entry]:
-        """Up to `count` entries idle longer than claim_idle (their worker died or stalled), with
-        their delivery counts. Scans RECLAIM_SCAN pending entries per stream from a cursor kept
-        across calls, and claims only the ones that fit: the others keep their delivery counts."""
+    def reclaim(self, rooms: int | Mapping[str, int], skip_entry_ids: set[str]) -> list[Entry]:
+        """Entries idle longer than claim_idle (their worker died or stalled), with their
+        delivery counts, within each band's room as `read`. Scans RECLAIM_SCAN pending entries per
+        stream from a cursor kept across calls, and claims only the ones that fit: the others
+        keep their delivery counts."""
         entries: list[Entry] = []
-        for stream in self.streams:
-            want = count - len(entries)
+        for stream, cap in self.caps(rooms):
+            want = cap - len(entries)
             if want <= 0:
-                break
+                continue
             entries += self._reclaim_stream(stream, want, skip_entry_ids)
         for entry in entries:
             entry.reclaimed = True
@@ -377,6 +396,11 @@ def dead_fields(entry: Entry, code: str, reason: str, worker: str) -> RawFields:
     if dropped:
         fields[b"dropped_fields"] = str(dropped).encode()
     return fields
+
+
+def _pairs(flat: Sequence[Any]) -> dict[Any, Any]:
+    """A flat [field, value, ...] reply as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _bytes(value: object) -> bytes:

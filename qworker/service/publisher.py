@@ -17,7 +17,7 @@ from qworker.service.config import ServiceConfig
 from qworker.service.errors import job_error
 from qworker.service.job import ActiveJob
 from qworker.service.scripts import JobAppend, Scripts, decode_status
-from qworker_client.protocol import Keys, event_to_fields
+from qworker_client.protocol import Keys, band_of, event_to_fields
 
 # Outcome of a flush, per job id:
 OK = "ok"  # events written (or already there); the job goes on
@@ -120,8 +120,10 @@ class Publisher:
         fields = dict(job.entry.fields)
         if b"id" not in fields:  # the job id defaulted to the entry id: keep it
             fields[b"id"] = job.job_id.encode()
-        # back to its model's requeue stream: only the workers of its model resume it
-        requeue = self.keys.requeue_of(self.keys.stream_model(job.entry.stream))
+        # back to its model's requeue stream (only the workers of its model resume it), of its
+        # priority's band
+        requeue = self.keys.requeue_of(self.keys.stream_model(job.entry.stream),
+                                       band_of(job.job.priority))
         self.scripts.requeue(pipe, owner=self.keys.owner(job.job_id), source=job.entry.stream,
                              requeue=requeue, token=self.token, group=self.config.group,
                              entry_id=job.entry.entry_id, fields=fields)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -219,6 +220,36 @@ def alone_key(prefix: str, token: str) -> str:
     return f"{prefix}:alone:{token}"
 
 
+# KEYS: the work streams in the order a worker reads them (most urgent band first). ARGV: group,
+# consumer, then per stream its cap: the most entries taken in all, this stream's included, once it
+# is read (its band's room; caps never grow along KEYS). Each stream gives at most cap - taken new
+# entries (XREADGROUP >), so one round trip takes what room allows, most urgent first. A stream
+# that does not exist is skipped (a band nobody used yet, its group not created by this worker).
+# Returns {{stream, {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
+READ = """
+local group, consumer, taken, reply = ARGV[1], ARGV[2], 0, {}
+for k, key in ipairs(KEYS) do
+  local want = tonumber(ARGV[k + 2]) - taken
+  if want > 0 then
+    local got = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want,
+                            'STREAMS', key, '>')
+    if type(got) == 'table' and got.err then
+      -- a stream that is not there has nothing to read; any other error is the caller's
+      if redis.call('EXISTS', key) == 1 then return redis.error_reply(got.err) end
+    elseif got and got[1] then
+      local one = got[1]
+      if type(one) ~= 'table' then one = got end  -- fakeredis (tests) answers it unwrapped
+      if #one[2] > 0 then
+        reply[#reply + 1] = one
+        taken = taken + #one[2]
+      end
+    end
+  end
+end
+return reply
+"""
+
+
 def _sha(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
@@ -251,11 +282,18 @@ class Scripts:
     beat_sha: str = _sha(BEAT)
     take_owner_sha: str = _sha(TAKE_OWNER)
     drop_consumer_sha: str = _sha(DROP_CONSUMER)
+    read_sha: str = _sha(READ)
 
     @staticmethod
     def load(client: redis.Redis) -> None:
-        for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER):
+        for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER, READ):
             client.script_load(text)
+
+    def read(self, client: redis.Redis, *, group: str, consumer: str,
+             caps: Sequence[tuple[str, int]]) -> Any:
+        """New entries of the (stream, cap) pairs in order, within the caps (READ)."""
+        return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group, consumer,
+                              *(cap for _, cap in caps))
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, ttl_s: int, group: str,
                jobs: Sequence[JobAppend]) -> None:

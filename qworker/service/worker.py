@@ -47,7 +47,7 @@ from qworker.service.errors import (
     is_transient,
 )
 from qworker.service.heartbeat import Heartbeat, Held
-from qworker.service.intake import Intake, Reject, Taken
+from qworker.service.intake import BAND_PRIORITY, Intake, Reject, Taken
 from qworker.service.job import ActiveJob, Entry, now_ms
 from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics
@@ -76,7 +76,7 @@ class EngineLike(Protocol):
     def check_prompt_text(self, text: str) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[StepOutput]: ...
-    def free_slots(self) -> int: ...
+    def free_slots(self, priority: int | None = None) -> int: ...
     def kernel_report(self) -> dict[str, str]: ...
     def has_unfinished(self) -> bool: ...
     def solo_next(self) -> str | None: ...
@@ -473,17 +473,20 @@ class Worker:
             self.metrics.consumers_removed.inc(self.intake.drop_dead_consumers())
         free = self.engine.free_slots()
         self.metrics.free_slots.set(free)
-        if free <= 0:
+        # per band: how many of its jobs the engine takes now (an urgent one displaces a worse)
+        rooms = {band: self.engine.free_slots(p) for band, p in BAND_PRIORITY.items()}
+        if max(rooms.values()) <= 0:
             return
         entries: list[Entry] = []
         if now - self._last_reclaim >= self.config.reclaim_s:
             own = {job.entry.entry_id for job in self.active.values()}
-            entries = self.intake.reclaim(free, own)
+            entries = self.intake.reclaim(rooms, own)
             self._last_reclaim = now
             self.metrics.reclaimed.inc(len(entries))
         idle = not self.active and not self.engine.has_unfinished()
         block = self.config.block_ms if idle and not entries else None
-        entries += self.intake.read(free - len(entries), block)
+        entries += self.intake.read({band: room - len(entries) for band, room in rooms.items()},
+                                    block)
         if entries:
             self._admit(entries)
 
@@ -554,6 +557,7 @@ class Worker:
             # delivered before: an earlier run may have crashed its process on this job, so it
             # runs alone until it has produced a token and shares no step with others
             self.engine.add(Request(job_id, prompt, sampling_params(t.job, job_id),
+                                    queued_s=max(0, now_ms() - t.t0_ms) / 1000,  # aging
                                     output_token_ids=list(t.readback.token_ids),
                                     priority=t.job.priority, isolate=t.entry.deliveries > 1))
         except RequestRejectedError as exc:

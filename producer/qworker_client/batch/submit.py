@@ -8,12 +8,12 @@ from collections.abc import Sequence
 import redis
 
 from qworker_client.batch.lines import BatchLine
-from qworker_client.protocol import Keys
+from qworker_client.protocol import Keys, band_of_fields
 
 MARKER_TTL_S = 7 * 24 * 3600  # how long a rerun can still re-attach to an unfinished batch
 
-# KEYS: marker hash, then per job: its stream (`<prefix>:jobs`, or `<prefix>:jobs:{<model>}`), the
-# requeue stream of the same model, its output stream.
+# KEYS: marker hash, then per job: its stream (`<prefix>:jobs`, or `<prefix>:jobs:{<model>}`, of its
+# priority band), the requeue stream of the same model and band, its output stream.
 # ARGV: marker ttl, then per job: job id, 2n, field, value, ...
 # A job already in the marker is left alone while it is alive: output stream present, entry still
 # in its stream, or an entry for it in its requeue stream. Otherwise it is XADDed and marked.
@@ -79,8 +79,8 @@ class Submitter:
         keys = [self.marker]
         args: list[str | int] = [self.ttl_s]
         for line in lines:
-            model = line.fields.get("model")
-            keys += [self.keys.jobs_of(model), self.keys.requeue_of(model),
+            model, band = line.fields.get("model"), band_of_fields(line.fields)
+            keys += [self.keys.jobs_of(model, band), self.keys.requeue_of(model, band),
                      self.keys.out(line.job_id)]
             flat = [item for pair in line.fields.items() for item in pair]
             args += [line.job_id, len(flat), *flat]

@@ -1,0 +1,114 @@
+"""Priority across the fleet, on a real redis-server and simulated workers: jobs go to their band's
+stream (high: priority < 0, normal: 0 and plain v1 entries to `qw:jobs`, low: > 0), workers with
+room take the most urgent first, a full worker still takes an urgent job and displaces a worse
+one, which goes back to its band's requeue stream and finishes with the same text."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from qworker.engine.request import Request
+from qworker.engine.simulated import SimulatedEngine
+from qworker_client import Producer
+from tests.service_harness import (
+    KEYS,
+    check_stream,
+    expected,
+    sim_engine,
+    thread_worker,
+    wait_for,
+    wait_terminal,
+)
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def record_adds(engine: SimulatedEngine, log: list[tuple[float, str]],
+                lock: threading.Lock) -> None:
+    original = engine.add
+
+    def add(request: Request) -> None:
+        with lock:
+            log.append((time.monotonic(), request.request_id))
+        original(request)
+
+    engine.add = add  # type: ignore[method-assign]
+
+
+def test_two_workers_take_the_most_urgent_band_first(redis_url: str,
+                                                     client: redis.Redis) -> None:
+    jobs: dict[str, dict[str, object]] = {}
+    with Producer(redis_url) as prod:
+        for k in range(6):
+            jobs[f"low{k}"] = dict(prompt=f"low {k}", max_tokens=8, priority=3)
+            prod.submit(jobs[f"low{k}"]["prompt"], id=f"low{k}", max_tokens=8, priority=3)
+        for k in range(4):  # v1: plain entries to qw:jobs, no priority field
+            jobs[f"v1n{k}"] = dict(prompt=f"normal {k}", max_tokens=8)
+            client.xadd(KEYS.jobs, {"id": f"v1n{k}", "prompt": f"normal {k}", "max_tokens": "8"})
+        for k in range(4):
+            jobs[f"high{k}"] = dict(prompt=f"high {k}", max_tokens=8, priority=-2)
+            prod.submit(jobs[f"high{k}"]["prompt"], id=f"high{k}", max_tokens=8, priority=-2)
+    assert client.xlen(KEYS.jobs_of(None, "high")) == 4 and client.xlen(KEYS.jobs) == 4
+    assert client.xlen(KEYS.jobs_of(None, "low")) == 6
+    log: list[tuple[float, str]] = []
+    lock = threading.Lock()
+    engines = [sim_engine("sim:step_ms=3", max_num_seqs=2) for _ in range(2)]
+    for e in engines:
+        record_adds(e, log, lock)
+    with thread_worker(redis_url, "w1", engines[0]), thread_worker(redis_url, "w2", engines[1]):
+        done = wait_terminal(client, jobs)
+    order = [rid for _, rid in sorted(log)]
+    assert sorted(order) == sorted(jobs)  # each taken once
+    band = {rid: rid.rstrip("0123456789") for rid in jobs}
+    ranks = [("high", "v1n", "low").index(band[rid]) for rid in order]
+    assert ranks == sorted(ranks), order  # every high before every normal before every low
+    want = expected({rid: {k: v for k, v in f.items() if k != "priority"}
+                     for rid, f in jobs.items()})
+    for rid in jobs:
+        event = check_stream(client, rid)
+        assert (event.text, event.finish_reason) == want[rid] and done[rid].type == "done"
+
+
+def test_a_full_worker_displaces_a_low_job_for_an_urgent_one(redis_url: str,
+                                                             client: redis.Redis) -> None:
+    low = {f"long{k}": dict(prompt=f"long job {k}", max_tokens=150, priority=1)
+           for k in range(2)}
+    engine = sim_engine("sim:step_ms=4", max_num_seqs=2)
+    with Producer(redis_url) as prod, thread_worker(redis_url, "w", engine):
+        for rid, f in low.items():
+            prod.submit(f["prompt"], id=rid, max_tokens=150, priority=1)
+        wait_for(lambda: all(client.xlen(KEYS.out(rid)) >= 5 for rid in low),
+                 what="both long jobs to stream")
+        assert engine.free_slots() == 0
+        started = time.monotonic()
+        prod.submit("urgent", id="urgent", max_tokens=5, priority=-1)
+        done = wait_terminal(client, ["urgent"])
+        urgent_s = time.monotonic() - started
+        assert done["urgent"].type == "done"
+        assert not any(client.exists(KEYS.out(rid)) and _finished(client, rid) for rid in low)
+        wait_terminal(client, low)
+    assert urgent_s < 2.0, urgent_s  # it did not wait for 150 tokens of 4 ms
+    requeue_low = KEYS.requeue_of(None, "low")
+    assert client.xinfo_stream(requeue_low)["entries-added"] >= 1  # the displaced one's band
+    assert client.xlen(requeue_low) == 0
+    want = expected({rid: {k: v for k, v in f.items() if k != "priority"}
+                     for rid, f in low.items()})
+    for rid in low:  # greedy or seeded alike: resumed exactly where it was displaced
+        event = check_stream(client, rid)
+        assert (event.text, event.finish_reason) == want[rid]
+
+
+def _finished(client: redis.Redis, rid: str) -> bool:
+    last = client.xrevrange(KEYS.out(rid), count=1)
+    return bool(last) and last[0][1].get(b"type") in (b"done", b"error")
+
