@@ -152,7 +152,7 @@ def test_smollm2_shared_prefix_equals_no_cache(smollm2_path: Path,
     questions = ["What is the capital of France?", "Why is the sky blue?", "Name a prime.",
                  "What is 2 + 2?", "Who wrote Hamlet?", "What do bees make?"]
     prompts = [prefix + smollm2_tokenizer.encode(" " + q) for q in questions]
-    params = SamplingParams(max_tokens=6, temperature=0.0)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
 
     def run(caching: bool) -> tuple[list[list[int]], dict[str, int]]:
         config = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=3, prefill_chunk=64,
@@ -163,3 +163,45 @@ def test_smollm2_shared_prefix_equals_no_cache(smollm2_path: Path,
     (cached, stats), (plain, _) = run(True), run(False)
     assert cached == plain
     assert stats["prefix_cache_hits"] >= 3 * 32  # the last 3 start from 2 shared blocks each
+
+
+# ------------------------------------------------------------------ the wire field cache_salt
+
+
+def test_cache_salt_on_the_wire_the_cli_and_the_gateway() -> None:
+    import argparse
+
+    from qworker_client.commands.submit import add_param_args, add_prompt_args, job_spec
+    from qworker_client.gateway.translate import translate
+    from qworker_client.protocol import JobValidationError, parse_job_fields
+
+    assert parse_job_fields({"prompt": "x", "cache_salt": "t-1"}, "1-0").cache_salt == "t-1"
+    for bad in ("", "s" * 257):
+        with pytest.raises(JobValidationError, match="cache_salt"):
+            parse_job_fields({"prompt": "x", "cache_salt": bad}, "1-0")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("prompt")
+    add_prompt_args(parser)
+    add_param_args(parser)
+    assert job_spec(parser.parse_args(["hi", "--cache-salt", "t-2"]))["cache_salt"] == "t-2"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "t-3"}
+    assert translate("chat", body, 4).choices[0].spec["cache_salt"] == "t-3"
+
+
+def test_a_worker_gives_the_engine_each_jobs_salt(redis_url: str) -> None:
+    import redis
+
+    from tests.service_harness import sim_engine, submit, thread_worker, wait_terminal
+
+    client = redis.Redis.from_url(redis_url)
+    engine = sim_engine("sim:step_ms=0,block_size=8")
+    prompt = "a system prompt that several jobs share, then a question"
+    with thread_worker(redis_url, "salted", engine=engine):
+        hits = []
+        for k, salt in enumerate(["a", "b", None, "a"]):
+            submit(client, f"salt-{k}", prompt=prompt, max_tokens=2,
+                   **({"cache_salt": salt} if salt else {}))
+            wait_terminal(client, [f"salt-{k}"])
+            hits.append(engine.stats()["prefix_cache_hits"])
+    client.close()
+    assert hits == [0, 0, 0, (len(prompt) - 1) // 8 * 8]

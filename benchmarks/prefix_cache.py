@@ -1,0 +1,144 @@
+"""Prefix caching on vs off, in-process, same model, same run (issue 16, target 1).
+
+    .venv/bin/python -m benchmarks.prefix_cache [--requests 64 --prefix-len 1024] [--rounds 2]
+
+Shared-prefix workload: `--requests` requests sharing a `--prefix-len`-token prefix, each with its
+own suffix of `--suffix-min`..`--suffix-max` tokens and `--output-len` output tokens, all queued
+at once. Prints one JSON line per run (useful output tokens/s, TTFT p50 / p90, prefix cache hits)
+and a summary with the same-run ratios: cached vs uncached throughput and TTFT p50 (target: at
+most 0.2x), and on workload v1 (no shared prefixes; `--v1-requests` of it) the cost of caching
+(target: under 2%), each the median over `--rounds` rounds of alternating order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from benchmarks.machine import machine_info
+from benchmarks.workload import WorkItem, fingerprint, standard_workload
+from qworker.engine.config import EngineConfig
+from qworker.engine.engine import Engine
+from qworker.engine.request import Request, SamplingParams
+from qworker.model.dtypes import resolve_dtype
+from qworker.model.hub import resolve_model
+from qworker.model.llama import LlamaModel, load_model
+from qworker.model.tokenizer import Tokenizer
+
+
+def shared_prefix_workload(args: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
+    rng = random.Random(args.seed)
+    prefix = [rng.randrange(32, vocab_size) for _ in range(args.prefix_len)]
+    return [WorkItem(prefix + [rng.randrange(32, vocab_size)
+                               for _ in range(rng.randint(args.suffix_min, args.suffix_max))],
+                     args.output_len)
+            for _ in range(args.requests)]
+
+
+def run(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
+        items: list[WorkItem]) -> dict[str, object]:
+    engine = Engine(model, tokenizer, config)
+    engine.warm_up()  # the kernel choice (cached after the first engine)
+    engine.generate([[7] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # first-call costs
+    engine.blocks.drop_cache()  # nothing of the warm-up helps the measured requests
+    engine.num_preemptions = 0
+    base = engine.stats().get("prefix_cache_hits", 0)
+    for i, item in enumerate(items):
+        params = SamplingParams(max_tokens=item.output_len, min_tokens=item.output_len,
+                                ignore_eos=True, temperature=0.0)
+        engine.add(Request(f"r{i}", item.prompt_ids, params))
+    first: dict[str, float] = {}
+    produced = 0
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter() - started
+        for out in outputs:
+            produced += len(out.new_token_ids)
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+    wall = time.perf_counter() - started
+    useful = sum(item.output_len for item in items)
+    assert produced == useful, f"generated {produced} tokens, the workload asks for {useful}"
+    ttfts = sorted(first.values())
+    stats = engine.stats()
+    return {
+        "prefix_caching": config.prefix_caching,
+        "useful_out_tok_s": round(useful / wall, 1),
+        "wall_s": round(wall, 2),
+        "ttft_p50_s": round(statistics.median(ttfts), 3),
+        "ttft_p90_s": round(ttfts[int(0.9 * (len(ttfts) - 1))], 3),
+        "prefix_cache_hit_tokens": stats.get("prefix_cache_hits", 0) - base,
+        "prompt_tokens": sum(len(item.prompt_ids) for item in items),
+        "preemptions": engine.num_preemptions,
+    }
+
+
+def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
+            items: list[WorkItem], rounds: int, common: dict[str, object]) -> dict[str, float]:
+    """Runs off and on `rounds` times, alternating which goes first; median same-round ratios."""
+    throughput, ttft = [], []
+    for k in range(rounds):
+        order = (False, True) if k % 2 == 0 else (True, False)
+        got = {}
+        for caching in order:
+            got[caching] = run(model, tokenizer, replace(config, prefix_caching=caching), items)
+            print(json.dumps({**common, "workload": name, "round": k, **got[caching]}),
+                  flush=True)
+        throughput.append(float(got[True]["useful_out_tok_s"])  # type: ignore[arg-type]
+                          / float(got[False]["useful_out_tok_s"]))  # type: ignore[arg-type]
+        ttft.append(float(got[True]["ttft_p50_s"])  # type: ignore[arg-type]
+                    / float(got[False]["ttft_p50_s"]))  # type: ignore[arg-type]
+    return {"throughput_ratio": round(statistics.median(throughput), 3),
+            "ttft_p50_ratio": round(statistics.median(ttft), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--suffix-min", type=int, default=16)
+    parser.add_argument("--suffix-max", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--v1-requests", type=int, default=64, help="0: no workload v1 run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    model = load_model(path, dtype=dtype)
+    tokenizer = Tokenizer.load(path)
+    config = EngineConfig(kv_cache_gb=args.kv_cache_gb)
+    common = {"dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+              **machine_info()}
+    vocab = int(model.embed_tokens.weight.shape[0])
+    shared = shared_prefix_workload(args, vocab)
+    summary: dict[str, object] = {
+        "benchmark": "prefix_cache", **common,
+        "shared_prefix": {"requests": args.requests, "prefix_len": args.prefix_len,
+                          "suffix": [args.suffix_min, args.suffix_max],
+                          "output_len": args.output_len,
+                          **compare("shared_prefix", model, tokenizer, config, shared,
+                                    args.rounds, common)}}
+    if args.v1_requests:
+        v1 = standard_workload(seed=0, vocab_size=vocab)[:args.v1_requests]
+        summary["workload_v1"] = {"requests": len(v1), "fingerprint": fingerprint(v1),
+                                  **compare("v1", model, tokenizer, config, v1, args.rounds,
+                                            common)}
+    summary["vllm"] = "not run: needs vLLM (not installed here)"
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
