@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -51,13 +52,13 @@ def test_two_workers_take_the_most_urgent_band_first(redis_url: str,
     with Producer(redis_url) as prod:
         for k in range(6):
             jobs[f"low{k}"] = dict(prompt=f"low {k}", max_tokens=8, priority=3)
-            prod.submit(jobs[f"low{k}"]["prompt"], id=f"low{k}", max_tokens=8, priority=3)
+            prod.submit(f"low {k}", id=f"low{k}", max_tokens=8, priority=3)
         for k in range(4):  # v1: plain entries to qw:jobs, no priority field
             jobs[f"v1n{k}"] = dict(prompt=f"normal {k}", max_tokens=8)
             client.xadd(KEYS.jobs, {"id": f"v1n{k}", "prompt": f"normal {k}", "max_tokens": "8"})
         for k in range(4):
             jobs[f"high{k}"] = dict(prompt=f"high {k}", max_tokens=8, priority=-2)
-            prod.submit(jobs[f"high{k}"]["prompt"], id=f"high{k}", max_tokens=8, priority=-2)
+            prod.submit(f"high {k}", id=f"high{k}", max_tokens=8, priority=-2)
     assert client.xlen(KEYS.jobs_of(None, "high")) == 4 and client.xlen(KEYS.jobs) == 4
     assert client.xlen(KEYS.jobs_of(None, "low")) == 6
     log: list[tuple[float, str]] = []
@@ -86,7 +87,7 @@ def test_a_full_worker_displaces_a_low_job_for_an_urgent_one(redis_url: str,
     engine = sim_engine("sim:step_ms=4", max_num_seqs=2)
     with Producer(redis_url) as prod, thread_worker(redis_url, "w", engine):
         for rid, f in low.items():
-            prod.submit(f["prompt"], id=rid, max_tokens=150, priority=1)
+            prod.submit(str(f["prompt"]), id=rid, max_tokens=150, priority=1)
         wait_for(lambda: all(client.xlen(KEYS.out(rid)) >= 5 for rid in low),
                  what="both long jobs to stream")
         assert engine.free_slots() == 0
@@ -109,6 +110,27 @@ def test_a_full_worker_displaces_a_low_job_for_an_urgent_one(redis_url: str,
 
 
 def _finished(client: redis.Redis, rid: str) -> bool:
-    last = client.xrevrange(KEYS.out(rid), count=1)
+    last: Any = client.xrevrange(KEYS.out(rid), count=1)
     return bool(last) and last[0][1].get(b"type") in (b"done", b"error")
 
+
+
+def test_band_keys() -> None:
+    from qworker_client.protocol import band_of, band_of_fields
+
+    assert [band_of(p) for p in (-3, 0, 7)] == ["high", "", "low"]
+    assert band_of_fields({"priority": "-1"}) == "high" and band_of_fields({}) == ""
+    assert band_of_fields({"priority": "x"}) == ""  # refused by the worker wherever it is
+    assert KEYS.jobs_of("m", "high") == "qw:jobs:high:{m}"
+    assert KEYS.requeue_of(None, "low") == "qw:requeue:low"
+    streams = KEYS.streams_for("m")
+    assert len(streams) == 12 and streams[:4] == (
+        "qw:requeue:high:{m}", "qw:requeue:high", "qw:jobs:high:{m}", "qw:jobs:high")
+    for stream in streams:  # each names its model and band back
+        assert KEYS.stream_model(stream) in ("m", None)
+        assert (KEYS.jobs_of(KEYS.stream_model(stream), KEYS.stream_band(stream)) == stream
+                or KEYS.requeue_of(KEYS.stream_model(stream), KEYS.stream_band(stream)) == stream)
+    model_high = "qw:jobs:{high}"  # a model named high, normal band
+    assert KEYS.stream_band(model_high) == "" and KEYS.stream_model(model_high) == "high"
+    with pytest.raises(ValueError):
+        KEYS.jobs_of(None, "urgent")
