@@ -134,3 +134,25 @@ def test_band_keys() -> None:
     assert KEYS.stream_band(model_high) == "" and KEYS.stream_model(model_high) == "high"
     with pytest.raises(ValueError):
         KEYS.jobs_of(None, "urgent")
+
+
+def test_an_idle_worker_woken_by_a_burst_takes_all_of_it(redis_url: str,
+                                                         client: redis.Redis) -> None:
+    from qworker.service.config import ServiceConfig
+    from qworker.service.intake import Intake
+    from qworker.service.scripts import Scripts
+
+    intake = Intake(client, KEYS, ServiceConfig(redis_url=redis_url, name="idle"), Scripts(), "t")
+    intake.ensure_group()
+    got: list[list[str]] = []
+    reader = threading.Thread(target=lambda: got.append(
+        [e.entry_id for e in intake.read({"high": 8, "": 2, "low": 0}, block_ms=10_000)]))
+    reader.start()
+    time.sleep(0.3)  # it blocks now
+    pipe = client.pipeline(transaction=True)  # one transaction: the reader wakes after all
+    for k in range(3):
+        pipe.xadd(KEYS.jobs, {"id": f"n{k}", "prompt": "x"})
+    pipe.xadd(KEYS.jobs_of(None, "low"), {"id": "l0", "prompt": "x", "priority": "1"})
+    ids = [i.decode() for i in pipe.execute()]
+    reader.join(15)
+    assert got == [ids[:2]]  # the normal band's room, and none of the low band (room 0)

@@ -121,26 +121,32 @@ class Intake:
     def read(self, rooms: int | Mapping[str, int], block_ms: int | None) -> list[Entry]:
         """New entries from `self.streams` in order (the most urgent band first, requeued work
         first in each), each band's only while fewer than its room were taken; one round trip.
-        Blocks (`block_ms`) only when nothing is there and the caller is idle."""
+        Blocks (`block_ms`) only when nothing is there and the caller is idle; woken, it takes
+        what else arrived meanwhile too (a burst starts in one step)."""
         caps = self.caps(rooms)
-        entries: list[Entry] = []
-        if any(cap > 0 for _, cap in caps):
-            try:
-                reply = self.scripts.read(self.client, group=self.config.group,
-                                          consumer=self.consumer, caps=caps)
-            except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
-                Scripts.load(self.client)
-                reply = self.scripts.read(self.client, group=self.config.group,
-                                          consumer=self.consumer, caps=caps)
-            entries = [Entry(_s(stream), _s(eid), _pairs(flat))
-                       for stream, items in reply or () for eid, flat in items]
+        entries = self._read_capped(caps)
         count = max(cap for _, cap in caps)
         if not entries and block_ms and count > 0:
             streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
             reply = self.client.xreadgroup(self.config.group, self.consumer, streams, count=1,
                                            block=block_ms)
             entries += self._parse_read(reply)
+            if entries:
+                entries += self._read_capped([(s, cap - len(entries)) for s, cap in caps])
         return entries
+
+    def _read_capped(self, caps: list[tuple[str, int]]) -> list[Entry]:
+        if not any(cap > 0 for _, cap in caps):
+            return []
+        try:
+            reply = self.scripts.read(self.client, group=self.config.group,
+                                      consumer=self.consumer, caps=caps)
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+            Scripts.load(self.client)
+            reply = self.scripts.read(self.client, group=self.config.group,
+                                      consumer=self.consumer, caps=caps)
+        return [Entry(_s(stream), _s(eid), _pairs(flat))
+                for stream, items in reply or () for eid, flat in items]
 
     @staticmethod
     def _parse_read(reply: Any) -> list[Entry]:
