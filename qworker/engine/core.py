@@ -156,7 +156,8 @@ class EngineCore:
         aging = self.config.priority_aging_s
         if not aging:
             return float(priority)
-        return priority * aging + self.clock() - queued_s
+        # in whole ms: jobs queued in the same ms tie, and ties go by arrival (the newest last)
+        return round(priority * aging + self.clock() - queued_s, 3)
 
     def free_slots(self, priority: int | None = None) -> int:
         """How many more requests admission would take now; with `priority`, how many of that
