@@ -64,7 +64,7 @@ def terminal(client: redis.Redis, job_id: str) -> DoneEvent | ErrorEvent | None:
     if not last:
         return None
     ev = parse_event(last[0][1])
-    return None if isinstance(ev, TokenEvent) else ev
+    return ev if isinstance(ev, (DoneEvent, ErrorEvent)) else None
 
 
 def wait_terminal(client: redis.Redis, ids: Iterable[str], timeout: float = 60.0

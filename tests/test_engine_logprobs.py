@@ -35,7 +35,8 @@ def one_shot_logprobs(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(model(batch, cache).float(), dim=-1)
 
 
-def run_all(engine: Engine | SimulatedEngine, requests: list[Request]) -> dict[str, list[StepOutput]]:
+def run_all(engine: Engine | SimulatedEngine,
+            requests: list[Request]) -> dict[str, list[StepOutput]]:
     outputs: dict[str, list[StepOutput]] = {r.request_id: [] for r in requests}
     for request in requests:
         engine.add(request)

@@ -117,7 +117,7 @@ def test_submit_stream_json_prints_one_event_per_line(
     worker.finish()
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert lines == [e.model_dump() for e in completion(TEXTS)]
+    assert lines == [e.model_dump(exclude_none=True) for e in completion(TEXTS)]
 
 
 def test_submit_reports_the_jobs_error(redis_url: str, client: redis.Redis) -> None:
@@ -189,7 +189,7 @@ def test_tail_prints_a_jobs_output(redis_url: str) -> None:
     assert (text.returncode, text.stdout) == (0, "".join(TEXTS) + "\n")
     as_json = cli("tail", "t1", "--json", redis_url=redis_url)
     assert [json.loads(line) for line in as_json.stdout.splitlines()] == [
-        e.model_dump() for e in completion(TEXTS)]
+        e.model_dump(exclude_none=True) for e in completion(TEXTS)]
 
 
 def test_tail_follows_a_running_job_and_reports_errors(redis_url: str) -> None:

@@ -183,6 +183,7 @@ SAMPLED["structured_outputs"] = {"regex": "[ab]+"}
 CARRIED: dict[str, Any] = {"structured_outputs": StructuredOutputs(regex="[ab]+")}
 
 
+SAMPLED.update(logprobs=3, prompt_logprobs=2)
 def test_a_jobs_sampling_fields_are_the_sampling_params_fields() -> None:
     assert set(Job.model_fields) - JOB_NOT_SAMPLING == SAMPLING_FIELDS
     assert set(Job.model_fields) >= JOB_NOT_SAMPLING

@@ -17,7 +17,13 @@ import redis
 
 from qworker_client.client import Job, Producer
 from qworker_client.connect import redis_url_from_env
-from qworker_client.protocol import DEFAULT_PREFIX, DoneEvent, ErrorEvent, TokenEvent
+from qworker_client.protocol import (
+    DEFAULT_PREFIX,
+    DoneEvent,
+    ErrorEvent,
+    PromptLogprobsEvent,
+    TokenEvent,
+)
 from qworker_client.result import JobError, JobTimeoutError, Result
 from qworker_client.version import add_version_flag
 
@@ -55,10 +61,16 @@ def print_json(data: Any, out: TextIO | None = None) -> None:
     stream.flush()
 
 
-def print_event(event: TokenEvent | DoneEvent | ErrorEvent, as_json: bool) -> None:
-    """One event as a JSON line, or (text mode) a token's text as it comes."""
+def print_event(event: TokenEvent | DoneEvent | ErrorEvent | PromptLogprobsEvent, as_json: bool,
+                logprobs: bool = False) -> None:
+    """One event as a JSON line, or (text mode) a token's text as it comes; with `logprobs`, a
+    line per token: index, id, logprob, its text, then the top alternatives as id:logprob."""
     if as_json:
-        print_json(event.model_dump())
+        print_json(event.model_dump(exclude_none=True))
+    elif logprobs and isinstance(event, TokenEvent):
+        top = " ".join(f"{t.token_id}:{t.logprob:.4f}" for t in event.top_logprobs or ())
+        logprob = "" if event.logprob is None else f"{event.logprob:.4f}"
+        print(f"{event.i}\t{event.token_id}\t{logprob}\t{event.token or event.text!r}\t{top}")
     elif isinstance(event, TokenEvent) and event.text:
         sys.stdout.write(event.text)
         sys.stdout.flush()
@@ -84,15 +96,22 @@ def reports_redis_errors(run: Callable[[argparse.Namespace], int]) -> Callable[.
 
 
 def follow(
-    job: Job, *, stream: bool, as_json: bool, timeout: float | None, cancel_on_interrupt: bool
+    job: Job, *, stream: bool, as_json: bool, timeout: float | None, cancel_on_interrupt: bool,
+    logprobs: bool = False,
 ) -> int:
     """Print a job's output: its text (live when `stream`), or JSON (the result, or one event per
-    line when `stream`). The exit status says how the job ended."""
+    line when `stream`; a prompt_logprobs event before the first token). The exit status says how
+    the job ended."""
     try:
         if stream:
+            shown_prompt = False
             for event in job.stream(timeout):
-                print_event(event, as_json)
-            if not as_json:
+                if as_json and not shown_prompt and job.state.prompt_logprobs is not None:
+                    print_event(PromptLogprobsEvent(prompt_logprobs=job.state.prompt_logprobs),
+                                as_json)
+                    shown_prompt = True
+                print_event(event, as_json, logprobs)
+            if not as_json and not logprobs:
                 print()
         else:
             print_result(job.result(timeout), as_json)
@@ -115,6 +134,12 @@ def follow(
 def print_result(result: Result, as_json: bool) -> None:
     if as_json:
         data = asdict(result)
+        for name in ("logprobs", "prompt_logprobs"):  # pydantic entries; absent when not asked
+            entries = getattr(result, name)
+            if entries is None:
+                del data[name]
+            else:
+                data[name] = [e.model_dump(exclude_none=True) for e in entries]
         print_json({"id": data.pop("job_id"), **data})
     else:
         print(result.text)

@@ -15,7 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -41,6 +49,7 @@ MAX_DEADLINE_MS = 2**53  # far beyond any real unix time in ms; keeps JSON numbe
 MAX_STRUCTURED_CHARS = 65_536  # a `structured_outputs` schema (as compact JSON), regex or grammar
 MAX_CHOICES = 256  # strings of `structured_outputs.choice`
 MAX_CHOICE_CHARS = 1_024
+MAX_LOGPROBS = 20  # alternatives per position of `logprobs` / `prompt_logprobs`
 MAX_FIELD_BYTES = 4 * 1024 * 1024  # one wire value, before any parsing
 MAX_FIELDS = 64  # fields of one entry
 
@@ -179,6 +188,13 @@ class Job(BaseModel):
     structured_outputs: Annotated[StructuredOutputs | None, Field(
         description="constrain the output: exactly one of json, json_object, regex, choice, "
                     "grammar")] = None
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS, description=(
+        "each token event carries its logprob, and with k > 0 its top k alternatives"))] = None
+    prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS, description=(
+        "a prompt_logprobs event before the first token: the prompt tokens' logprobs (top k)"))
+    ] = None
+    logprobs_text: Annotated[bool, Field(description=(
+        "each logprob entry also carries its token's own text (`token`)"))] = False
 
     @model_validator(mode="after")
     def _check(self) -> Job:
@@ -218,6 +234,7 @@ _JOB_WIRE_KINDS: dict[str, str] = {
     "ignore_eos": "bool", "min_tokens": "int", "repetition_penalty": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "priority": "int",
     "deadline_ms": "int", "structured_outputs": "json",
+    "logprobs": "int", "prompt_logprobs": "int", "logprobs_text": "bool",
 }
 assert set(_JOB_WIRE_KINDS) == set(Job.model_fields)
 
@@ -237,7 +254,8 @@ def encode_value(value: Any) -> str:
     if isinstance(value, dict):  # an object field given as a plain dict (structured_outputs)
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     if isinstance(value, (list, tuple)):
-        items = [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+        items = [v.model_dump(exclude_none=True) if isinstance(v, BaseModel) else v
+                 for v in value]
         return json.dumps(items, ensure_ascii=False, separators=(",", ":"))
     raise TypeError(f"cannot encode {type(value).__name__}")
 
@@ -341,6 +359,26 @@ class _Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TopLogprob(_Event):
+    """One token's log-probability (natural log, from the model's raw logits)."""
+
+    token_id: Annotated[int, Field(ge=0)]
+    logprob: float
+    token: Annotated[str | None, Field(description="its own text (with logprobs_text)")] = None
+
+
+class TokenLogprob(TopLogprob):
+    """A token's logprob given the tokens before it, and the top k there (a prompt token's in a
+    prompt_logprobs event; a generated one's in a client's Result)."""
+
+    top_logprobs: Annotated[list[TopLogprob] | None, Field(description="best first")] = None
+
+
+def _json_list(value: Any) -> Any:
+    """On the wire a list is JSON text."""
+    return json.loads(value, parse_constant=_reject_constant) if isinstance(value, str) else value
+
+
 class TokenEvent(_Event):
     """One generated token. The `text` of all token events joined is exactly the final text."""
 
@@ -348,6 +386,23 @@ class TokenEvent(_Event):
     i: Annotated[int, Field(ge=0, description="index of the generated token, from 0")]
     token_id: Annotated[int, Field(ge=0)]
     text: Annotated[str, Field(description="new text; may be empty while text is held back")] = ""
+    logprob: Annotated[float | None, Field(description="with logprobs: this token's")] = None
+    top_logprobs: Annotated[list[TopLogprob] | None, Field(
+        description="with logprobs k > 0: the k most likely tokens here, best first")] = None
+    token: Annotated[str | None, Field(
+        description="with logprobs_text: this token's own text")] = None
+
+    _lists = field_validator("top_logprobs", mode="before")(_json_list)
+
+
+class PromptLogprobsEvent(_Event):
+    """With prompt_logprobs: written once, just before the first token event."""
+
+    type: Literal["prompt_logprobs"] = "prompt_logprobs"
+    prompt_logprobs: Annotated[list[TokenLogprob], Field(
+        description="one per prompt token from the second on, in order")]
+
+    _lists = field_validator("prompt_logprobs", mode="before")(_json_list)
 
 
 class DoneEvent(_Event):
@@ -372,20 +427,25 @@ class ErrorEvent(_Event):
     message: str
 
 
-Event = Annotated[Union[TokenEvent, DoneEvent, ErrorEvent], Field(discriminator="type")]  # noqa: UP007
-_EVENT_ADAPTER: TypeAdapter[TokenEvent | DoneEvent | ErrorEvent] = TypeAdapter(Event)
+Event = Annotated[Union[TokenEvent, DoneEvent, ErrorEvent, PromptLogprobsEvent],  # noqa: UP007
+                  Field(discriminator="type")]
+AnyEvent = TokenEvent | DoneEvent | ErrorEvent | PromptLogprobsEvent
+_EVENT_ADAPTER: TypeAdapter[AnyEvent] = TypeAdapter(Event)
 TERMINAL_TYPES = ("done", "error")
 
 
-def event_to_fields(event: TokenEvent | DoneEvent | ErrorEvent) -> dict[str, str]:
-    """The XADD fields of an event, `type` first; every value a string."""
-    data = event.model_dump()
-    fields = {"type": data.pop("type")}
-    fields.update({k: encode_value(v) for k, v in data.items()})
+def event_to_fields(event: AnyEvent) -> dict[str, str]:
+    """The XADD fields of an event, `type` first; every value a string (fields left unset, None,
+    are not written)."""
+    fields: dict[str, str] = {"type": event.type}
+    for name in type(event).model_fields:
+        value = getattr(event, name)
+        if name != "type" and value is not None:
+            fields[name] = encode_value(value)
     return fields
 
 
-def parse_event(fields: WireFields) -> TokenEvent | DoneEvent | ErrorEvent:
+def parse_event(fields: WireFields) -> AnyEvent:
     """Decode one `<prefix>:out:<id>` entry (as read with or without decode_responses)."""
     data = {_to_str(k, "a field name"): _to_str(v, "a field value") for k, v in fields.items()}
     return _EVENT_ADAPTER.validate_python(data)
@@ -555,6 +615,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "token": TokenEvent.model_json_schema(),
         "done": DoneEvent.model_json_schema(),
         "error": ErrorEvent.model_json_schema(),
+        "prompt_logprobs": PromptLogprobsEvent.model_json_schema(),
         "event": _EVENT_ADAPTER.json_schema(),
         "worker": WorkerInfo.model_json_schema(),
     }
@@ -562,9 +623,10 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 
 __all__ = [
     "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "EXPIRED", "ID_PATTERN", "INTERNAL",
-    "INVALID_REQUEST", "MODEL_PATTERN", "PROMPT_TOO_LONG", "PROTOCOL_VERSION", "TERMINAL_TYPES",
-    "TOO_MANY_DELIVERIES", "ChatMessage", "DoneEvent", "ErrorEvent", "Event", "FinishReason",
-    "Job", "JobValidationError", "Keys", "TokenEvent", "WorkerInfo", "encode_value", "entry_ms",
+    "INVALID_REQUEST", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG", "PROTOCOL_VERSION",
+    "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage", "DoneEvent", "ErrorEvent",
+    "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
+    "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
     "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_event",
     "parse_job_fields",
 ]

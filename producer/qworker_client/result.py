@@ -15,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent, parse_event
+from qworker_client.protocol import (
+    AnyEvent,
+    DoneEvent,
+    ErrorEvent,
+    PromptLogprobsEvent,
+    TokenEvent,
+    TokenLogprob,
+    parse_event,
+)
 
 OutputEvent = TokenEvent | DoneEvent | ErrorEvent
 
@@ -59,16 +67,31 @@ class Result:
     finish_reason: str
     usage: Usage
     timings: Timings
+    # a job with `logprobs`: each generated token's (as read by this handle); with
+    # `prompt_logprobs`: the prompt tokens' from the second on
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
-    def from_done(cls, job_id: str, done: DoneEvent) -> Result:
+    def from_done(cls, job_id: str, done: DoneEvent, logprobs: list[TokenLogprob] | None = None,
+                  prompt_logprobs: list[TokenLogprob] | None = None) -> Result:
         return cls(
             job_id=job_id,
             text=done.text,
             finish_reason=done.finish_reason,
             usage=Usage(done.prompt_tokens, done.completion_tokens),
             timings=Timings(done.queue_ms, done.ttft_ms, done.total_ms),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+
+def token_logprob(event: TokenEvent) -> TokenLogprob | None:
+    """A token event's logprob entry (None: the job did not ask for logprobs)."""
+    if event.logprob is None:
+        return None
+    return TokenLogprob(token_id=event.token_id, logprob=event.logprob, token=event.token,
+                        top_logprobs=event.top_logprobs)
 
 
 @dataclass
@@ -80,6 +103,8 @@ class OutputState:
     next_index: int = 0  # token indices below it were passed on: any repeat of them is skipped
     done: DoneEvent | None = None
     error: ErrorEvent | None = None
+    logprobs: list[TokenLogprob] | None = None  # of the tokens passed on, when they carry them
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the prompt_logprobs event
 
     @property
     def finished(self) -> bool:
@@ -91,11 +116,16 @@ class OutputState:
         self.last_id = entry_id
         if self.finished:
             return None
-        event = parse_event(fields)
+        event: AnyEvent = parse_event(fields)
+        if isinstance(event, PromptLogprobsEvent):  # kept, not passed on (see Result)
+            self.prompt_logprobs = list(event.prompt_logprobs)
+            return None
         if isinstance(event, TokenEvent):
             if event.i < self.next_index:
                 return None
             self.next_index = event.i + 1
+            if (entry := token_logprob(event)) is not None:
+                self.logprobs = [*(self.logprobs or []), entry]
         elif isinstance(event, DoneEvent):
             self.done = event
         else:
@@ -111,7 +141,7 @@ class OutputState:
         if self.error is not None:
             raise self.job_error()
         assert self.done is not None
-        return Result.from_done(self.job_id, self.done)
+        return Result.from_done(self.job_id, self.done, self.logprobs, self.prompt_logprobs)
 
 
 def stream_entries(response: object) -> list[tuple[str, dict[str, str]]]:

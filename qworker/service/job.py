@@ -12,12 +12,14 @@ from qworker_client.protocol import (
     ErrorEvent,
     FinishReason,
     Job,
+    PromptLogprobsEvent,
     TokenEvent,
+    TokenLogprob,
     entry_ms,
     parse_event,
 )
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+Event = TokenEvent | DoneEvent | ErrorEvent | PromptLogprobsEvent
 RawFields = dict[bytes, bytes]
 
 
@@ -55,6 +57,8 @@ class Readback:
             except ValueError:
                 rb.consistent = False
                 break
+            if isinstance(event, PromptLogprobsEvent):
+                continue
             if isinstance(event, TokenEvent):
                 if event.i != len(rb.token_ids):
                     rb.consistent = False
@@ -98,15 +102,26 @@ class ActiveJob:
     def in_engine(self) -> bool:
         return not (self.finished or self.requeue)
 
-    def add_tokens(self, first_index: int, token_ids: list[int], text: str) -> None:
+    def add_tokens(self, first_index: int, token_ids: list[int], text: str,
+                   logprobs: list[TokenLogprob] | None = None) -> None:
+        assert logprobs is None or len(logprobs) == len(token_ids), "one logprob entry a token"
         for k, token_id in enumerate(token_ids):
             delta = text if k == len(token_ids) - 1 else ""
-            self.outbox.append(TokenEvent(i=first_index + k, token_id=token_id, text=delta))
+            lp = logprobs[k] if logprobs else None
+            self.outbox.append(TokenEvent(
+                i=first_index + k, token_id=token_id, text=delta,
+                logprob=lp.logprob if lp else None, top_logprobs=lp.top_logprobs if lp else None,
+                token=lp.token if lp else None))
         if token_ids:
             self.next_index = first_index + len(token_ids)
             self.text += text
             if self.first_token_ms is None:
                 self.first_token_ms = now_ms()
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprob]) -> None:
+        """The prompt_logprobs event: it goes out before the first token (in the same write)."""
+        assert self.next_index == 0 and not any(isinstance(e, TokenEvent) for e in self.outbox)
+        self.outbox.append(PromptLogprobsEvent(prompt_logprobs=entries))
 
     def finish(self, finish_reason: FinishReason, completion_tokens: int) -> DoneEvent:
         done_ms = now_ms()

@@ -61,6 +61,7 @@ end
 # KEYS: per job out, owner, source stream. ARGV: token, ttl_s, group, then per job: entry id,
 # k (how many ARGV items its events take), then per event: 2n, field, value, ... (`type` and, for
 # tokens, `i` among the fields).
+# A prompt_logprobs event goes in only before any token.
 # Returns per job {status, last index}: status ok | done (terminal event written) | terminal
 # (already finished, entry acked) | lost (not the owner) | gap (token i > last + 1).
 APPEND = _LAST_STATE + """
@@ -90,6 +91,12 @@ local function append_job(out, owner, src, token, ttl, group, entry, pos, stop)
       if i == last + 1 then
         redis.call('XADD', out, '*', unpack(fields))
         last = i
+        appended = appended + 1
+      end
+    elseif typ == 'prompt_logprobs' then
+      -- written with token 0 in one call: a retry finds token 0 there and skips both
+      if last == -1 then
+        redis.call('XADD', out, '*', unpack(fields))
         appended = appended + 1
       end
     else

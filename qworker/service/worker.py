@@ -49,6 +49,7 @@ from qworker.service.errors import (
 from qworker.service.heartbeat import Heartbeat, Held
 from qworker.service.intake import BAND_PRIORITY, Intake, Reject, Taken
 from qworker.service.job import ActiveJob, Entry, now_ms
+from qworker.service.logprobs import token_text, wire_logprobs
 from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics
 from qworker.service.on_done import OnDone
@@ -118,7 +119,7 @@ def default_seed(job_id: str) -> int:
 # the fields of a job that say what to run and when, not how to sample: every other field of a
 # Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
 JOB_NOT_SAMPLING = frozenset({"id", "model", "prompt", "messages", "prompt_token_ids",
-                              "priority", "deadline_ms"})
+                              "priority", "deadline_ms", "logprobs_text"})
 
 
 def sampling_params(job: Job, job_id: str) -> SamplingParams:
@@ -160,6 +161,7 @@ class Worker:
         self.backoff = Backoff(config.backoff_min_s, config.backoff_max_s)
         self.log = get_logger(worker=config.name)
         self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
+        self._token_text = token_text(engine.tokenizer)  # for jobs with logprobs_text
         self.active: dict[str, ActiveJob] = {}
         self._alone: str | None = None  # the job our alone key names (see _move_alone)
         self.draining = False
@@ -342,7 +344,11 @@ class Worker:
             if out.text_delta and not out.new_token_ids:
                 job.log.warning("engine gave text without a token; dropped",
                                 chars=len(out.text_delta))
-            job.add_tokens(out.first_index, out.new_token_ids, out.text_delta)
+            text = self._token_text if job.job.logprobs_text else None
+            if out.prompt_logprobs is not None:
+                job.add_prompt_logprobs(wire_logprobs(out.prompt_logprobs, text))
+            job.add_tokens(out.first_index, out.new_token_ids, out.text_delta,
+                           wire_logprobs(out.logprobs, text) if out.logprobs else None)
             self.metrics.tokens.inc(len(out.new_token_ids))
             if out.finished:
                 job.prompt_tokens = out.num_prompt_tokens or job.prompt_tokens

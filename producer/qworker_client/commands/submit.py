@@ -31,6 +31,8 @@ _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--frequency-penalty", "frequency_penalty", float),
     ("--priority", "priority", int),
     ("--deadline-ms", "deadline_ms", int),
+    ("--logprobs", "logprobs", int),  # 0..20: each token's logprob and its top k
+    ("--prompt-logprobs", "prompt_logprobs", int),  # 0..20: the prompt tokens' logprobs
     ("--model", "model", str),  # to <prefix>:jobs:{<model>}, for the workers serving it
 )
 
@@ -67,6 +69,8 @@ def add_param_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--stop-token-ids", default=None, help="JSON list of token ids")
     parser.add_argument("--ignore-eos", action="store_true", default=None)
+    parser.add_argument("--logprobs-text", action="store_true", default=None,
+                        help="logprob entries carry their token's text")
     parser.add_argument("--id", dest="job_id", default=None, help="job id (default: random)")
     structured = parser.add_mutually_exclusive_group()  # structured_outputs: one constraint
     structured.add_argument("--json-schema", default=None, metavar="FILE",
@@ -85,6 +89,7 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {field: getattr(args, field) for _, field, _ in _PARAM_FLAGS}
     spec.update(
         id=args.job_id, stop=args.stop, ignore_eos=args.ignore_eos,
+        logprobs_text=args.logprobs_text,
         stop_token_ids=_json_arg("--stop-token-ids", args.stop_token_ids),
     )
     spec.update(_prompt_fields(args))
@@ -158,5 +163,6 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(job.id)
             return 0
-        return follow(job, stream=args.stream, as_json=args.json, timeout=args.timeout,
-                      cancel_on_interrupt=True)
+        logprobs = args.logprobs is not None and not args.json  # a line per token
+        return follow(job, stream=args.stream or logprobs, as_json=args.json,
+                      timeout=args.timeout, cancel_on_interrupt=True, logprobs=logprobs)

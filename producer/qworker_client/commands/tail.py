@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--from-id", default=START_ID,
                         help="start after this entry id of <prefix>:out:<id> (default: the start)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for the end")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="a line per token: index, id, logprob, text, top alternatives")
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
@@ -39,4 +41,4 @@ def run(args: argparse.Namespace) -> int:
             report_error(str(exc))
             return EXIT_USAGE
         return follow(job, stream=True, as_json=args.json, timeout=args.timeout,
-                      cancel_on_interrupt=False)
+                      cancel_on_interrupt=False, logprobs=args.logprobs and not args.json)
