@@ -103,6 +103,10 @@ def test_a_scrape_during_a_run_sees_every_metric_move(redis_url: str, tmp_path: 
     assert value(after, "qworker_batch_size_sum") > steps > 0, "some step batched several jobs"
     assert value(after, "qworker_requests_running") == 0
     assert value(after, "qworker_kv_blocks_used") == 0
+    # every prompt starts with the block "prom": found cached by all but the first few
+    assert 0 < value(after, "qworker_prefix_cache_hits_total") < value(
+        after, "qworker_prefix_cache_queries_total")
+    assert value(after, "qworker_kv_blocks_cached") > 0
 
 
 @dataclass
@@ -179,7 +183,9 @@ def test_engine_stats_keeps_the_known_gauges_of_stats() -> None:
     assert engine_stats(Engine()) == {"running": 2, "waiting": 1}
     sim = sim_engine("sim:num_blocks=32")
     assert engine_stats(sim) == {"running": 0, "waiting": 0, "blocks_free": 32,
-                                 "blocks_total": 32, "batch_seqs": 0, "batch_tokens": 0}
+                                 "blocks_total": 32, "batch_seqs": 0, "batch_tokens": 0,
+                                 "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                                 "blocks_cached": 0}
 
 
 def test_unknown_path_is_404(redis_url: str) -> None:

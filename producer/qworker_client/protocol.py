@@ -46,6 +46,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 1_000_000
 MAX_DEADLINE_MS = 2**53  # far beyond any real unix time in ms; keeps JSON numbers exact
+MAX_CACHE_SALT_CHARS = 256
 MAX_STRUCTURED_CHARS = 65_536  # a `structured_outputs` schema (as compact JSON), regex or grammar
 MAX_CHOICES = 256  # strings of `structured_outputs.choice`
 MAX_CHOICE_CHARS = 1_024
@@ -185,6 +186,10 @@ class Job(BaseModel):
     deadline_ms: Annotated[
         int | None, Field(ge=0, le=MAX_DEADLINE_MS, description="unix ms; past it: error expired")
     ] = None
+    cache_salt: Annotated[str | None, Field(
+        min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+        description="prefix caching: only jobs with the same salt share cached prompt blocks")
+    ] = None
     structured_outputs: Annotated[StructuredOutputs | None, Field(
         description="constrain the output: exactly one of json, json_object, regex, choice, "
                     "grammar")] = None
@@ -228,6 +233,7 @@ class Job(BaseModel):
 
 # Wire kind of each job field: how its string is decoded before validation.
 _JOB_WIRE_KINDS: dict[str, str] = {
+    "cache_salt": "str",
     "id": "str", "model": "str", "prompt": "str", "messages": "json", "prompt_token_ids": "json",
     "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",

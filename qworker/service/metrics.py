@@ -24,7 +24,10 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # Keys of `engine.stats()`; each optional.
-ENGINE_STATS = ("running", "waiting", "blocks_free", "blocks_total", "batch_seqs", "batch_tokens")
+ENGINE_STATS = ("running", "waiting", "blocks_free", "blocks_total", "batch_seqs", "batch_tokens",
+                "prefix_cache_queries", "prefix_cache_hits", "blocks_cached")
+# of those, running totals (the engine's counters since it started): exported as counters
+_ENGINE_TOTALS = ("prefix_cache_queries", "prefix_cache_hits")
 
 
 class HasStats(Protocol):
@@ -46,6 +49,7 @@ class Metrics:
         self.health = Health(self.stall_s)
         self._server: ThreadingHTTPServer | None = None
         self._last_token: dict[str, float] = {}  # job id -> when its last token came out
+        self._totals: dict[str, int] = {}  # the engine's counters, as last exported
         self._jobs()
         self._engine()
         self._latency()
@@ -91,6 +95,13 @@ class Metrics:
         self.kv_blocks_free = Gauge("qworker_kv_blocks_free", "Free KV cache blocks", registry=r)
         self.kv_blocks_used = Gauge("qworker_kv_blocks_used", "KV cache blocks held by "
                                     "sequences", registry=r)
+        self.kv_blocks_cached = Gauge("qworker_kv_blocks_cached", "KV cache blocks the prefix "
+                                      "cache knows (held or free)", registry=r)
+        self.prefix_cache = {
+            "prefix_cache_queries": Counter("qworker_prefix_cache_queries", "Prompt tokens of "
+                                            "sequences admitted with prefix caching", registry=r),
+            "prefix_cache_hits": Counter("qworker_prefix_cache_hits", "Of those, tokens found in "
+                                         "the prefix cache (not computed)", registry=r)}
         self.batch_size = Histogram("qworker_batch_size", "Sequences per engine step",
                                     registry=r, buckets=_BATCH_BUCKETS)
         self.batch_tokens = Histogram("qworker_batch_tokens", "Tokens computed per engine step "
@@ -133,6 +144,12 @@ class Metrics:
         if "blocks_free" in stats and "blocks_total" in stats:
             self.kv_blocks_free.set(stats["blocks_free"])
             self.kv_blocks_used.set(stats["blocks_total"] - stats["blocks_free"])
+        if "blocks_cached" in stats:
+            self.kv_blocks_cached.set(stats["blocks_cached"])
+        for name in _ENGINE_TOTALS:
+            if name in stats:
+                self.prefix_cache[name].inc(max(0, stats[name] - self._totals.get(name, 0)))
+                self._totals[name] = stats[name]
 
     def observe_step(self, engine: HasStats, outputs: Iterable[StepOutput], seconds: float,
                      active: Container[str]) -> None:

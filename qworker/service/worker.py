@@ -118,7 +118,8 @@ def default_seed(job_id: str) -> int:
 
 # the fields of a job that say what to run and when, not how to sample: every other field of a
 # Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
-JOB_NOT_SAMPLING = frozenset({"id", "model", "prompt", "messages", "prompt_token_ids",
+JOB_NOT_SAMPLING = frozenset({"id", "model", "cache_salt", "prompt", "messages",
+                              "prompt_token_ids",
                               "priority", "deadline_ms", "logprobs_text"})
 
 
@@ -565,7 +566,8 @@ class Worker:
             self.engine.add(Request(job_id, prompt, sampling_params(t.job, job_id),
                                     queued_s=max(0.0, time.time() - t.t0_ms / 1000),  # aging
                                     output_token_ids=list(t.readback.token_ids),
-                                    priority=t.job.priority, isolate=t.entry.deliveries > 1))
+                                    priority=t.job.priority, isolate=t.entry.deliveries > 1,
+                                    cache_salt=t.job.cache_salt))
         except RequestRejectedError as exc:
             return Reject(t.entry, exc.code, str(exc), job_id, drop_owner=True)
         except Exception as exc:  # a tokenizer / template failure must not stop the worker

@@ -34,6 +34,7 @@ _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--logprobs", "logprobs", int),  # 0..20: each token's logprob and its top k
     ("--prompt-logprobs", "prompt_logprobs", int),  # 0..20: the prompt tokens' logprobs
     ("--model", "model", str),  # to <prefix>:jobs:{<model>}, for the workers serving it
+    ("--cache-salt", "cache_salt", str),  # only jobs of the same salt share cached prefixes
 )
 
 
