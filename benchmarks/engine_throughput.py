@@ -1,6 +1,7 @@
 """Engine throughput on standard workload v1, in-process, beside transformers' static batching.
 
     .venv/bin/python -m benchmarks.engine_throughput [--dtype bfloat16 float32] [--no-baseline]
+        [--weights dense quantized]
 
 Prints one JSON line per (engine, dtype): useful output tokens/s (each request counts exactly
 the tokens it asked for), total tokens/s, steps, mean batch size, preemptions, and the share of
@@ -27,8 +28,9 @@ from qworker.model.tokenizer import Tokenizer
 
 
 def run_qworker(model_path: str, dtype: torch.dtype, items: list[WorkItem],
-                config: EngineConfig) -> dict[str, object]:
-    engine = Engine(load_model(model_path, dtype=dtype), Tokenizer.load(model_path), config)
+                config: EngineConfig, weights: str = "dense") -> dict[str, object]:
+    model = load_model(model_path, dtype=dtype, weights=weights)
+    engine = Engine(model, Tokenizer.load(model_path), config)
     engine.warm_up()  # the measured kernel choice, as Engine.from_config does
     engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
     engine.runner.forward_seconds, engine.num_steps, engine.num_preemptions = 0.0, 0, 0
@@ -46,7 +48,7 @@ def run_qworker(model_path: str, dtype: torch.dtype, items: list[WorkItem],
     useful = sum(item.output_len for item in items)
     assert produced == useful, f"generated {produced} tokens, the workload asks for {useful}"
     return {
-        "engine": "qworker",
+        "engine": "qworker", "weights": model.weights_kept(),
         "useful_out_tok_s": round(useful / wall, 1),
         "total_tok_s": round((useful + sum(len(i.prompt_ids) for i in items)) / wall, 1),
         "wall_s": round(wall, 2),
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--weights", nargs="+", default=["dense"], choices=("dense", "quantized"),
+                        help="quantized: the GGUF's blocks kept (native quantized kernels)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -106,8 +110,9 @@ def main() -> None:
         dtype = resolve_dtype(name, "cpu")
         common = {"dtype": name, "workload": "v1", "fingerprint": fingerprint(items),
                   "threads": args.threads, **machine_info()}
-        ours = run_qworker(path, dtype, items, config)
-        print(json.dumps({**common, **ours}), flush=True)
+        for weights in args.weights:
+            ours = run_qworker(path, dtype, items, config, weights)
+            print(json.dumps({**common, **ours}), flush=True)
         if not args.no_baseline:
             base = run_transformers(path, dtype, items)
             ratio = ours["useful_out_tok_s"] / base["useful_out_tok_s"]  # type: ignore[operator]

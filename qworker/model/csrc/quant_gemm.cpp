@@ -29,10 +29,12 @@ void int8_rows(const std::vector<Q8Block>& xq, const uint8_t* w, int64_t m, int6
 int int8_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n,
               float* out, int64_t ldo) {
   std::vector<Q8Block> xq(static_cast<size_t>(m * (k / 32)));
+  // few rows: quantized by the calling thread, which spares the thread team one barrier (a
+  // barrier waits for every thread to be scheduled: on a busy machine, the larger cost)
+#pragma omp parallel for schedule(static) if (m >= 64)
+  for (int64_t i = 0; i < m; ++i) quantize_row_q8(x + i * k, k, xq.data() + i * (k / 32));
 #pragma omp parallel
   {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) quantize_row_q8(x + i * k, k, xq.data() + i * (k / 32));
     switch (type) {
       case Q4_0: int8_rows<Q4_0>(xq, w, m, n, k, out, ldo); break;
       case Q4_1: int8_rows<Q4_1>(xq, w, m, n, k, out, ldo); break;
