@@ -21,6 +21,8 @@ from qworker_client.gateway.metrics import Metrics
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.translate import GatewayRequest
 from qworker_client.protocol import JobValidationError, Keys
+from qworker_client.retry import TRANSIENT_ERRORS
+from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call
 
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
 
@@ -36,6 +38,7 @@ class Gateway:
         self.gate = Gate(self.redis, self.keys, config.max_queued, config.retry_after_s)
         self.catalog = Catalog(self.redis, self.keys, config.models_cache_s)
         self.metrics = Metrics()
+        self._submit_sha = self.redis.register_script(SUBMIT_SCRIPT).sha
         self.hub = Hub(self.redis, self.keys, interval_s=config.stream_interval_ms / 1000)
         self.batches = None if config.files_dir is None else Batches(
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
@@ -51,13 +54,32 @@ class Gateway:
             raise bad_request(exc.message, param=match.group(1) if match else None) from None
         except TypeError as exc:
             raise bad_request(str(exc)) from None
+        metas = {meta_key(self.keys.prefix, c.job_id):
+                 JobMeta(shape, c.index, request.include_usage).to_json() for c in request.choices}
+        if not await self._queue_at_once(metas, prepared):
+            pipe = self.redis.pipeline(transaction=False)
+            for key, value in metas.items():
+                pipe.set(key, value, ex=self.config.result_ttl_s)
+            await pipe.execute()
+            await self.producer.submit_prepared(prepared)  # loads the script, retries
+
+    async def _queue_at_once(self, metas: dict[str, str],
+                             prepared: list[tuple[str, dict[str, str]]]) -> bool:
+        """The metas set and the jobs queued in one round trip (EVALSHA beside the SETs); False
+        when that did not do it all (the server lost the script, a dropped connection): both
+        steps can simply be done again, the submit script queues an id once."""
         pipe = self.redis.pipeline(transaction=False)
-        for choice in request.choices:
-            meta = JobMeta(shape, choice.index, request.include_usage)
-            pipe.set(meta_key(self.keys.prefix, choice.job_id), meta.to_json(),
-                     ex=self.config.result_ttl_s)
-        await pipe.execute()
-        await self.producer.submit_prepared(prepared)
+        for key, value in metas.items():
+            pipe.set(key, value, ex=self.config.result_ttl_s)
+        for stream, positions in by_stream(self.keys, prepared).items():
+            keys, args = submit_call(self.keys, [prepared[k] for k in positions],
+                                     self.config.result_ttl_s, stream)
+            pipe.evalsha(self._submit_sha, len(keys), *keys, *args)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except TRANSIENT_ERRORS:
+            return False
+        return not any(isinstance(reply, Exception) for reply in replies)
 
     async def cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
