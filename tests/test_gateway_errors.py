@@ -36,15 +36,6 @@ def error_of(exc: openai.APIStatusError) -> dict[str, object]:
     return body["error"]
 
 
-def test_logprobs_are_a_clear_400(client: OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True)
-    error = error_of(caught.value)
-    assert error["param"] == "logprobs" and "not supported" in str(error["message"])
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", logprobs=2)
-
-
 def test_a_value_the_protocol_refuses_is_a_400_naming_it(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="x", temperature=9)

@@ -45,6 +45,16 @@ def test_prompts_and_choices_are_laid_out_prompt_major() -> None:
         "prompt_token_ids"] == [5, 6]
 
 
+def test_logprobs_ask_for_each_tokens_text() -> None:
+    chat_req = translate("chat", chat(logprobs=True, top_logprobs=3), 1)
+    completion_req = translate("completion", {"model": "m", "prompt": "x", "logprobs": 0}, 1)
+    for req, k in ((chat_req, 3), (completion_req, 0)):
+        assert req.logprobs and req.choices[0].spec["logprobs"] == k
+        assert req.choices[0].spec["logprobs_text"] is True
+    plain = translate("chat", chat(logprobs=False), 1)
+    assert not plain.logprobs and "logprobs" not in plain.choices[0].spec
+
+
 def test_stream_options_and_detach() -> None:
     req = translate("chat", chat(stream=True, stream_options={"include_usage": True},
                                  detach=True), 1)
@@ -53,8 +63,10 @@ def test_stream_options_and_detach() -> None:
 
 @pytest.mark.parametrize(("kind", "body", "param"), [
     ("chat", {"messages": [{"role": "user", "content": "x"}]}, "model"),
-    ("chat", chat(logprobs=True), "logprobs"),
+    ("chat", chat(logprobs=1), "logprobs"),
     ("chat", chat(top_logprobs=2), "top_logprobs"),
+    ("chat", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("completion", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
     ("chat", chat(tools=[{"type": "function"}]), "tools"),
     ("chat", chat(n=0), "n"),
     ("chat", chat(n=5), "n"),

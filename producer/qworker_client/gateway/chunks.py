@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 
-from qworker_client.gateway import shaping
+from qworker_client.gateway import logprobs, shaping
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.sse import frame
+from qworker_client.protocol import TokenLogprob
 
 _MARK = "\x00text\x00"
 _encode = json.JSONEncoder(ensure_ascii=False).encode  # a str as `sse.frame` writes it
@@ -31,6 +32,7 @@ class ChoiceFrames:
         assert mark, "the text chunk lost its text"
         self._head = "\n" + head
         self._tail = tail
+        self._offset = 0  # characters of the choice's token texts so far (completions' logprobs)
 
     def event_id(self, entry_id: str) -> str:
         return self._tag + entry_id
@@ -44,6 +46,14 @@ class ChoiceFrames:
         if not text:
             return None
         return f"id: {self._tag}{entry_id}{self._head}{_encode(text)}{self._tail}"
+
+    def logprob_text(self, entry_id: str, i: int, text: str, entries: list[TokenLogprob]) -> str:
+        """The frame of tokens with their logprobs: sent even while the text is held back."""
+        choice_lp = shaping.choice_logprobs(self.shape, entries, self._offset)
+        self._offset += logprobs.text_length(entries)
+        first = i == 0 and self.shape.kind == "chat"
+        return frame(shaping.text_chunk(self.shape, self.index, text, first, choice_lp),
+                     self.event_id(entry_id))
 
     def finish(self, entry_id: str, finish_reason: str) -> str:
         return frame(shaping.finish_chunk(self.shape, self.index, finish_reason),

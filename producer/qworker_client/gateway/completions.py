@@ -27,7 +27,7 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     req = translate(kind, await read_json(request), gateway.config.max_n)
     await gateway.catalog.check(req.model)
     await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
-    shape = Shape(kind, req.response_id, req.model, int(time.time()))
+    shape = Shape(kind, req.response_id, req.model, int(time.time()), req.logprobs)
     await gateway.submit(req, shape)
     job_ids = [c.job_id for c in req.choices]
     headers = {JOB_ID_HEADER: ",".join(job_ids)}

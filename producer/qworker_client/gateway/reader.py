@@ -15,7 +15,7 @@ from qworker_client.gateway.hub import Hub, Queue
 from qworker_client.gateway.tokens import Text, plain_token_listed
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
-from qworker_client.result import OutputState
+from qworker_client.result import OutputState, token_logprob
 
 Event = Text | DoneEvent | ErrorEvent
 Batch = list[tuple[str, str, Event]]  # (job id, entry id, event)
@@ -64,7 +64,10 @@ def _take(state: OutputState, entry_id: str, listed: Sequence[str]) -> Event | N
     token = None if state.finished else plain_token_listed(listed)
     if token is None:
         event = _apply(state, entry_id, dict(zip(listed[::2], listed[1::2], strict=True)))
-        return Text(event.i, event.text) if isinstance(event, TokenEvent) else event
+        if isinstance(event, TokenEvent):
+            entry = token_logprob(event)
+            return Text(event.i, event.text, None if entry is None else [entry])
+        return event
     state.last_id = entry_id
     if token.i < state.next_index:
         return None  # an index passed on before (the stream rolled back)

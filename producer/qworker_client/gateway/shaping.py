@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from qworker_client.gateway import logprobs
 from qworker_client.gateway.translate import Kind
-from qworker_client.protocol import DoneEvent
+from qworker_client.protocol import DoneEvent, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class Shape:
     response_id: str
     model: str
     created: int
+    logprobs: bool = False  # the request asked for logprobs: choices carry them
 
     @property
     def object(self) -> str:
@@ -36,27 +38,39 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def body(shape: Shape, done: list[DoneEvent], prompt_tokens: int) -> dict[str, Any]:
-    """The whole (non-streamed) response: `done[i]` is choice i."""
-    choices = [_final_choice(shape, i, d) for i, d in enumerate(done)]
+def body(shape: Shape, done: list[DoneEvent], prompt_tokens: int,
+         entries: list[list[TokenLogprob]] | None = None) -> dict[str, Any]:
+    """The whole (non-streamed) response: `done[i]` is choice i (`entries[i]` its logprobs)."""
+    choices = [_final_choice(shape, i, d, choice_logprobs(shape, entries[i]) if entries else None)
+               for i, d in enumerate(done)]
     completion = sum(d.completion_tokens for d in done)
     return {**shape.head(shape.object), "choices": choices,
             "usage": usage(prompt_tokens, completion)}
 
 
-def _final_choice(shape: Shape, index: int, done: DoneEvent) -> dict[str, Any]:
+def choice_logprobs(shape: Shape, entries: list[TokenLogprob], offset: int = 0
+                    ) -> dict[str, Any] | None:
+    """A choice's `logprobs` object (None when the request did not ask for them)."""
+    if not shape.logprobs:
+        return None
+    return logprobs.chat(entries) if shape.kind == "chat" else logprobs.completion(entries, offset)
+
+
+def _final_choice(shape: Shape, index: int, done: DoneEvent,
+                  choice_lp: dict[str, Any] | None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index}
     if shape.kind == "chat":
         choice["message"] = {"role": "assistant", "content": done.text}
     else:
         choice["text"] = done.text
-    choice.update(logprobs=None, finish_reason=done.finish_reason)
+    choice.update(logprobs=choice_lp, finish_reason=done.finish_reason)
     return choice
 
 
-def text_chunk(shape: Shape, index: int, text: str, first: bool) -> dict[str, Any]:
+def text_chunk(shape: Shape, index: int, text: str, first: bool,
+               choice_lp: dict[str, Any] | None = None) -> dict[str, Any]:
     """A chunk with new text; a chat stream's first chunk of a choice also names the role."""
-    return _chunk(shape, index, text, None, first)
+    return _chunk(shape, index, text, None, first, choice_lp)
 
 
 def finish_chunk(shape: Shape, index: int, finish_reason: str) -> dict[str, Any]:
@@ -70,7 +84,7 @@ def usage_chunk(shape: Shape, prompt_tokens: int, completion_tokens: int) -> dic
 
 
 def _chunk(shape: Shape, index: int, text: str | None, finish_reason: str | None,
-           first: bool) -> dict[str, Any]:
+           first: bool, choice_lp: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index}
     if shape.kind == "chat":
         delta: dict[str, str] = {"role": "assistant"} if first else {}
@@ -79,5 +93,5 @@ def _chunk(shape: Shape, index: int, text: str | None, finish_reason: str | None
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    choice.update(logprobs=None, finish_reason=finish_reason)
+    choice.update(logprobs=choice_lp, finish_reason=finish_reason)
     return {**shape.head(shape.chunk_object), "choices": [choice]}

@@ -24,7 +24,7 @@ from qworker_client.gateway.reader import Batch, OutputReader
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.sse import DONE, frame
 from qworker_client.gateway.tokens import Text
-from qworker_client.protocol import DoneEvent, ErrorEvent
+from qworker_client.protocol import DoneEvent, ErrorEvent, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,9 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
             for job_id, entry_id, event in coalesced(batch) if follow.coalesce else batch:
                 choice = choices[job_id]
                 if isinstance(event, Text):
-                    part = choice.text(entry_id, event.i, event.text)
+                    part = (choice.text(entry_id, event.i, event.text) if event.logprobs is None
+                            else choice.logprob_text(entry_id, event.i, event.text,
+                                                     event.logprobs))
                     if part is not None:
                         parts.append(part)
                 elif isinstance(event, DoneEvent):
@@ -106,16 +108,21 @@ def coalesced(batch: Batch) -> Batch:
             continue
         first = items[0][2]
         assert isinstance(first, Text)
-        text = "".join(event.text for _, _, event in items if isinstance(event, Text))
-        out.append((items[-1][0], items[-1][1], Text(first.i, text)))
+        texts = [event for _, _, event in items if isinstance(event, Text)]
+        entries = [e for event in texts for e in event.logprobs or ()]
+        out.append((items[-1][0], items[-1][1],
+                    Text(first.i, "".join(event.text for event in texts), entries or None)))
     return out
 
 
 async def body(reader: OutputReader, follow: Follow) -> dict[str, Any]:
     """The whole response, once every job has ended; a job's error is the response's."""
     done: dict[int, DoneEvent] = {}
+    entries: dict[int, list[TokenLogprob]] = {i: [] for i in follow.index.values()}
     usage = _Usage()
     async for job_id, _, event in reader.events():
+        if isinstance(event, Text):
+            entries[follow.index[job_id]] += event.logprobs or ()
         if isinstance(event, ErrorEvent):
             await follow.cancel(list(reader.open))
             raise from_job_error(event.code, event.message)
@@ -123,4 +130,5 @@ async def body(reader: OutputReader, follow: Follow) -> dict[str, Any]:
             done[follow.index[job_id]] = event
             usage.add(follow.prompt[job_id], event)
     ordered = [done[i] for i in sorted(done)]
-    return shaping.body(follow.shape, ordered, sum(usage.prompt.values()))
+    return shaping.body(follow.shape, ordered, sum(usage.prompt.values()),
+                        [entries[i] for i in sorted(done)])

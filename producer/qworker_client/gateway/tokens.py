@@ -10,24 +10,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from qworker_client.protocol import TokenLogprob
+
 _MAX_DIGITS = 18  # within int64: no question of bounds
 
 
 class Text:
-    """A token event as the gateway passes it on: its index and its new text (a plain class:
-    a NamedTuple or a dataclass takes twice as long to make)."""
+    """A token event as the gateway passes it on: its index and its new text, and the logprob
+    entries of a job that asked for them (a plain class: a NamedTuple or a dataclass takes twice
+    as long to make)."""
 
-    __slots__ = ("i", "text")
+    __slots__ = ("i", "logprobs", "text")
 
-    def __init__(self, i: int, text: str) -> None:
+    def __init__(self, i: int, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
         self.i = i
         self.text = text
+        self.logprobs = logprobs
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Text) and (self.i, self.text) == (other.i, other.text)
+        return isinstance(other, Text) and (self.i, self.text, self.logprobs) == (
+            other.i, other.text, other.logprobs)
 
     def __repr__(self) -> str:
-        return f"Text({self.i!r}, {self.text!r})"
+        return f"Text({self.i!r}, {self.text!r}, {self.logprobs!r})"
 
 
 def plain_token(fields: Mapping[str, str]) -> Text | None:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from qworker_client.gateway.errors import bad_request
 from qworker_client.gateway.structured import structured_outputs
+from qworker_client.protocol import MAX_LOGPROBS
 
 Kind = Literal["chat", "completion"]
 
@@ -43,6 +44,7 @@ class GatewayRequest:
     stream: bool
     include_usage: bool
     detach: bool
+    logprobs: bool = False  # choices carry OpenAI's logprobs
 
 
 def translate(kind: Kind, body: Any, max_n: int) -> GatewayRequest:
@@ -55,7 +57,8 @@ def translate(kind: Kind, body: Any, max_n: int) -> GatewayRequest:
     prompts = _chat_prompt(body) if kind == "chat" else _completion_prompts(body)
     n = _int_field(body, "n", 1, 1, max_n)
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    params = _params(body)
+    logprobs = _logprobs(kind, body)
+    params = _with_logprobs(_params(body), logprobs)
     choices = []
     for p, prompt in enumerate(prompts):
         for k in range(n):
@@ -70,7 +73,7 @@ def translate(kind: Kind, body: Any, max_n: int) -> GatewayRequest:
     return GatewayRequest(
         kind=kind, response_id=response_id, model=model, choices=choices,
         stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
-        detach=bool(body.get("detach")),
+        detach=bool(body.get("detach")), logprobs=logprobs is not None,
     )
 
 
@@ -87,10 +90,27 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _with_logprobs(params: dict[str, Any], k: int | None) -> dict[str, Any]:
+    """Logprobs with each token's text: the gateway has no tokenizer."""
+    return params if k is None else {**params, "logprobs": k, "logprobs_text": True}
+
+
+def _logprobs(kind: Kind, body: dict[str, Any]) -> int | None:
+    """The job's `logprobs` (top k) from chat's `logprobs: true` + `top_logprobs: k`, or
+    completions' `logprobs: k`; None: not asked."""
+    if kind == "completion":
+        if body.get("logprobs") is None:
+            return None
+        return _int_field(body, "logprobs", 0, 0, MAX_LOGPROBS)
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise bad_request("`logprobs` must be a boolean", param="logprobs")
+    if body.get("top_logprobs") is not None and not asked:
+        raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    return _int_field(body, "top_logprobs", 0, 0, MAX_LOGPROBS) if asked else None
+
+
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("logprobs") or body.get("top_logprobs"):
-        param = "logprobs" if body.get("logprobs") else "top_logprobs"
-        raise bad_request("logprobs are not supported yet by qworker's engine", param=param)
     for name in ("tools", "functions", "logit_bias", "suffix"):
         if body.get(name):
             raise bad_request(f"`{name}` is not supported", param=name)
