@@ -6,8 +6,8 @@ against the file's size plus the KV cache (target: at most 1.25x the file + the 
         [--layers 32] [--decode-tokens 8] [--llama-bench PATH]
 
 The file (3.8 GB for Q4_0, 7.2 GB for Q8_0) is deleted afterwards unless --keep. Single-stream
-ms per token (a few decode steps after a 16-token prompt) is printed, with llama.cpp's
-`llama-bench` on the same file beside it when given. One JSON line.
+ms per token (a few decode steps after a 16-token prompt) follows on a second JSON line, with
+llama.cpp's `llama-bench` on the same file beside it when given (or why it failed).
 """
 
 from __future__ import annotations
@@ -101,12 +101,15 @@ def decode_ms(model: torch.nn.Module, cache: KVCache, prompt: int, steps: int) -
     return 1000 * sorted(times)[len(times) // 2]
 
 
-def llama_bench_ms(binary: str, path: Path, threads: int, steps: int) -> float:
-    out = subprocess.run([binary, "-m", str(path), "-t", str(threads), "-p", "0", "-n",
-                          str(steps), "-d", "16", "-r", "1", "-o", "json"], check=True,
-                         capture_output=True, text=True).stdout
-    [result] = json.loads(out)
-    return 1000 / float(np.median(result["samples_ts"]))
+def llama_bench_ms(binary: str, path: Path, threads: int, steps: int) -> float | str:
+    """ms per generated token, or why llama-bench gave none (its last line of stderr)."""
+    done = subprocess.run([binary, "-m", str(path), "-t", str(threads), "-p", "0", "-n",
+                           str(steps), "-d", "16", "-r", "1", "-o", "json"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        return f"failed: {(done.stderr.strip().splitlines() or [''])[-1]}"
+    [result] = json.loads(done.stdout)
+    return round(1000 / float(np.median(result["samples_ts"])), 1)
 
 
 def main() -> None:
@@ -139,12 +142,12 @@ def main() -> None:
             "weight_gb": round(model.weight_bytes() / 1e9, 3),
             "rss_over_file_plus_kv": round(rss / (file_bytes + kv), 3),
             "kernels": model.kernel_report(),
-            "ms_per_token": round(decode_ms(model, cache, 16, args.decode_tokens), 1),
         }
+        print(json.dumps(figures), flush=True)  # the memory figures, before the slow part
+        figures = {"ms_per_token": round(decode_ms(model, cache, 16, args.decode_tokens), 1)}
         if args.llama_bench:
-            ms = llama_bench_ms(args.llama_bench, path, torch.get_num_threads(),
-                                args.decode_tokens)
-            figures["llama_cpp_ms_per_token"] = round(ms, 1)
+            figures["llama_cpp_ms_per_token"] = llama_bench_ms(
+                args.llama_bench, path, torch.get_num_threads(), args.decode_tokens)
         print(json.dumps(figures), flush=True)
     finally:
         if not args.keep:
