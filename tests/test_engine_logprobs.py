@@ -176,3 +176,19 @@ def test_simulated_logprobs_are_deterministic_and_survive_a_resume() -> None:
     resumed = run_all(SimulatedEngine(EngineConfig()), [Request("a", prompt, params, done)])
     assert [e for out in resumed["a"] for e in out.logprobs or []] == entries[4:]
     assert all(out.prompt_logprobs is None for out in resumed["a"])
+
+
+def test_a_cached_prefix_is_not_skipped_for_prompt_logprobs() -> None:
+    engine = SimulatedEngine(EngineConfig(block_size=4, prefix_caching=True))
+    prompt = list(b"a prompt of several full blocks, cached by the first run")
+    params = SamplingParams(max_tokens=2, seed=1, ignore_eos=True)
+    run_all(engine, [Request("warm", prompt, params)])  # its full blocks stay cached
+    scoring = SamplingParams(max_tokens=2, seed=1, ignore_eos=True, prompt_logprobs=1)
+    again = run_all(engine, [Request("score", prompt, scoring)])["score"]
+    fresh = run_all(SimulatedEngine(EngineConfig(block_size=4)),
+                    [Request("score", prompt, scoring)])["score"]
+    assert again[0].prompt_logprobs is not None
+    assert [e.token_id for e in again[0].prompt_logprobs] == prompt[1:]
+    assert again[0].prompt_logprobs == fresh[0].prompt_logprobs
+    hit = run_all(engine, [Request("plain", prompt, params)])  # a plain job does use the cache
+    assert hit["plain"] and engine.stats()["prefix_cache_hits"] > 0
