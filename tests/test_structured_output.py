@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ from qworker.engine.request import (
 )
 from qworker.engine.sampler import Allowed, SampleRow, sample
 from qworker.engine.simulated import SimulatedEngine, run_offline
+from qworker.engine.structured import allowed_masks, mask_biases
 from qworker.model.llama import load_model
 from qworker.model.tokenizer import Tokenizer
 from qworker_client.protocol import JobValidationError, parse_job_fields
@@ -44,10 +46,10 @@ def test_the_mask_applies_to_constrained_rows_alone() -> None:
     free = sample(logits, rows)
     allowed_ids = [7, 11, 40]
     assert logits[1].argmax().item() not in allowed_ids  # so the mask must change row 1
-    mask = torch.zeros(2, VOCAB, dtype=torch.bool)
-    mask[:, allowed_ids] = True
+    bias = torch.full((2, VOCAB), float("-inf"))
+    bias[:, allowed_ids] = 0.0
     before = logits.clone()
-    chosen = sample(logits, rows, Allowed([1, 3], mask))
+    chosen = sample(logits, rows, Allowed([1, 3], bias))
     assert torch.equal(logits, before), "the sampler edited the caller's logits"
     assert chosen[0] == free[0] and chosen[2] == free[2], "an unconstrained row changed"
     assert chosen[1] == max(allowed_ids, key=lambda t: logits[1, t].item())
@@ -58,11 +60,23 @@ def test_the_mask_applies_to_constrained_rows_alone() -> None:
 def test_a_constrained_row_samples_only_allowed_tokens_at_any_seed() -> None:
     torch.manual_seed(1)
     logits = torch.randn(1, VOCAB)
-    mask = torch.zeros(1, VOCAB, dtype=torch.bool)
-    mask[0, [3, 9]] = True
+    bias = torch.full((1, VOCAB), float("-inf"))
+    bias[0, [3, 9]] = 0.0
     hot = SamplingParams(temperature=2.0, top_p=0.9)
-    picked = {sample(logits, [_row(hot, seed)], Allowed([0], mask))[0] for seed in range(200)}
+    picked = {sample(logits, [_row(hot, seed)], Allowed([0], bias))[0] for seed in range(200)}
     assert picked == {3, 9}
+
+
+def test_mask_biases_are_the_allowed_masks_as_0_and_minus_inf() -> None:
+    engine = _sim()
+    matchers = [engine.grammars.matcher(StructuredOutputs(regex=r"[a-c]x")),
+                engine.grammars.matcher(StructuredOutputs(json_object=True))]
+    assert matchers[0].advance(ord("b"))
+    allowed, biases = allowed_masks(matchers), mask_biases(matchers)
+    assert allowed.shape == biases.shape == (2, 256)
+    assert (biases == 0).tolist() == allowed.tolist()
+    assert bool(np.isneginf(biases[~allowed]).all())
+    assert np.flatnonzero(allowed[0]).tolist() == [ord("x")]
 
 
 # ------------------------------------------------------------------------------ protocol

@@ -38,8 +38,8 @@ class SampleRow:
 class Allowed:
     """Structured output: the tokens each constrained row may sample; other rows are free."""
 
-    rows: list[int]  # indices of the constrained rows
-    mask: torch.Tensor  # [len(rows), vocab] bool: True where allowed
+    rows: list[int]  # indices of the constrained rows, ascending
+    bias: torch.Tensor  # [len(rows), vocab] float32: 0 where allowed, -inf elsewhere
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: Allowed | None = None
@@ -53,10 +53,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: Allowed | None 
         if row.banned:
             logits[r, list(row.banned)] = float("-inf")
     if allowed is not None:
-        assert allowed.mask.shape == (len(allowed.rows), logits.shape[1]), "mask of another vocab"
-        index = torch.tensor(allowed.rows, device=logits.device)
-        mask = allowed.mask.to(logits.device)
-        logits[index] = logits[index].masked_fill(~mask, float("-inf"))
+        assert allowed.bias.shape == (len(allowed.rows), logits.shape[1]), "mask of another vocab"
+        bias = allowed.bias.to(logits.device, logits.dtype)
+        if allowed.rows == list(range(len(rows))):
+            logits += bias  # every row constrained
+        else:
+            logits.index_add_(0, torch.tensor(allowed.rows, device=logits.device), bias)
     chosen = logits.argmax(dim=-1)
     random_rows = [r for r, row in enumerate(rows) if not row.params.greedy]
     if random_rows:

@@ -1,7 +1,7 @@
 """Structured output: a constrained sequence's grammar matcher, and the token masks it gives the
 next sampling (llguidance; see docs/engine.md, "Structured output", for why this library).
 
-Torch-free, as the rest of the core: masks are numpy arrays, one bool per vocabulary id. A
+Torch-free, as the rest of the core: masks are numpy arrays, one value per vocabulary id. A
 request's constraint is compiled at `EngineCore.add` (`Grammars.matcher`), so an invalid schema,
 regex or grammar is a `RequestRejectedError` (`invalid_request`) before the request takes anything,
 never a failed step. The matcher then follows every token the sequence gets, replayed ones
@@ -14,6 +14,7 @@ other request, and refuses constrained ones with a message that says so.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -85,30 +86,56 @@ class Matcher:
         self._ll.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
 
 
+def _bitmasks(matchers: Sequence[Matcher]) -> np.ndarray:
+    """[len(matchers), words] int32: bit j of word w says whether token 32w + j is allowed."""
+    import numpy as np
+
+    assert matchers
+    bits = np.empty((len(matchers), matchers[0].words), dtype=np.int32)
+    for row, matcher in zip(bits, matchers, strict=True):
+        matcher.fill(row)
+    return bits
+
+
 def allowed_masks(matchers: Sequence[Matcher]) -> np.ndarray:
     """[len(matchers), vocab] bools: which tokens each matcher allows next."""
     import numpy as np
 
-    assert matchers
-    vocab, words = matchers[0].vocab_size, matchers[0].words
-    bits = np.empty((len(matchers), words), dtype=np.int32)
-    for row, matcher in zip(bits, matchers, strict=True):
-        matcher.fill(row)
     # little-endian words: byte 4w + k holds tokens 32w + 8k ... 32w + 8k + 7, lowest bit first
-    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    unpacked = np.unpackbits(_bitmasks(matchers).view(np.uint8), axis=1,
+                             count=matchers[0].vocab_size, bitorder="little")
     return unpacked.view(np.bool_)
 
 
+def mask_biases(matchers: Sequence[Matcher]) -> np.ndarray:
+    """[len(matchers), vocab] float32: 0 where a token is allowed next, -inf elsewhere. Added to
+    the logits, one vectorised pass (a bool masked_fill of 64 x 49k logits took 5x as long)."""
+    import numpy as np
+
+    bytes_ = _bitmasks(matchers).view(np.uint8)
+    # each byte's 8 tokens at once: a table of 256 rows of 8 biases
+    biases = np.take(_byte_biases(), bytes_, axis=0).reshape(len(matchers), -1)
+    return biases[:, : matchers[0].vocab_size]
+
+
+@functools.cache
+def _byte_biases() -> np.ndarray:
+    import numpy as np
+
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+    return np.where(bits == 1, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
+
 class MaskFuture:
-    """The masks of one step's constrained rows, computed in a worker thread while the caller
-    runs the forward; `result()` joins it."""
+    """The masks of one step's constrained rows (as `mask_biases`), computed in a worker thread
+    while the caller runs the forward; `result()` joins it."""
 
     _pool: ThreadPoolExecutor | None = None
 
     def __init__(self, matchers: Sequence[Matcher]) -> None:
         if MaskFuture._pool is None:
             MaskFuture._pool = ThreadPoolExecutor(1, thread_name_prefix="qworker-masks")
-        self._future: Future[np.ndarray] = MaskFuture._pool.submit(allowed_masks, matchers)
+        self._future: Future[np.ndarray] = MaskFuture._pool.submit(mask_biases, matchers)
 
     def result(self) -> np.ndarray:
         return self._future.result()
