@@ -42,7 +42,7 @@ compiler:
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # a local Redis, a worker on the default model, a few chat jobs streamed live; then all stopped
 demo: install

@@ -9,7 +9,7 @@ import gguf
 import pytest
 import torch
 
-from qworker.model import native
+from qworker.model import loader, native
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.kv_cache import KVCache
 from qworker.model.llama import LlamaModel, load_model
@@ -55,7 +55,7 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
 
 def test_an_untied_head_is_its_own_quantized_layer(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", gguf.GGMLQuantizationType.Q4_K, tied=False)
-    quant = load_model(path, weights="auto")  # a quantized file: kept so by default
+    quant = load_model(path, weights="quantized")
     assert isinstance(quant.lm_head, QuantLinear) and quant.embed_tokens.quant is not None
     assert quant.lm_head.quant is not quant.embed_tokens.quant
     dense = load_model(path, weights="float32")
@@ -81,3 +81,13 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
     assert f"qworker_weight_bytes {float(model.weight_bytes())}" in text
     assert 'qworker_kernel{kernel="quantized (Q8_0)",op="weights"} 1.0' in text
     assert load_model(path, weights="float32").kernel_report()["weights"] == "float32"
+
+
+def test_auto_keeps_the_blocks_only_where_the_expanded_weights_would_not_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", gguf.GGMLQuantizationType.Q8_0)
+    expanded = loader.expanded_bytes(path, 4)
+    assert expanded > path.stat().st_size
+    assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # it fits
+    monkeypatch.setattr(loader, "available_memory", lambda: 3 * expanded)  # 2x packs > half
+    assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)

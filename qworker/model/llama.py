@@ -325,13 +325,15 @@ def load_model(
 ) -> LlamaModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
-    the CPU); anything else dequantizes them to `dtype`."""
+    the CPU, whose expanded weights would not fit in memory; loader.keep_quantized_by_default);
+    anything else dequantizes them to `dtype`."""
     from qworker.model.hub import resolve_model
-    from qworker.model.loader import is_quantized_file, load_checkpoint
+    from qworker.model.loader import keep_quantized_by_default, load_checkpoint
 
     path = resolve_model(str(name_or_path))
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
-                                      and is_quantized_file(path))
+                                      and keep_quantized_by_default(path, itemsize))
     config, weights_ = load_checkpoint(path, keep_quantized=keep)
     model = LlamaModel(config, dtype=dtype, device=device, init_weights=False)
     model.load_hf_weights(weights_)
