@@ -178,12 +178,12 @@ SAMPLED: dict[str, Any] = {
     "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "seed": 11,
     "stop": ["zz"], "stop_token_ids": [5], "ignore_eos": True, "min_tokens": 2,
     "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.4}
+SAMPLED.update(logprobs=3, prompt_logprobs=2)
 SAMPLED["structured_outputs"] = {"regex": "[ab]+"}
 # what the engine gets where it is not the job's value itself (or its list as a tuple)
 CARRIED: dict[str, Any] = {"structured_outputs": StructuredOutputs(regex="[ab]+")}
 
 
-SAMPLED.update(logprobs=3, prompt_logprobs=2)
 def test_a_jobs_sampling_fields_are_the_sampling_params_fields() -> None:
     assert set(Job.model_fields) - JOB_NOT_SAMPLING == SAMPLING_FIELDS
     assert set(Job.model_fields) >= JOB_NOT_SAMPLING
