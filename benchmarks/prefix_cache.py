@@ -1,6 +1,7 @@
 """Prefix caching on vs off, in-process, same model, same run (issue 16, target 1).
 
-    .venv/bin/python -m benchmarks.prefix_cache [--requests 64 --prefix-len 1024] [--rounds 2]
+    .venv/bin/python -m benchmarks.prefix_cache [--requests 64 --prefix-len 1024] [--rounds 2] \
+        [--vllm-model-dir /tmp/peers/smollm2-hf]
 
 Shared-prefix workload: `--requests` requests sharing a `--prefix-len`-token prefix, each with its
 own suffix of `--suffix-min`..`--suffix-max` tokens and `--output-len` output tokens, all queued
@@ -8,21 +9,28 @@ at once. Prints one JSON line per run (useful output tokens/s, TTFT p50 / p90, p
 and a summary with the same-run ratios: cached vs uncached throughput and TTFT p50 (target: at
 most 0.2x), and on workload v1 (no shared prefixes; `--v1-requests` of it) the cost of caching
 (target: under 2%), each the median over `--rounds` rounds of alternating order.
+
+With `--vllm-model-dir`, each shared-prefix round also runs the same requests through vLLM CPU
+with its prefix caching on (benchmarks.peers_vllm in vLLM's own venv, `--vllm-python`, one
+subprocess per round, our dtype) and reports cached qworker's throughput over vLLM's (target: at
+least 1.2x) and the TTFT p50 ratio, medians of the same-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from benchmarks.machine import machine_info
-from benchmarks.workload import WorkItem, fingerprint, standard_workload
+from benchmarks.workload import WorkItem, fingerprint, shared_prefix_workload, standard_workload
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
@@ -31,14 +39,23 @@ from qworker.model.hub import resolve_model
 from qworker.model.llama import LlamaModel, load_model
 from qworker.model.tokenizer import Tokenizer
 
+Peer = Callable[[], dict[str, object]]
 
-def shared_prefix_workload(args: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
-    rng = random.Random(args.seed)
-    prefix = [rng.randrange(32, vocab_size) for _ in range(args.prefix_len)]
-    return [WorkItem(prefix + [rng.randrange(32, vocab_size)
-                               for _ in range(rng.randint(args.suffix_min, args.suffix_max))],
-                     args.output_len)
-            for _ in range(args.requests)]
+
+def vllm_peer(args: argparse.Namespace, dtype: str, vocab_size: int) -> Peer:
+    """Runs the shared-prefix workload through vLLM CPU, caching on; its JSON line as a dict."""
+    command = [args.vllm_python, "-m", "benchmarks.peers_vllm", "--model-dir",
+               args.vllm_model_dir, "--dtype", dtype, "--workload", "shared-prefix",
+               "--requests", str(args.requests), "--prefix-len", str(args.prefix_len),
+               "--suffix-min", str(args.suffix_min), "--suffix-max", str(args.suffix_max),
+               "--output-len", str(args.output_len), "--seed", str(args.seed),
+               "--vocab-size", str(vocab_size)]
+
+    def peer() -> dict[str, object]:
+        done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, check=True,
+                              stdout=subprocess.PIPE, text=True)  # vLLM's log goes to stderr
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return peer
 
 
 def run(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
@@ -80,10 +97,16 @@ def run(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
     }
 
 
+def ratio(a: dict[str, object], b: dict[str, object], key: str) -> float:
+    return float(a[key]) / float(b[key])  # type: ignore[arg-type]
+
+
 def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
-            items: list[WorkItem], rounds: int, common: dict[str, object]) -> dict[str, float]:
-    """Runs off and on `rounds` times, alternating which goes first; median same-round ratios."""
-    throughput, ttft = [], []
+            items: list[WorkItem], rounds: int, common: dict[str, object],
+            peer: Peer | None = None) -> dict[str, float]:
+    """Runs off and on `rounds` times, alternating which goes first, then `peer` if any; median
+    same-round ratios."""
+    throughput, ttft, peer_throughput, peer_ttft = [], [], [], []
     for k in range(rounds):
         order = (False, True) if k % 2 == 0 else (True, False)
         got = {}
@@ -91,12 +114,20 @@ def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineCo
             got[caching] = run(model, tokenizer, replace(config, prefix_caching=caching), items)
             print(json.dumps({**common, "workload": name, "round": k, **got[caching]}),
                   flush=True)
-        throughput.append(float(got[True]["useful_out_tok_s"])  # type: ignore[arg-type]
-                          / float(got[False]["useful_out_tok_s"]))  # type: ignore[arg-type]
-        ttft.append(float(got[True]["ttft_p50_s"])  # type: ignore[arg-type]
-                    / float(got[False]["ttft_p50_s"]))  # type: ignore[arg-type]
-    return {"throughput_ratio": round(statistics.median(throughput), 3),
-            "ttft_p50_ratio": round(statistics.median(ttft), 3)}
+        throughput.append(ratio(got[True], got[False], "useful_out_tok_s"))
+        ttft.append(ratio(got[True], got[False], "ttft_p50_s"))
+        if peer is not None:
+            other = peer()
+            print(json.dumps({"workload": name, "round": k, **other}), flush=True)
+            assert other["fingerprint"] == fingerprint(items), "vLLM ran other requests"
+            peer_throughput.append(ratio(got[True], other, "useful_out_tok_s"))
+            peer_ttft.append(ratio(got[True], other, "ttft_p50_s"))
+    result = {"throughput_ratio": round(statistics.median(throughput), 3),
+              "ttft_p50_ratio": round(statistics.median(ttft), 3)}
+    if peer is not None:
+        result["vs_vllm_throughput_ratio"] = round(statistics.median(peer_throughput), 3)
+        result["vs_vllm_ttft_p50_ratio"] = round(statistics.median(peer_ttft), 3)
+    return result
 
 
 def main() -> None:
@@ -113,6 +144,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-model-dir", help="a Hugging Face folder: also run vLLM CPU")
+    parser.add_argument("--vllm-python", default="/tmp/peers/vllm-venv/bin/python",
+                        help="the python of vLLM's own venv")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -120,23 +154,26 @@ def main() -> None:
     model = load_model(path, dtype=dtype)
     tokenizer = Tokenizer.load(path)
     config = EngineConfig(kv_cache_gb=args.kv_cache_gb)
-    common = {"dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
-              **machine_info()}
+    dtype_name = str(dtype).removeprefix("torch.")
+    common = {"dtype": dtype_name, "threads": args.threads, **machine_info()}
     vocab = int(model.embed_tokens.weight.shape[0])
-    shared = shared_prefix_workload(args, vocab)
+    shared = shared_prefix_workload(args.seed, vocab, args.requests, args.prefix_len,
+                                    (args.suffix_min, args.suffix_max), args.output_len)
+    peer = vllm_peer(args, dtype_name, vocab) if args.vllm_model_dir else None
     summary: dict[str, object] = {
         "benchmark": "prefix_cache", **common,
         "shared_prefix": {"requests": args.requests, "prefix_len": args.prefix_len,
                           "suffix": [args.suffix_min, args.suffix_max],
-                          "output_len": args.output_len,
+                          "output_len": args.output_len, "fingerprint": fingerprint(shared),
                           **compare("shared_prefix", model, tokenizer, config, shared,
-                                    args.rounds, common)}}
+                                    args.rounds, common, peer)}}
     if args.v1_requests:
         v1 = standard_workload(seed=0, vocab_size=vocab)[:args.v1_requests]
         summary["workload_v1"] = {"requests": len(v1), "fingerprint": fingerprint(v1),
                                   **compare("v1", model, tokenizer, config, v1, args.rounds,
                                             common)}
-    summary["vllm"] = "not run: needs vLLM (not installed here)"
+    if peer is None:
+        summary["vllm"] = "not run: pass --vllm-model-dir"
     print(json.dumps(summary), flush=True)
 
 

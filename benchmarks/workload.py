@@ -34,3 +34,15 @@ def fingerprint(items: list[WorkItem]) -> str:
         request = [item.prompt_ids, item.output_len]
         digest.update(json.dumps(request, separators=(",", ":")).encode())
     return digest.hexdigest()[:16]
+
+
+def shared_prefix_workload(seed: int = 0, vocab_size: int = 49152, requests: int = 64,
+                           prefix_len: int = 1024, suffix: tuple[int, int] = (16, 256),
+                           output_len: int = 64) -> list[WorkItem]:
+    """Issue 16's target 1: `requests` prompts sharing one `prefix_len`-token prefix, each with
+    its own suffix of suffix[0]..suffix[1] tokens (seed 0, defaults: e5dcba7d99af8fcb)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(32, vocab_size) for _ in range(prefix_len)]
+    return [WorkItem(prefix + [rng.randrange(32, vocab_size)
+                               for _ in range(rng.randint(*suffix))], output_len)
+            for _ in range(requests)]
