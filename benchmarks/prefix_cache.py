@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -51,10 +52,13 @@ def vllm_peer(args: argparse.Namespace, dtype: str, vocab_size: int) -> Peer:
                "--output-len", str(args.output_len), "--seed", str(args.seed),
                "--vocab-size", str(vocab_size)]
 
+    env = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr")  # stdout: its JSON line
+
     def peer() -> dict[str, object]:
-        done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, check=True,
-                              stdout=subprocess.PIPE, text=True)  # vLLM's log goes to stderr
-        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+        done = subprocess.run(command, cwd=Path(__file__).resolve().parent.parent, env=env,
+                              check=True, stdout=subprocess.PIPE, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        return dict(json.loads(lines[-1]))
     return peer
 
 
