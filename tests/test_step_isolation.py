@@ -291,8 +291,9 @@ def test_an_isolated_prompt_waits_for_room_and_nobody_starves(smollm2_tokenizer:
                                                               model: LlamaModel) -> None:
     """A cache too small for everyone: the isolated request starts only once its whole prompt
     has room (so it never preempts itself between its chunks), and everyone finishes."""
+    # no prefix cache: the prompts repeat one token, and iso would find a's blocks cached
     engine = tiny_engine(smollm2_tokenizer, model, num_blocks=8, block_size=4, max_num_seqs=4,
-                         max_batched_tokens=16, prefill_chunk=4)
+                         max_batched_tokens=16, prefill_chunk=4, prefix_caching=False)
     engine.runner.run = lambda work: {  # type: ignore[method-assign]
         seq: 100 for seq, n in work if seq.num_computed + n == len(seq.token_ids)}
     params = SamplingParams(max_tokens=12, ignore_eos=True)
