@@ -12,6 +12,8 @@ import redis
 from qworker_client.local_redis import RedisProcess, free_port
 
 if TYPE_CHECKING:
+    import transformers
+
     from qworker.model.tokenizer import Tokenizer
 
 __all__ = ["RedisServer", "free_port"]
@@ -63,3 +65,14 @@ def smollm2_tokenizer(smollm2_path: Path) -> Tokenizer:
     from qworker.model.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path: Path) -> transformers.PreTrainedModel:
+    """transformers' own model of the default GGUF (float32, eval mode), loaded once per session:
+    its GGUF dequantization takes about half a minute. Tests only read it."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()

@@ -322,13 +322,10 @@ def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
 # The real default model, against transformers' own GGUF loading
 
 
-def test_smollm2_gguf_matches_transformers(smollm2_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_gguf_matches_transformers(smollm2_path: Path,
+                                           smollm2_reference: torch.nn.Module) -> None:
     config, tensors = load_checkpoint(smollm2_path)
-    reference = AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
-    )
+    reference = smollm2_reference
     hf = reference.config
     assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (
         hf.vocab_size, hf.hidden_size, hf.intermediate_size
@@ -343,7 +340,6 @@ def test_smollm2_gguf_matches_transformers(smollm2_path: Path) -> None:
     assert config.bos_token_id == hf.bos_token_id
     assert config.eos_token_ids[0] == hf.eos_token_id
     want = hf_state(reference, tie=True)
-    del reference
     assert sorted(tensors) == sorted(want)
     for name, tensor in want.items():
         torch.testing.assert_close(tensors[name], tensor, atol=1e-6, rtol=0, msg=name)

@@ -31,9 +31,8 @@ def ours(smollm2_path: Path) -> LlamaModel:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+def reference(smollm2_reference: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")

@@ -79,8 +79,8 @@ def test_twenty_producer_jobs_on_one_worker(redis_url: str, model: LlamaModel,
 def test_kill_9_one_of_two_real_workers(redis_url: str, model: LlamaModel,
                                         smollm2_tokenizer: Tokenizer, smollm2_path: Path,
                                         tmp_path: Path) -> None:
-    topics = TOPICS[:8]
-    want = offline_texts(model, smollm2_tokenizer, topics, max_tokens=40)
+    topics = TOPICS[:6]
+    want = offline_texts(model, smollm2_tokenizer, topics, max_tokens=32)
     client = redis.Redis.from_url(redis_url)
     victim = spawn_worker(redis_url, "victim", "--model", str(smollm2_path), "--dtype", "float64",
                           "--max-num-seqs", "4", "--claim-idle-ms", "4000",
@@ -88,7 +88,7 @@ def test_kill_9_one_of_two_real_workers(redis_url: str, model: LlamaModel,
     try:
         wait_for(lambda: client.exists(KEYS.worker("victim")), 120, what="victim worker up")
         with Producer(redis_url) as producer:
-            jobs = {t: producer.submit(messages=chat(t), max_tokens=40, temperature=0)
+            jobs = {t: producer.submit(messages=chat(t), max_tokens=32, temperature=0)
                     for t in topics}
             ids = [job.id for job in jobs.values()]
 
