@@ -63,7 +63,8 @@ def main() -> None:
     path = str(resolve_model(args.model))
     model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"))
     engine = Engine(model, Tokenizer.load(path),
-                    EngineConfig(max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb))
+                    EngineConfig(max_num_seqs=args.max_num_seqs, kv_cache_gb=args.kv_cache_gb,
+                                 prefix_caching=False))
     engine.warm_up()
     engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True,
                                                           logprobs=args.logprobs))

@@ -134,7 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     path = str(resolve_model(args.model))
     dtype = resolve_dtype(args.dtype, "cpu")
-    config = EngineConfig(max_num_seqs=args.low, kv_cache_gb=2.0, requeue_preempted=True)
+    config = EngineConfig(max_num_seqs=args.low, kv_cache_gb=2.0, requeue_preempted=True,
+                          prefix_caching=False)
     engine = Engine(load_model(path, dtype=dtype), Tokenizer.load(path), config)
     engine.warm_up()
     with local_redis() as url:

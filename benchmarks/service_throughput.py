@@ -136,7 +136,8 @@ def main() -> None:
     items = standard_workload(seed=0)[: args.requests]
     path = str(resolve_model(args.model))
     dtype = resolve_dtype(args.dtype, "cpu")
-    config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True)
+    config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True,
+                          prefix_caching=False)
     in_process = run_qworker(path, dtype, items, config)
     engine = Engine(load_model(path, dtype=dtype), Tokenizer.load(path), config)
     engine.warm_up()  # as Engine.from_config does for `qworker serve`

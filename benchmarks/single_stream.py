@@ -86,7 +86,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model))
     model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"), weights=args.weights)
-    engine = Engine(model, Tokenizer.load(path), EngineConfig(max_num_seqs=1, kv_cache_gb=0.25))
+    engine = Engine(model, Tokenizer.load(path), EngineConfig(max_num_seqs=1, kv_cache_gb=0.25,
+                                                                 prefix_caching=False))
     engine.warm_up()
     model.release_weights()
     rng = random.Random(0)

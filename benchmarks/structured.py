@@ -164,7 +164,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     tokenizer = Tokenizer.load(path)
-    config = EngineConfig(max_num_seqs=args.jobs, kv_cache_gb=args.kv_cache_gb)
+    config = EngineConfig(max_num_seqs=args.jobs, kv_cache_gb=args.kv_cache_gb,
+                          prefix_caching=False)
     engine = Engine(load_model(path, dtype=resolve_dtype(args.dtype, "cpu")), tokenizer, config)
     engine.warm_up()
     ids = prompts(tokenizer, args.jobs)
