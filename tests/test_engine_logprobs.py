@@ -8,10 +8,17 @@ import random
 import pytest
 import torch
 
+from qworker.engine import logprobs as logprobs_module
 from qworker.engine import runner as runner_module
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
-from qworker.engine.request import Request, RequestRejectedError, SamplingParams, StepOutput
+from qworker.engine.request import (
+    Request,
+    RequestRejectedError,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+)
 from qworker.engine.simulated import SimulatedEngine
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.kv_cache import KVCache
@@ -89,8 +96,6 @@ def test_logprobs_are_the_raw_log_softmax_at_each_position(tokenizer_free_engine
 
 
 def check_entry(entry: object, row: torch.Tensor, k: int) -> None:
-    from qworker.engine.request import TokenLogprobs
-
     assert isinstance(entry, TokenLogprobs)
     assert abs(entry.logprob - row[entry.token_id].item()) < 1e-4
     assert len(entry.top) == k
@@ -98,6 +103,32 @@ def check_entry(entry: object, row: torch.Tensor, k: int) -> None:
     assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
     for token_id, value in entry.top:
         assert abs(row[token_id].item() - value) < 1e-4
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize(("vocab", "k"), [(3000, 7), (300, 20)])  # k above and below the chunks
+def test_token_logprobs_are_log_softmax_with_ties_best_first_lower_id_first(
+        path: str, vocab: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "torch":
+        monkeypatch.setattr(logprobs_module.native, "library", lambda: None)
+    elif logprobs_module.native.library() is None:
+        pytest.fail(f"no native kernels here: {logprobs_module.native.status().reason}")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * 4
+    logits[1, [9, 2500 % vocab, 40]] = logits[1].max() + 1  # a three-way tie at the top
+    logits[4] = 0.5  # all equal
+    rows, tokens = [5, 1, 4, 2], [3, 40, vocab - 1, 0]
+    tops = [k, k, 3, 0]
+    got = logprobs_module.token_logprobs(logits, rows, tokens, tops)
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    for entry, row, token, top in zip(got, rows, tokens, tops, strict=True):
+        assert entry.token_id == token
+        assert abs(entry.logprob - exact[row, token].item()) < 1e-5
+        best = sorted(range(vocab), key=lambda i: (-logits[row, i].item(), i))[:top]
+        if path == "native":  # the kernel's order; torch's topk may order equal values otherwise
+            assert [i for i, _ in entry.top] == best
+        assert [v for _, v in entry.top] == pytest.approx(exact[row, best].tolist(), abs=1e-5)
+        assert all(abs(v - exact[row, i].item()) < 1e-5 for i, v in entry.top)
 
 
 @pytest.fixture
@@ -128,16 +159,18 @@ def test_prompt_logprobs_survive_a_preemption(smollm2_tokenizer: Tokenizer,
             check_entry(entry, expected[pos], 1)
 
 
-def test_no_log_softmax_runs_when_no_row_asks(smollm2_tokenizer: Tokenizer, model: LlamaModel,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_logprobs_are_computed_when_no_row_asks(smollm2_tokenizer: Tokenizer,
+                                                   model: LlamaModel,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    original = runner_module.log_softmax_rows
+    original = runner_module.token_logprobs
 
-    def counting(logits: torch.Tensor) -> torch.Tensor:
-        calls.append(logits.shape[0])
-        return original(logits)
+    def counting(logits: torch.Tensor, rows: list[int], token_ids: list[int],
+                 top: list[int]) -> list[TokenLogprobs]:
+        calls.append(len(rows))
+        return original(logits, rows, token_ids, top)
 
-    monkeypatch.setattr(runner_module, "log_softmax_rows", counting)
+    monkeypatch.setattr(runner_module, "token_logprobs", counting)
     engine = tiny_engine(smollm2_tokenizer, model)
     plain = [Request(r.request_id, r.prompt_token_ids,
                      SamplingParams(max_tokens=r.params.max_tokens, temperature=0.0))

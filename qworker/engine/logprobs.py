@@ -1,7 +1,9 @@
-"""Log-probabilities of chosen tokens, from raw logits: float32 log_softmax, then the top k.
+"""Log-probabilities of chosen tokens, from raw logits: logit - logsumexp(row), and the top k.
 
 As vLLM's default, they describe the model's own distribution: before temperature, penalties,
-bans and any other edit the sampler makes to its copy of the logits.
+bans and any other edit the sampler makes to its copy of the logits. No log_softmax is
+materialized and no row copied: the native kernel reads the asked rows where they are (one pass
+each for the max, the sum of exp and the top k); without it, torch computes the same per row.
 """
 
 from __future__ import annotations
@@ -9,27 +11,37 @@ from __future__ import annotations
 import torch
 
 from qworker.engine.request import TokenLogprobs
+from qworker.model import native
 
 
-def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] raw logits -> float32 log-probabilities (a new tensor: the logits stay)."""
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], top: list[int]
+def token_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int], top: list[int]
                    ) -> list[TokenLogprobs]:
-    """Row r: the logprob of token_ids[r] and the top[r] most likely tokens, best first."""
-    assert logprobs.shape[0] == len(token_ids) == len(top), "one token and one k per row"
-    if not token_ids:
+    """For each i: row rows[i] of the raw logits [*, vocab], the logprob of token_ids[i] in it and
+    its top[i] most likely tokens, best first. The logits are not changed."""
+    assert len(rows) == len(token_ids) == len(top), "one row, one token and one k each"
+    if not rows:
         return []
-    index = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()
     k = max(top)
-    best_values: list[list[float]] = [[] for _ in token_ids]
-    best_ids: list[list[int]] = [[] for _ in token_ids]
-    if k:
-        values, ids = logprobs.topk(k, dim=-1)  # sorted, best first
-        best_values, best_ids = values.tolist(), ids.tolist()
-    return [TokenLogprobs(token_ids[r], chosen[r],
-                          tuple(zip(best_ids[r][: top[r]], best_values[r][: top[r]], strict=True)))
-            for r in range(len(token_ids))]
+    row_index = torch.tensor(rows, dtype=torch.long)
+    chosen_ids = torch.tensor(token_ids, dtype=torch.long)
+    if logits.device.type == "cpu" and native.library() is not None:
+        if logits.dtype != torch.float32:  # only the asked rows, in float32
+            logits, row_index = logits[row_index].float(), torch.arange(len(rows))
+        chosen, values, ids = native.logprobs(logits, row_index, chosen_ids, k)
+    else:
+        chosen, values, ids = _torch_logprobs(logits, row_index.to(logits.device),
+                                              chosen_ids.to(logits.device), k)
+    chosen_list, value_lists, id_lists = chosen.tolist(), values.tolist(), ids.tolist()
+    return [TokenLogprobs(token_ids[i], chosen_list[i],
+                          tuple(zip(id_lists[i][: top[i]], value_lists[i][: top[i]], strict=True)))
+            for i in range(len(rows))]
+
+
+def _torch_logprobs(logits: torch.Tensor, rows: torch.Tensor, chosen_ids: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What native.logprobs computes, in float32 torch (no native build, or not on the CPU)."""
+    x = logits[rows].float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = x.gather(1, chosen_ids[:, None]).squeeze(1) - lse.squeeze(1)
+    values, ids = x.topk(k, dim=-1)  # sorted, best first
+    return chosen, values - lse, ids

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from qworker.engine.logprobs import log_softmax_rows, token_logprobs
+from qworker.engine.logprobs import token_logprobs
 from qworker.engine.sampler import Allowed, SampleRow, sample
 from qworker.engine.sequence import Sequence
 from qworker.engine.structured import MaskFuture
@@ -59,11 +59,10 @@ class Runner:
             logits = self._collect_prompt_logprobs(work, inputs, logits)
         if not sampled:
             return {}
-        asking = [r for r, seq in enumerate(sampled) if seq.params.logprobs is not None]
-        raw = log_softmax_rows(logits[asking]) if asking else None  # before the sampler edits
         tokens = sample(logits, [self._row(seq) for seq in sampled], _allowed(sampled, masks))
-        if raw is not None:
-            found = token_logprobs(raw, [tokens[r] for r in asking],
+        asking = [r for r, seq in enumerate(sampled) if seq.params.logprobs is not None]
+        if asking:  # the raw logits: the sampler edits only its own copy
+            found = token_logprobs(logits, asking, [tokens[r] for r in asking],
                                    [sampled[r].params.logprobs or 0 for r in asking])
             for r, entry in zip(asking, found, strict=True):
                 sampled[r].sampled_logprobs = entry
@@ -86,10 +85,10 @@ class Runner:
             assert seq.prompt_logprobs is not None
             assert len(seq.prompt_logprobs) == positions.start, "a prompt position was skipped"
             first = row + positions.start - seq.num_computed
-            lp = log_softmax_rows(logits[first : first + len(positions)])
             targets = [seq.token_ids[p + 1] for p in positions]
             k = seq.params.prompt_logprobs or 0
-            seq.prompt_logprobs += token_logprobs(lp, targets, [k] * len(targets))
+            seq.prompt_logprobs += token_logprobs(logits, list(range(first, first + len(targets))),
+                                                  targets, [k] * len(targets))
             if inp.need_logits:
                 sampling_rows.append(row + n - 1)
             row += n

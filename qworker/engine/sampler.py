@@ -44,7 +44,8 @@ class Allowed:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: Allowed | None = None
            ) -> list[int]:
-    """logits: [len(rows), vocab]; returns one token id per row."""
+    """logits: [len(rows), vocab], never edited (the runner reads the raw rows for logprobs
+    after); returns one token id per row."""
     logits = logits.float()
     if allowed is not None or any(row.banned or _penalized(row.params) for row in rows):
         logits = logits.clone()  # edited in place below; the common case copies nothing

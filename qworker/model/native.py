@@ -115,6 +115,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qw_quant_gemm.restype = ctypes.c_int
     lib.qw_quant_rows.argtypes = [ctypes.c_int, _P, _P, _I, _I, _P]
     lib.qw_quant_rows.restype = ctypes.c_int
+    lib.qw_logprobs_f32.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
         getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P, _P, _P, _I, _P,
                                        *[_P] * 6, _I, ctypes.POINTER(DecodeDims), _D, _D]
@@ -312,3 +313,22 @@ def decode_step(
         positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), x.shape[0],
         dims, eps, scale)
     return logits if done else None
+
+
+def logprobs(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows `rows` of float32 logits [*, vocab] (csrc/logprobs.cpp): the logprob of token
+    chosen[r] in row rows[r] [n], and the k best logprobs and their ids [n, k], best first."""
+    lib = library()
+    assert lib is not None and logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert rows.dtype == chosen.dtype == torch.int64 and rows.shape == chosen.shape
+    n, vocab = rows.shape[0], logits.shape[1]
+    assert 0 <= k <= vocab
+    rows, chosen = rows.contiguous(), chosen.contiguous()
+    chosen_out = torch.empty(n, dtype=torch.float32)
+    values = torch.empty((n, k), dtype=torch.float32)
+    ids = torch.empty((n, k), dtype=torch.int64)
+    lib.qw_logprobs_f32(logits.data_ptr(), logits.stride(0), rows.data_ptr(), n, vocab,
+                        chosen.data_ptr(), k, chosen_out.data_ptr(), values.data_ptr(),
+                        ids.data_ptr())
+    return chosen_out, values, ids
