@@ -191,6 +191,8 @@ def main() -> None:
         "gateway_cpu_s": round(cpu["gateway"], 3),
         "gateway_cpu_us_per_token": round(cpu["gateway"] / tokens * 1e6, 1),
         "gateway_tokens_per_cpu_s": round(tokens / max(cpu["gateway"], 1e-9)),
+        # what a token costs depends on how many share a chunk (a read of the stream): per chunk
+        "gateway_cpu_us_per_chunk": round(cpu["gateway"] / max(tally.text_chunks, 1) * 1e6, 1),
         "workers_cpu_s": round(cpu["workers"], 3), "redis_cpu_s": round(cpu["redis"], 3),
         "clients_cpu_s": round(mine, 3),
         "machine_cpu_s": round(machine, 3), "machine_cpus": os.cpu_count(),

@@ -1,12 +1,19 @@
 """One reader for every output stream a gateway process follows: a single XREAD a turn over all
 of them (instead of one blocking read per open response), each job's new entries handed to its
-follower's queue in stream order.
+follower's mailbox in stream order.
 
 A follower that joins while a read is blocked waits for that read to return: reads block at most
 `block_ms`, short, so a new response's first token is late by that much at worst.
 
-The reply is taken as the wire gives it (each entry's fields a flat list), not through redis-py's
-XREAD callback: its dict per entry and its RESP3-to-RESP2 reshaping were a fifth of the read.
+The read goes out on the hub's own connection, held from the pool for as long as the hub reads,
+packed here (each stream's key packed once, when it is followed): redis-py's command path (its
+pool checkout, its packing of every key and id, its retry and observability wrappers) was a tenth
+of the gateway's CPU. The reply is taken as the wire gives it (each entry's fields a flat list),
+not through redis-py's XREAD callback: its dict per entry and its RESP3-to-RESP2 reshaping were a
+fifth of the read.
+
+Each follower has a `Mailbox`: what the reads brought it since it last looked, taken in one
+wake-up (an asyncio.Queue woke it once per item, through several layers of Python).
 
 `interval_s` paces the reads: one starts at most once per interval (a read that found nothing
 has already waited). Each read then brings several tokens of a busy stream, so the reads, the
@@ -20,10 +27,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio
+from redis.asyncio.connection import AbstractConnection
 
 from qworker_client.connect import READ_COUNT
 from qworker_client.protocol import Keys
@@ -35,14 +43,41 @@ GIVE_UP_S = 60.0  # a dropped connection is retried this long, then every follow
 
 Entry = Sequence[Any]  # [entry id, [field, value, field, value, ...]], as XREAD replies
 Entries = list[Entry]
-# each follower's queue: (job id, its new entries), or the error that ended every read
-Queue = asyncio.Queue[tuple[str, Entries] | BaseException]
+# what a follower gets: (job id, its new entries), or the error that ended every read
+Item = tuple[str, Entries] | BaseException
+
+
+class Mailbox:
+    """A follower's items, put by the hub's reads, taken all at once by the follower."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[Item] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[Item]:
+        """Every item put since the last take, waiting for one if there is none."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
 
 
 @dataclass
 class _Follow:
     last_id: str
-    queue: Queue = field(default_factory=asyncio.Queue)
+    mailbox: Mailbox
 
 
 class Hub:
@@ -54,42 +89,50 @@ class Hub:
         self.block_ms = block_ms
         self.interval_s = interval_s
         self._follows: dict[str, list[_Follow]] = {}  # several readers may follow one job
+        self._packed_keys: dict[str, bytes] = {}  # job id -> its output key, packed
         self._joined = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._out_prefix = keys.out("")
-        self._reads = redis.asyncio.Redis(connection_pool=client.connection_pool)  # not its own
-        self._reads.set_response_callback("XREAD", _as_is)
+        self._conn: AbstractConnection | None = None  # the reads', from the client's pool
+        self._read_head = b"".join(_bulk(str(arg).encode()) for arg in (
+            "XREAD", "COUNT", READ_COUNT, "BLOCK", block_ms, "STREAMS"))
 
-    def follow(self, job_ids: dict[str, str], queue: Queue) -> None:
-        """Put each job's new entries (read after the given entry id) on `queue`, as
+    def follow(self, job_ids: dict[str, str], mailbox: Mailbox) -> None:
+        """Put each job's new entries (read after the given entry id) in `mailbox`, as
         (job id, entries), until `drop`."""
         for job_id, after in job_ids.items():
-            self._follows.setdefault(job_id, []).append(_Follow(after, queue))
+            if job_id not in self._follows:
+                self._follows[job_id] = []
+                self._packed_keys[job_id] = _bulk((self._out_prefix + job_id).encode())
+            self._follows[job_id].append(_Follow(after, mailbox))
         self._joined.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="gateway-hub")
 
-    def drop(self, job_ids: list[str], queue: Queue) -> None:
-        """Stop putting these jobs' entries on `queue`."""
+    def drop(self, job_ids: list[str], mailbox: Mailbox) -> None:
+        """Stop putting these jobs' entries in `mailbox`."""
         for job_id in job_ids:
-            kept = [f for f in self._follows.get(job_id, ()) if f.queue is not queue]
+            kept = [f for f in self._follows.get(job_id, ()) if f.mailbox is not mailbox]
             if kept:
                 self._follows[job_id] = kept
             else:
                 self._follows.pop(job_id, None)
+                self._packed_keys.pop(job_id, None)
 
     async def close(self) -> None:
         """Stop reading. The loop also stops by itself once closed: a cancel that reaches it
-        inside redis-py's XREAD can be swallowed there, and the loop went on to wait for a
-        follower that never came."""
+        inside a read can be swallowed there, and the loop went on to wait for a follower that
+        never came."""
         self._closed = True
         self._joined.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._reads.aclose()  # leaves the pool open: the client's
+        if self._conn is not None:
+            await self.client.connection_pool.release(self._conn)
+            self._conn = None
 
     async def _run(self) -> None:
         backoff = Backoff(give_up_s=GIVE_UP_S)
@@ -98,12 +141,10 @@ class Hub:
                 self._joined.clear()
                 await self._joined.wait()
                 continue
-            streams = {self._out_prefix + j: _earliest(fs) for j, fs in self._follows.items()}
+            asked = {job_id: _earliest(fs) for job_id, fs in self._follows.items()}
             started = time.monotonic()
             try:
-                reply = await self._reads.execute_command(
-                    "XREAD", "COUNT", READ_COUNT, "BLOCK", self.block_ms, "STREAMS", *streams,
-                    *streams.values())
+                reply = await self._read(asked)
             except TRANSIENT_ERRORS as exc:
                 try:
                     delay = backoff.failed(exc)
@@ -116,33 +157,46 @@ class Hub:
                 self._fail(exc)
                 continue
             backoff = Backoff(give_up_s=GIVE_UP_S)
-            self._deliver(reply, streams)
+            self._deliver(reply, asked)
             if reply and self.interval_s:
                 await asyncio.sleep(started + self.interval_s - time.monotonic())
+
+    async def _read(self, asked: dict[str, str]) -> object:
+        """One XREAD of every stream followed, after its earliest follower's position."""
+        if self._conn is None:
+            self._conn = await self.client.connection_pool.get_connection()
+        packed = self._packed_keys
+        pieces = [b"*%d\r\n" % (6 + 2 * len(asked)), self._read_head,
+                  *[packed[job_id] for job_id in asked],
+                  *[_bulk(entry_id.encode()) for entry_id in asked.values()]]
+        await self._conn.send_packed_command(pieces, check_health=False)
+        return await self._conn.read_response()  # an error reply raises, a dropped one too
 
     def _deliver(self, reply: object, asked: dict[str, str]) -> None:
         """Each follower gets the entries past its position, if the read started at or before
         it (one that joined behind it while the read was out waits for the next read)."""
         for key, entries in _by_stream(reply):
             job_id = key.removeprefix(self._out_prefix)
-            asked_id = asked[key]
+            asked_id = asked[job_id]
             for follow in self._follows.get(job_id, ()):  # none: dropped while the read was out
                 new = entries if follow.last_id == asked_id else _past(entries, follow.last_id,
                                                                         asked_id)
                 if new:
                     follow.last_id = new[-1][0]
-                    follow.queue.put_nowait((job_id, new))
+                    follow.mailbox.put_nowait((job_id, new))
 
     def _fail(self, exc: BaseException) -> None:
         """Redis stayed away: every follower gets the error, and is dropped."""
-        queues = {id(f.queue): f.queue for fs in self._follows.values() for f in fs}
-        for queue in queues.values():
-            queue.put_nowait(exc)
+        mailboxes = {id(f.mailbox): f.mailbox for fs in self._follows.values() for f in fs}
+        for mailbox in mailboxes.values():
+            mailbox.put_nowait(exc)
         self._follows.clear()
+        self._packed_keys.clear()
 
 
-def _as_is(response: object, **_: object) -> object:
-    return response
+def _bulk(arg: bytes) -> bytes:
+    """One argument of a command as RESP packs it."""
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
 
 
 def _by_stream(reply: Any) -> Iterable[tuple[str, Entries]]:

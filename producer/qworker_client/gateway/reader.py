@@ -8,10 +8,9 @@ pydantic (`tokens.plain_token_listed`, on the fields as the reply lists them); a
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from qworker_client.gateway.hub import Hub, Queue
+from qworker_client.gateway.hub import Entries, Hub, Mailbox
 from qworker_client.gateway.tokens import Text, plain_token_listed
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
@@ -36,26 +35,30 @@ class OutputReader:
 
     async def batches(self) -> AsyncIterator[Batch]:
         """`events()` as the reads bring them: one list per job per read (never empty)."""
-        queue: Queue = asyncio.Queue()
-        self.hub.follow(self.after, queue)
+        mailbox = Mailbox()
+        self.hub.follow(self.after, mailbox)
         try:
             while self.open:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                job_id, entries = item
-                state = self.open.get(job_id)
-                if state is None:
-                    continue
-                batch = [(job_id, entry_id, event) for entry_id, fields in entries
-                         if (event := _take(state, entry_id, fields)) is not None]
-                if batch:
-                    yield batch
-                if state.finished:
-                    del self.open[job_id]
-                    self.hub.drop([job_id], queue)
+                for item in await mailbox.take():
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch = self._batch(*item, mailbox)
+                    if batch:
+                        yield batch
         finally:
-            self.hub.drop(list(self.after), queue)
+            self.hub.drop(list(self.after), mailbox)
+
+    def _batch(self, job_id: str, entries: Entries, mailbox: Mailbox) -> Batch:
+        """The events to pass on of one job's new entries (none once it has ended)."""
+        state = self.open.get(job_id)
+        if state is None:
+            return []
+        batch = [(job_id, entry_id, event) for entry_id, fields in entries
+                 if (event := _take(state, entry_id, fields)) is not None]
+        if state.finished:
+            del self.open[job_id]
+            self.hub.drop([job_id], mailbox)
+        return batch
 
 
 def _take(state: OutputState, entry_id: str, listed: Sequence[str]) -> Event | None:
