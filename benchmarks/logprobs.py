@@ -5,7 +5,8 @@ one engine, the same run, rounds in alternating order (issue 16, target 3: under
         [--dtype float32]
 
 Prints one JSON line: useful output tokens/s of each run, the median ratio with / without over
-the rounds, and the machine.
+the rounds, the share of each with-logprobs run's wall time spent computing them (a figure the
+machine's noise moves less than the ratio), and the machine.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from benchmarks.machine import machine_info
 from benchmarks.workload import WorkItem, fingerprint, standard_workload
+from qworker.engine import runner as runner_module
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
@@ -26,6 +29,22 @@ from qworker.model.dtypes import resolve_dtype
 from qworker.model.hub import resolve_model
 from qworker.model.llama import load_model
 from qworker.model.tokenizer import Tokenizer
+
+
+class Timed:
+    """Wraps the runner's token_logprobs, adding up the time spent in it."""
+
+    def __init__(self) -> None:
+        self.inner = getattr(runner_module, "token_logprobs")  # noqa: B009
+        self.seconds = 0.0
+        setattr(runner_module, "token_logprobs", self)  # noqa: B010 (a module attribute)
+
+    def __call__(self, *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return self.inner(*args)
+        finally:
+            self.seconds += time.perf_counter() - started
 
 
 def run(engine: Engine, items: list[WorkItem], logprobs: int | None, tag: str) -> float:
@@ -68,10 +87,16 @@ def main() -> None:
     engine.warm_up()
     engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True,
                                                           logprobs=args.logprobs))
-    plain, asking, ratios = [], [], []
+    timed = Timed()
+    plain, asking, ratios, shares = [], [], [], []
     for r in range(args.rounds):  # alternating order: a neighbour's load falls on both alike
         order = [None, args.logprobs] if r % 2 == 0 else [args.logprobs, None]
-        got = {k: run(engine, items, k, f"r{r}k{k}-") for k in order}
+        got = {}
+        for k in order:
+            timed.seconds, started = 0.0, time.perf_counter()
+            got[k] = run(engine, items, k, f"r{r}k{k}-")
+            if k is not None:
+                shares.append(timed.seconds / (time.perf_counter() - started))
         plain.append(got[None])
         asking.append(got[args.logprobs])
         ratios.append(got[args.logprobs] / got[None])
@@ -83,6 +108,7 @@ def main() -> None:
         "useful_out_tok_s_with": [round(v, 1) for v in asking],
         "ratio_with_over_without_median": round(statistics.median(ratios), 4),
         "cost_pct_median": round(100 * (1 - statistics.median(ratios)), 2),
+        "logprobs_share_of_wall_pct": [round(100 * v, 2) for v in shares],
         **machine_info(),
     }), flush=True)
 
