@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,10 +107,12 @@ def build(level: Level, target: Path, cxx: str) -> None:
     concurrent process never loads a half-written file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = []
-        for source in sorted(SOURCES.glob("*.cpp")):
-            objects.append(str(Path(tmp) / f"{source.stem}.o"))
-            _run([cxx, *COMMON_FLAGS, *level.march, "-c", str(source), "-o", objects[-1]])
+        sources = sorted(SOURCES.glob("*.cpp"))
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in sources]
+        compiles = [[cxx, *COMMON_FLAGS, *level.march, "-c", str(source), "-o", obj]
+                    for source, obj in zip(sources, objects, strict=True)]
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # one g++ per core
+            list(pool.map(_run, compiles))
         built = Path(tmp) / target.name
         _run([cxx, *LINK_FLAGS, *objects, "-o", str(built)])
         os.replace(built, target)
