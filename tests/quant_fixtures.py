@@ -26,8 +26,10 @@ def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np
 SIZES = dict(vocab=64, hidden=256, inter=256, layers=1, heads=4, kv_heads=2)
 
 
-def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True) -> Path:
-    """A one-layer Llama whose every matrix is random blocks of `kind` (norms float32)."""
+def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
+                    others: dict[str, Q] | None = None) -> Path:
+    """A one-layer Llama whose every matrix is random blocks of `kind` (norms float32), but
+    those `others` names by their short name ("attn_v") in another format."""
     rng = np.random.default_rng(seed)
     s = SIZES
     head_dim = s["hidden"] // s["heads"]
@@ -60,7 +62,8 @@ def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True) -> Pa
                               rng.uniform(0.5, 1.5, s["hidden"]).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(s["hidden"], np.float32))
     for name, (rows, cols) in matrices.items():
-        writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=kind)
+        this = (others or {}).get(name.split(".")[-2], kind)
+        writer.add_tensor(name, random_blocks(this, rows, cols, rng), raw_dtype=this)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -8,7 +8,7 @@ import ctypes
 import pytest
 
 from qworker.model import decode_abi, native
-from qworker.model.decode_abi import DecodeDims, DecodeLayer, layout_mismatches
+from qworker.model.decode_abi import DecodeDims, DecodeLayer, DecodeProj, layout_mismatches
 
 
 @pytest.fixture
@@ -31,9 +31,9 @@ def test_the_library_knows_every_mirrored_field_by_name(lib: ctypes.CDLL) -> Non
 
 
 class _Swapped(ctypes.Structure):  # qkv and o in each other's place
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "o", "qkv_bias", "qkv", "post_norm", "gate_up", "down", "k_cache",
-        "v_cache")]
+    _fields_ = [(name, DecodeProj if name in ("qkv", "o", "gate_up", "down") else ctypes.c_void_p)
+                for name in ("input_norm", "o", "qkv_bias", "qkv", "post_norm", "gate_up", "down",
+                             "k_cache", "v_cache")]
 
 
 class _Short(ctypes.Structure):  # one field missing: every later offset and the size differ

@@ -16,6 +16,7 @@ from qworker.model.llama import LlamaModel, load_model
 from qworker.model.loader import is_quantized_file, load_checkpoint
 from qworker.model.quant_linear import QuantLinear
 from qworker.model.quant_weight import QuantWeight
+from tests.model_harness import Step, run_schedule
 from tests.quant_fixtures import KEPT, SIZES, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
@@ -51,6 +52,45 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
             tol = 1e-4 if kinds[0] == "dequant" else 0.05  # 8-bit activations
             scale = want.abs().max().item()
             assert (got - want).abs().max().item() <= tol * scale, kinds
+
+
+Q = gguf.GGMLQuantizationType
+# per kernel_choice bucket (1, 8, 32, ...): the steps below fall in the first two (1 and 3-10 rows)
+CHOICES = {"mixed": ("dequant", "int8", "int8", "int8", "int8"), "dequant": ("dequant",) * 5}
+
+
+@pytest.mark.parametrize(("kind", "others", "choice"), [
+    (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_up": Q.Q5_0}, "mixed"),  # fused layers of two formats
+    (Q.Q4_K, {"attn_v": Q.Q6_K}, "dequant"),  # K-quants: dequant only
+], ids=["int8-and-dequant", "k-quants"])
+def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],
+        choice: str) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", kind, seed=7, tied=False, others=others)
+    model = load_model(path, weights="quantized")
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 5 and len(model.layers[0].self_attn.qkv_proj.quant.segments) == (
+        2 if others else 1)
+    for m in linears:
+        m.set_choice(CHOICES[choice])
+    qkv = model.layers[0].self_attn.qkv_proj  # a Qwen2-like bias, added after the kernel
+    qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features), requires_grad=False)
+    calls: list[int] = []
+    real = native.decode_step
+    monkeypatch.setattr(native, "decode_step",
+                        lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    lengths = [5, 9, 14, 6, 11, 20, 7, 8, 12, 10]  # ten rows: above the threads' private rows
+    sequences = [[(7 * i + j) % SIZES["vocab"] for j in range(n + 3)]
+                 for i, n in enumerate(lengths)]
+    schedule: list[Step] = [[(i, n) for i, n in enumerate(lengths)]]
+    schedule += [[(i, 1) for i in range(10)]] * 2 + [[(0, 1), (4, 1), (9, 1)], [(3, 1)]]
+    got = run_schedule(model, sequences, schedule, block_size=4)
+    assert calls == [10, 10, 3, 1]
+    model.decode_graph.enabled = False
+    want = run_schedule(model, sequences, schedule, block_size=4)
+    assert calls == [10, 10, 3, 1]
+    for (seq, pos, a), (_, _, b) in zip(got, want, strict=True):
+        assert torch.equal(a, b), f"seq {seq} pos {pos}: {(a - b).abs().max()}"
 
 
 def test_an_untied_head_is_its_own_quantized_layer(tmp_path: Path) -> None:

@@ -11,13 +11,28 @@ import ctypes
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
+class DecodeQuantSegment(ctypes.Structure):
+    """A run of a quantized weight's rows of one GGUF format, and the kernel that runs it
+    (C `QuantSegment`; type: the ggml type id, method: `native.QUANT_METHODS`)."""
+
+    _fields_ = [("blocks", _P), ("type", _I), ("method", _I), ("rows", _I)]
+
+
+class DecodeProj(ctypes.Structure):
+    """One projection's weight (C `Proj`): a `gemm_pack` (pack), or quantized segments (pack
+    null; float32 activations only)."""
+
+    _fields_ = [("pack", _P), ("segments", ctypes.POINTER(DecodeQuantSegment)),
+                ("num_segments", _I)]
+
+
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer's tensors (C `Layer`): the four projections are `gemm_pack`s; qkv_bias
-    may be null."""
+    """One decoder layer's tensors (C `Layer`); qkv_bias may be null."""
 
     _fields_ = [
-        ("input_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o", _P), ("post_norm", _P),
-        ("gate_up", _P), ("down", _P), ("k_cache", _P), ("v_cache", _P),
+        ("input_norm", _P), ("qkv", DecodeProj), ("qkv_bias", _P), ("o", DecodeProj),
+        ("post_norm", _P), ("gate_up", DecodeProj), ("down", DecodeProj), ("k_cache", _P),
+        ("v_cache", _P),
     ]
 
 
@@ -34,7 +49,10 @@ def field_names(mirror: type[ctypes.Structure]) -> list[str]:
     return [name for name, *_ in mirror._fields_]
 
 
-MIRRORS: dict[str, type[ctypes.Structure]] = {"Layer": DecodeLayer, "Dims": DecodeDims}
+MIRRORS: dict[str, type[ctypes.Structure]] = {
+    "QuantSegment": DecodeQuantSegment, "Proj": DecodeProj, "Layer": DecodeLayer,
+    "Dims": DecodeDims,
+}
 
 
 def layout_mismatches(lib: ctypes.CDLL) -> list[str]:

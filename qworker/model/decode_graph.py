@@ -4,9 +4,10 @@
 It runs the kernels of the layer-by-layer path, in the same order on the same kinds of buffers, so
 its results are the same; what it saves is that path's per-op Python, tensor allocations and
 thread wake-ups (a single-stream step: 11.6 -> 7.9 ms here). It serves steps whose every row is a
-single-token decode, at a row count for which every projection and the LM head run the native GEMM
-(as `kernel_choice` measured, or by default); others (and any step it declines) go layer by
-layer.
+single-token decode, at a row count for which every projection and the LM head run a native
+kernel (as `kernel_choice` measured, or by default): the native GEMM of a dense layer, or the
+chosen kernel of a layer kept in GGUF blocks (`QuantLinear`, float32 activations only, as that
+layer runs them). Others (and any step it declines) go layer by layer.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ import torch
 
 from qworker.model import kernel_choice, native
 from qworker.model.config import ModelConfig
-from qworker.model.decode_abi import DecodeDims, DecodeLayer, field_names
+from qworker.model.decode_abi import (
+    DecodeDims,
+    DecodeLayer,
+    DecodeProj,
+    DecodeQuantSegment,
+    field_names,
+)
 from qworker.model.kv_cache import KVCache
+from qworker.model.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from qworker.model.attention import AttentionPlan
@@ -30,28 +38,34 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class _LayerTable:
+class _BucketTable:
+    """The layers and the LM head as the kernel choice runs them at one token-count bucket."""
+
+    layers: ctypes.Array[DecodeLayer] | None  # None: some layer runs no native kernel here
+    lm_head: DecodeProj | None  # None: the LM head runs no native kernel here
+    keep: tuple[object, ...]  # what their pointers point into
+
+
+@dataclass
+class _Tables:
     cache: KVCache  # held, so that a later cache can never reuse its identity
-    versions: tuple[int, ...]  # of every weight, when the table was made
-    layers: ctypes.Array[DecodeLayer] | None  # None: this model is not served
-    lm_head: torch.Tensor | None  # its pack
-    buckets: frozenset[int]  # the kernel_choice buckets at which every layer runs native
-    keep: tuple[torch.Tensor, ...]  # what the layers' pointers point into
+    versions: tuple[int, ...]  # of every weight, when the tables were made
+    by_bucket: dict[int, _BucketTable]
 
 
 class DecodeGraph:
-    def __init__(self, layers: list[DecoderLayer], norm: RMSNorm, lm_head: Linear,
+    def __init__(self, layers: list[DecoderLayer], norm: RMSNorm, lm_head: Linear | QuantLinear,
                  config: ModelConfig) -> None:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
         self.config = config
         self.enabled = True  # off: every step goes layer by layer (benchmarks compare the two)
-        self._table: _LayerTable | None = None
+        self._tables: _Tables | None = None
 
     def reset(self) -> None:
-        """Forget the table (after the layers' kernel choice changed)."""
-        self._table = None
+        """Forget the tables (after the layers' kernel choice changed)."""
+        self._tables = None
 
     def run(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache) -> torch.Tensor | None:
         """Logits of the batch's `logits_indices` rows, in the model's dtype (x, the residual
@@ -62,10 +76,10 @@ class DecodeGraph:
                   and x.dtype in native.GEMM_DTYPES)
         if not (self.enabled and served):
             return None
-        table = self._layer_table(cache)
-        if table.layers is None or table.lm_head is None:
-            return None
-        if kernel_choice.bucket(x.shape[0]) not in table.buckets:
+        rows = batch.logits_indices
+        layers = self._table(cache, x.shape[0], x.dtype).layers
+        lm_head = self._table(cache, max(rows.shape[0], 1), x.dtype).lm_head
+        if layers is None or lm_head is None:
             return None
         c = self.config
         tables, lens = _in_row_order(batch.decodes, x.shape[0])
@@ -73,53 +87,74 @@ class DecodeGraph:
                           head_dim=c.head_dim, inter=c.intermediate_size,
                           num_blocks=cache.num_blocks, block_size=cache.block_size)
         return native.decode_step(
-            x, table.layers, self.norm.weight, table.lm_head, batch.logits_indices,
+            x, layers, self.norm.weight, lm_head, self.lm_head.out_features, rows,
             plan.rope.cos, plan.rope.sin, batch.positions, batch.slot_mapping, tables, lens, dims,
             c.rms_norm_eps, c.head_dim**-0.5)
 
-    def _layer_table(self, cache: KVCache) -> _LayerTable:
+    def _table(self, cache: KVCache, rows: int, dtype: torch.dtype) -> _BucketTable:
         versions = tuple(w._version for w in self._weights())
-        table = self._table
-        if table is None or table.cache is not cache or table.versions != versions:
-            table = self._table = self._make_table(cache, versions)
-        return table
+        tables = self._tables
+        if tables is None or tables.cache is not cache or tables.versions != versions:
+            tables = self._tables = _Tables(cache, versions, {})
+        bucket = kernel_choice.bucket(rows)
+        if bucket not in tables.by_bucket:
+            tables.by_bucket[bucket] = self._make_table(cache, kernel_choice.BUCKETS[bucket],
+                                                        dtype)
+        return tables.by_bucket[bucket]
 
     def _weights(self) -> list[torch.Tensor]:
         """Read afresh each step: holding them would keep a released weight alive."""
         weights = [p for layer in self.layers for p in layer.parameters()]
         return [*weights, self.norm.weight, *self.lm_head.parameters()]
 
-    def _make_table(self, cache: KVCache, versions: tuple[int, ...]) -> _LayerTable:
-        linears = [self.lm_head]
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears += (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        buckets = frozenset(b for b, size in enumerate(kernel_choice.BUCKETS)
-                            if all(lin.kind_for(size) == "native" for lin in linears))
-        rows: list[DecodeLayer] = []
-        keep: list[torch.Tensor] = []
+    def _make_table(self, cache: KVCache, rows: int, dtype: torch.dtype) -> _BucketTable:
+        keep: list[object] = []
+        head = _projection(self.lm_head, rows, dtype, keep)
+        entries: list[DecodeLayer] = []
         for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            packs = [lin.packed("native") for lin in projections] if buckets else [None]
-            if any(pack is None for pack in packs) or not native.serves(k):
-                return _LayerTable(cache, versions, None, None, frozenset(), ())
-            qkv, o, gate_up, down = packs
-            parts = {"input_norm": layer.input_layernorm.weight, "qkv": qkv,
-                     "qkv_bias": attn.qkv_proj.bias, "o": o,
-                     "post_norm": layer.post_attention_layernorm.weight, "gate_up": gate_up,
-                     "down": down, "k_cache": k, "v_cache": v}
-            rows.append(_pointing_at(parts))
-            keep.extend(p for p in parts.values() if p is not None)
-        return _LayerTable(cache, versions, (DecodeLayer * len(rows))(*rows),
-                           self.lm_head.packed("native"), buckets, tuple(keep))
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            projs = [_projection(lin, rows, dtype, keep) for lin in linears]
+            if not native.serves(k) or any(p is None for p in projs):
+                return _BucketTable(None, head, tuple(keep))
+            qkv, o, gate_up, down = projs
+            tensors: dict[str, torch.Tensor | None] = {
+                "input_norm": layer.input_layernorm.weight, "qkv_bias": attn.qkv_proj.bias,
+                "post_norm": layer.post_attention_layernorm.weight, "k_cache": k, "v_cache": v}
+            entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down))
+            keep.extend(t for t in tensors.values() if t is not None)
+        return _BucketTable((DecodeLayer * len(entries))(*entries), head, tuple(keep))
 
 
-def _pointing_at(parts: dict[str, torch.Tensor | None]) -> DecodeLayer:
-    """A layer whose every field (by its C name) points at that tensor's data; null for None."""
-    assert parts.keys() == set(field_names(DecodeLayer)), "ctypes ignores a misspelt field"
+def _projection(lin: Linear | QuantLinear, rows: int, dtype: torch.dtype,
+                keep: list[object]) -> DecodeProj | None:
+    """The layer's weight as the graph runs it for a step of `rows` rows (what it points into
+    appended to keep); None where the kind chosen there is no native one the graph runs."""
+    kind = lin.kind_for(rows)
+    if isinstance(lin, QuantLinear):
+        if kind not in native.QUANT_METHODS or dtype != torch.float32:
+            return None
+        segments = lin.quant.segments
+        array = (DecodeQuantSegment * len(segments))(*[
+            DecodeQuantSegment(blocks=seg.raw.data_ptr(), type=seg.type_id,
+                               method=native.QUANT_METHODS[kind], rows=seg.rows)
+            for seg in segments])
+        keep.extend([array, *(seg.raw for seg in segments)])
+        return DecodeProj(pack=None, segments=array, num_segments=len(segments))
+    pack = lin.packed("native") if kind == "native" else None
+    if pack is None:
+        return None
+    keep.append(pack)
+    return DecodeProj(pack=pack.data_ptr(), segments=None, num_segments=0)
+
+
+def _pointing_at(parts: dict[str, torch.Tensor | None], **projs: DecodeProj | None) -> DecodeLayer:
+    """A layer whose every field (by its C name) points at that tensor's data (null for None),
+    or is that projection."""
+    assert parts.keys() | projs.keys() == set(field_names(DecodeLayer)), "a misspelt field"
     assert all(p is None or p.is_contiguous() for p in parts.values())
-    return DecodeLayer(**{name: None if p is None else p.data_ptr() for name, p in parts.items()})
+    pointers = {name: None if p is None else p.data_ptr() for name, p in parts.items()}
+    return DecodeLayer(**pointers, **projs)
 
 
 def _in_row_order(groups: tuple[DecodeGroup, ...], rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from qworker.model import native_build as nb
-from qworker.model.decode_abi import DecodeDims, DecodeLayer
+from qworker.model.decode_abi import DecodeDims, DecodeLayer, DecodeProj
 from qworker.model.hub import qworker_home
 
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
@@ -117,7 +117,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qw_quant_rows.restype = ctypes.c_int
     lib.qw_logprobs_f32.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
-        getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P, _P, _P, _I, _P,
+        getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P,
+                                       ctypes.POINTER(DecodeProj), _P, _I, _P,
                                        *[_P] * 6, _I, ctypes.POINTER(DecodeDims), _D, _D]
         getattr(lib, name).restype = ctypes.c_int
 
@@ -290,25 +291,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def decode_step(
-    x: torch.Tensor, layers: ctypes.Array[DecodeLayer], norm: torch.Tensor, lm_head: torch.Tensor,
-    rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+    x: torch.Tensor, layers: ctypes.Array[DecodeLayer], norm: torch.Tensor, lm_head: DecodeProj,
+    vocab: int, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
     slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, dims: DecodeDims,
     eps: float, scale: float,
 ) -> torch.Tensor | None:
     """Runs every decoder layer of a decode-only step, then the final norm and the LM head of the
     given rows (csrc/decoder.cpp): logits [len(rows), vocab] in x's dtype. x [m, hidden] is
-    updated in place. layers: one DecodeLayer per decoder layer; lm_head: the `gemm_pack` of the
-    LM head; dims: the model's and the cache's sizes (max_blocks and vocab are set here, from
-    tables and lm_head). None, computing nothing, where the build does not serve these shapes."""
+    updated in place. layers: one DecodeLayer per decoder layer; lm_head: the LM head's weight
+    (a `gemm_pack` or quantized segments), of vocab rows; dims: the model's and the cache's sizes
+    (max_blocks and vocab are set here). None, computing nothing, where the build does not serve
+    these shapes (quantized projections: float32 only)."""
     assert x.dtype in GEMM_DTYPES and x.is_contiguous() and norm.is_contiguous()
     assert tables.dtype == lens.dtype == rows.dtype == torch.int64
     assert tables.is_contiguous() and lens.is_contiguous() and rows.is_contiguous()
     assert cos.is_contiguous() and sin.is_contiguous()
-    vocab = lm_head.shape[0] * 16
     logits = torch.empty((rows.shape[0], vocab), dtype=x.dtype)
     dims.max_blocks, dims.vocab = tables.shape[1], vocab
     done = _kernel("qw_decode_step", x.dtype)(
-        x.data_ptr(), layers, len(layers), norm.data_ptr(), lm_head.data_ptr(),
+        x.data_ptr(), layers, len(layers), norm.data_ptr(), ctypes.byref(lm_head),
         rows.data_ptr(), rows.shape[0], logits.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), x.shape[0],
         dims, eps, scale)

@@ -3,28 +3,44 @@
 // (so the same results), minus that path's per-op Python, tensor allocations and thread wake-ups,
 // which at one sequence cost about a quarter of a step. The CPU's stand-in for a captured CUDA
 // graph, used by qworker/model/decode_graph.py.
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
 #include "fused_ops.h"
 #include "gemm.h"
+#include "quant_gemm.h"
 
 namespace {
 
 // The structs Python fills by field name (qworker/model/decode_abi.py mirrors them as ctypes
 // Structures, and checks their layout against qw_decode_abi below).
 
+// a run of a quantized weight's rows of one GGUF format (quant_gemm.h), and its kernel
+struct QuantSegment {
+  const void* blocks;  // rows x (k / elems) blocks
+  int64_t type, method, rows;
+};
+
+// one projection's weight: gemm-packed (dense), or quantized segments (pack null, float32 only)
+struct Proj {
+  const void* pack;
+  const QuantSegment* segments;
+  int64_t num_segments;
+};
+
 // one layer's tensors
 struct Layer {
   const void* input_norm;
-  const void* qkv;  // gemm-packed, as all four projections
+  Proj qkv;
   const void* qkv_bias;  // or null
-  const void* o;
+  Proj o;
   const void* post_norm;
-  const void* gate_up;
-  const void* down;
+  Proj gate_up;
+  Proj down;
   void* k_cache;
   void* v_cache;
 };
@@ -36,11 +52,53 @@ struct Dims {
 // the model's last steps: final norm and LM head, for the rows that sample
 struct Head {
   const void* norm;
-  const void* lm_head;  // gemm-packed
+  const Proj* lm_head;
   const int64_t* rows;
   int64_t num_rows, vocab;
   void* logits;  // [num_rows, vocab]
 };
+
+template <typename T>
+bool proj_serves(const Proj& p, int64_t m, int64_t n, int64_t k) {
+  if (p.pack != nullptr) return qw::gemm_serves<T>(m, n, k);
+  if (!std::is_same_v<T, float> || p.num_segments < 1) return false;
+  int64_t rows = 0;
+  for (int64_t s = 0; s < p.num_segments; ++s) {
+    const QuantSegment& seg = p.segments[s];
+    if (!qw::quant::serves(static_cast<int>(seg.type), static_cast<int>(seg.method), m, k,
+                           seg.rows, n))
+      return false;
+    rows += seg.rows;
+  }
+  return rows == n;
+}
+
+// out [m, n] = x [m, k] W^T (+ bias) by every thread of the team, as the layer-by-layer path
+// computes it (a quantized one: segment by segment into its columns, then the bias in float32);
+// ends on a barrier. shared: the integer dot's scratch, m * k/32 blocks.
+template <typename T>
+void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_t n, int64_t k,
+             qw::quant::Q8Block* shared) {
+  if (p.pack != nullptr) {
+    qw::gemm(x, static_cast<const T*>(p.pack), bias, out, m, n, k);
+    return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    int64_t row = 0;
+    for (int64_t s = 0; s < p.num_segments; ++s) {
+      const QuantSegment& seg = p.segments[s];
+      qw::quant::team_gemm(static_cast<int>(seg.type), static_cast<int>(seg.method), x, m, k,
+                           static_cast<const uint8_t*>(seg.blocks), seg.rows, out + row, n,
+                           shared);
+      row += seg.rows;
+    }
+    if (bias != nullptr) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) out[i * n + j] += bias[j];
+    }
+  }
+}
 
 // x [m, hidden]: the residual stream in, updated in place; then the logits of head.rows
 template <typename T>
@@ -54,8 +112,11 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   std::vector<T> picked(head.num_rows * d.hidden), picked_delta(head.num_rows * d.hidden);
   const qw::Shape shape{m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.num_blocks,
                         d.block_size, qkv_width};
+  const int64_t widest = std::max({d.hidden, q_width, d.inter});
+  std::vector<qw::quant::Q8Block> q8(m > qw::quant::kPrivateRows ? m * (widest / 32) : 0);
   auto cast = [](const void* p) { return static_cast<const T*>(p); };
   const T* none = nullptr;
+  qw::quant::Q8Block* shared = q8.data();
 #pragma omp parallel
   {
     for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier
@@ -64,16 +125,16 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
       T* v_cache = static_cast<T*>(w.v_cache);
       qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m,
                        d.hidden, eps);
-      qw::gemm(h.data(), cast(w.qkv), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden);
+      project(w.qkv, h.data(), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden, shared);
       qw::rope_store(qkv.data(), qkv_width, cos, sin, positions, slots, k_cache, v_cache, m,
                      d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
       qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
                            shape, scale);
-      qw::gemm(attn.data(), cast(w.o), none, delta.data(), m, d.hidden, q_width);
+      project(w.o, attn.data(), none, delta.data(), m, d.hidden, q_width, shared);
       qw::add_rms_norm(x, delta.data(), cast(w.post_norm), h.data(), m, d.hidden, eps);
-      qw::gemm(h.data(), cast(w.gate_up), none, gate_up.data(), m, 2 * d.inter, d.hidden);
+      project(w.gate_up, h.data(), none, gate_up.data(), m, 2 * d.inter, d.hidden, shared);
       qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
-      qw::gemm(act.data(), cast(w.down), none, delta.data(), m, d.hidden, d.inter);
+      project(w.down, act.data(), none, delta.data(), m, d.hidden, d.inter, shared);
     }
     // as the model's tail: x[rows] + delta[rows], normed, through the LM head
 #pragma omp for
@@ -85,8 +146,8 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
     qw::add_rms_norm(picked.data(), picked_delta.data(), cast(head.norm), h.data(), head.num_rows,
                      d.hidden, eps);
     if (head.num_rows > 0)
-      qw::gemm(h.data(), cast(head.lm_head), none, static_cast<T*>(head.logits), head.num_rows,
-               head.vocab, d.hidden);
+      project(*head.lm_head, h.data(), none, static_cast<T*>(head.logits), head.num_rows,
+              head.vocab, d.hidden, shared);
   }
 }
 
@@ -95,11 +156,15 @@ int run(void* x, const Layer* layers, int64_t num_layers, const Head& head, cons
         const void* sin, const int64_t* positions, const int64_t* slots, const int64_t* tables,
         const int64_t* lens, int64_t m, const Dims& d, double eps, double scale) {
   const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
-  const bool served = qw::gemm_serves<T>(m, qkv_width, d.hidden) &&
-                      qw::gemm_serves<T>(m, d.hidden, q_width) &&
-                      qw::gemm_serves<T>(m, 2 * d.inter, d.hidden) &&
-                      qw::gemm_serves<T>(m, d.hidden, d.inter) &&
-                      qw::gemm_serves<T>(1, head.vocab, d.hidden) && head.num_rows <= m;
+  bool served = head.num_rows <= m && (head.num_rows == 0 ||
+                proj_serves<T>(*head.lm_head, head.num_rows, head.vocab, d.hidden));
+  for (int64_t l = 0; l < num_layers && served; ++l) {
+    const Layer& w = layers[l];
+    served = proj_serves<T>(w.qkv, m, qkv_width, d.hidden) &&
+             proj_serves<T>(w.o, m, d.hidden, q_width) &&
+             proj_serves<T>(w.gate_up, m, 2 * d.inter, d.hidden) &&
+             proj_serves<T>(w.down, m, d.hidden, d.inter);
+  }
   if (!served) return 0;
   decode_step(static_cast<T*>(x), layers, num_layers, head,
               static_cast<const T*>(cos), static_cast<const T*>(sin), positions, slots, tables,
@@ -115,6 +180,10 @@ struct AbiEntry {
 #define QW_SIZE(S) AbiEntry{#S, static_cast<int64_t>(sizeof(S))}
 #define QW_FIELD(S, f) AbiEntry{#S "." #f, static_cast<int64_t>(offsetof(S, f))}
 const AbiEntry kAbi[] = {
+    QW_SIZE(QuantSegment), QW_FIELD(QuantSegment, blocks), QW_FIELD(QuantSegment, type),
+    QW_FIELD(QuantSegment, method), QW_FIELD(QuantSegment, rows),
+    QW_SIZE(Proj), QW_FIELD(Proj, pack), QW_FIELD(Proj, segments),
+    QW_FIELD(Proj, num_segments),
     QW_SIZE(Layer), QW_FIELD(Layer, input_norm), QW_FIELD(Layer, qkv),
     QW_FIELD(Layer, qkv_bias), QW_FIELD(Layer, o), QW_FIELD(Layer, post_norm),
     QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
@@ -138,7 +207,7 @@ extern "C" int64_t qw_decode_abi(const char* name) {
 // layer-by-layer path.
 #define QW_EXPORT_DECODE(suffix, T)                                                            \
   extern "C" int qw_decode_step_##suffix(                                                     \
-      void* x, const Layer* layers, int64_t num_layers, const void* norm, const void* lm_head, \
+      void* x, const Layer* layers, int64_t num_layers, const void* norm, const Proj* lm_head, \
       const int64_t* rows, int64_t num_rows, void* logits, const void* cos, const void* sin,   \
       const int64_t* positions, const int64_t* slots, const int64_t* tables,                   \
       const int64_t* lens, int64_t m, const Dims* dims, double eps, double scale) {            \

@@ -6,9 +6,11 @@
 #pragma once
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace qw::quant {
 
@@ -243,6 +245,82 @@ inline void rows_dot(const uint8_t* w, const Q8Block* x, int64_t blocks, int64_t
     }
   }
   for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + offsets[r];
+}
+
+// ---- whole layers, called by every thread of an OpenMP team (inside a parallel region): the
+// threads split the weight rows; each call ends on the barrier of its `omp for`
+
+template <int T>
+inline void team_int8_rows(const Q8Block* xq, const uint8_t* w, int64_t m, int64_t n, int64_t k,
+                           float* out, int64_t ldo) {
+  constexpr int64_t kRows = 4;  // activation rows per pass over a weight row
+  const int64_t blocks = k / 32, row_bytes = blocks * Block<T>::kBytes;
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    int64_t i = 0;
+    for (; i + kRows <= m; i += kRows)
+      rows_dot<T, kRows>(row, xq + i * blocks, blocks, blocks, out + i * ldo + r, ldo);
+    for (; i < m; ++i) rows_dot<T, 1>(row, xq + i * blocks, blocks, blocks, out + i * ldo + r, ldo);
+  }
+}
+
+constexpr int64_t kPrivateRows = 8;  // up to this many rows each thread quantizes them all
+
+// out[m, ldo] (its first n columns) = x[m, k] W^T by the integer dot. shared: scratch of
+// m * k/32 blocks, used (by all threads) only above kPrivateRows rows; below, each thread
+// quantizes every row for itself, which spares the team a barrier (on a busy machine a barrier
+// waits for every thread to be scheduled: the larger cost).
+inline void team_int8_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
+                           int64_t n, float* out, int64_t ldo, Q8Block* shared) {
+  const int64_t blocks = k / 32;
+  const Q8Block* xq = shared;
+  if (m <= kPrivateRows) {
+    thread_local std::vector<Q8Block> mine;
+    mine.resize(static_cast<size_t>(m * blocks));
+    for (int64_t i = 0; i < m; ++i) quantize_row_q8(x + i * k, k, mine.data() + i * blocks);
+    xq = mine.data();
+  } else {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; ++i) quantize_row_q8(x + i * k, k, shared + i * blocks);
+  }
+  switch (type) {
+    case Q4_0: team_int8_rows<Q4_0>(xq, w, m, n, k, out, ldo); break;
+    case Q4_1: team_int8_rows<Q4_1>(xq, w, m, n, k, out, ldo); break;
+    case Q5_0: team_int8_rows<Q5_0>(xq, w, m, n, k, out, ldo); break;
+    case Q5_1: team_int8_rows<Q5_1>(xq, w, m, n, k, out, ldo); break;
+    default: team_int8_rows<Q8_0>(xq, w, m, n, k, out, ldo); break;
+  }
+}
+
+// the same by rows dequantized to float32 (in L1), then FMA with every activation row
+inline void team_dequant_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
+                              int64_t n, float* out, int64_t ldo) {
+  const int64_t row_bytes = k / format(type).elems * format(type).bytes;
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(k));
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    dequant_row(type, w + r * row_bytes, k, row.data());
+    for (int64_t i = 0; i < m; ++i) out[i * ldo + r] = dot_f32(x + i * k, row.data(), k);
+  }
+}
+
+enum Method : int { kInt8 = 0, kDequant = 1 };
+
+inline bool serves(int type, int method, int64_t m, int64_t k, int64_t n, int64_t ldo) {
+  const Format f = format(type);
+  if (f.elems == 0 || k % f.elems || k % 32 || m <= 0 || ldo < n) return false;
+  return method == kDequant || (method == kInt8 && int8_dot_serves(type));
+}
+
+// one of the above by method (only where `serves`); shared: m * k/32 blocks of scratch
+inline void team_gemm(int type, int method, const float* x, int64_t m, int64_t k,
+                      const uint8_t* w, int64_t n, float* out, int64_t ldo, Q8Block* shared) {
+  if (method == kInt8)
+    team_int8_gemm(type, x, m, k, w, n, out, ldo, shared);
+  else
+    team_dequant_gemm(type, x, m, k, w, n, out, ldo);
 }
 
 }  // namespace qw::quant
