@@ -15,9 +15,10 @@ import redis
 
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import job_error
+from qworker.service.event_fields import event_fields
 from qworker.service.job import ActiveJob
 from qworker.service.scripts import JobAppend, Scripts, decode_status
-from qworker_client.protocol import Keys, band_of, event_to_fields
+from qworker_client.protocol import Keys, band_of
 
 # Outcome of a flush, per job id:
 OK = "ok"  # events written (or already there); the job goes on
@@ -113,7 +114,7 @@ class Publisher:
                             group=self.config.group, jobs=[
                                 JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
                                           job.entry.stream, job.entry.entry_id,
-                                          [event_to_fields(e) for e in job.outbox])
+                                          [event_fields(e) for e in job.outbox])
                                 for job in jobs])
 
     def _requeue(self, pipe: redis.client.Pipeline, job: ActiveJob) -> None:
