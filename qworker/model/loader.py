@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from qworker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from qworker.model.quant_weight import TYPE_IDS, QuantWeight
+
+if TYPE_CHECKING:
+    from qworker.model.gguf_file import GGUFFile
 
 Weight = torch.Tensor | QuantWeight  # a GGUF block-quantized weight may be kept as it is
 
@@ -304,23 +308,22 @@ _EOG_TOKEN_TEXTS = frozenset(
 _CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens such as <|im_end|>
 
 
-def open_gguf(path: Path) -> Any:
-    """A `gguf.GGUFReader` over `path`, with any parse failure as a LoaderError."""
-    import gguf
+def open_gguf(path: Path) -> GGUFFile:
+    """The GGUF file at `path`, with any parse failure as a LoaderError."""
+    from qworker.model.gguf_file import GGUFFile, GGUFFormatError  # imports gguf: only when used
 
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises a grab-bag of types on malformed input
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, UnicodeDecodeError, struct.error) as exc:
         raise LoaderError(f"{path}: not a readable GGUF file: {exc}") from exc
 
 
-def gguf_value(reader: Any, key: str, default: Any = None) -> Any:
+def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value (int, float, str, bool or list), or `default` when the key is absent."""
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+    return reader.get(key, default)
 
 
-def gguf_eos_token_ids(reader: Any) -> tuple[int, ...]:
+def gguf_eos_token_ids(reader: GGUFFile) -> tuple[int, ...]:
     """The file's eos / eot / eom ids, then any other control token that ends generation."""
     ids = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     tokens = gguf_value(reader, "tokenizer.ggml.tokens", [])
@@ -341,7 +344,7 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
     return config, tensors
 
 
-def gguf_config(reader: Any, path: Path) -> ModelConfig:
+def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """The ModelConfig a GGUF's metadata describes."""
     arch = gguf_value(reader, "general.architecture")
     if arch is None:
@@ -401,15 +404,15 @@ def _shortest_f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _gguf_vocab_size(reader: Any) -> int:
-    tokens = reader.get_field("tokenizer.ggml.tokens")
+def _gguf_vocab_size(reader: GGUFFile) -> int:
+    tokens = reader.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return len(tokens)
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     return 0 if embed is None else int(embed.shape[-1])
 
 
-def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = gguf_value(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -421,7 +424,7 @@ def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def _check_gguf_types(reader: Any, path: Path) -> None:
+def _check_gguf_types(reader: GGUFFile, path: Path) -> None:
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_GGUF_TYPES:
             raise LoaderError(
