@@ -25,7 +25,7 @@ def _activations_q8(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 200])
 def test_quantized_matmul_matches_dequantize_then_matmul(kind: gguf.GGMLQuantizationType,
                                                          rows: int) -> None:
     rng = np.random.default_rng(rows + int(kind))

@@ -4,8 +4,10 @@ a quantized embedding. Activations run in float32 (converted from and back to th
 The kernels ("kinds"):
 - "int8": the native integer dot (activations quantized per 32-block to 8 bits, llama.cpp's
   scheme); Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0;
-- "dequant": native, each weight row dequantized to float32 in registers and L1, then FMA with
-  every activation row; every format (the K-quants too);
+- "dequant": native, the weights dequantized to float32, every format (the K-quants too): for
+  a few activation rows a weight row at a time (in L1), dotted with each; from 4 rows on, 16
+  weight rows at a time into a panel of the float32 GEMM's layout (in L2), which its register
+  tiles multiply with every activation row: float32's results, at near its speed for many rows;
 - "torch": gguf's reference dequantization of the whole weight, then `F.linear`. Only where no
   native build is loaded: it reads and writes 4 bytes per weight per call and cannot win.
 Which native kind runs at each token-count bucket is measured at warm-up (`kernel_choice`).

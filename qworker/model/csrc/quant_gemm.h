@@ -1,16 +1,22 @@
 // GGUF block formats, kept as the file stores them: each weight row is its blocks, back to back.
 // Two ways to multiply: an integer dot (the activations quantized per 32-block to 8 bits, then
 // _mm256_maddubs_epi16 / _mm256_madd_epi16 per block, as llama.cpp's AVX2 path does) for Q4_0,
-// Q4_1, Q5_0, Q5_1 and Q8_0; and dequantize a row to float32 and FMA it with the activations (every
-// format, the K-quants included). Types are named by their ggml ids.
+// Q4_1, Q5_0, Q5_1 and Q8_0; and dequantize to float32 (every format, the K-quants included):
+// for a few activation rows a weight row at a time, dotted with each; for more, 16 weight rows at
+// a time into a panel in the float32 GEMM's packed layout, which its register tiles multiply
+// with every activation row (the dequantization paid once per 16 columns for all rows). Types
+// are named by their ggml ids.
 #pragma once
 
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "gemm.h"
 
 namespace qw::quant {
 
@@ -293,16 +299,112 @@ inline void team_int8_gemm(int type, const float* x, int64_t m, int64_t k, const
   }
 }
 
-// the same by rows dequantized to float32 (in L1), then FMA with every activation row
+// 16 weight rows (row_bytes apart) dequantized into the float32 GEMM's packed layout: panel
+// [k][16], element (row j, column t) at t * 16 + j
+inline void dequant_panel(int type, const uint8_t* w, int64_t row_bytes, int64_t k,
+                          float* panel) {
+  const Format f = format(type);
+  float block[256];
+  for (int64_t b = 0; b < k / f.elems; ++b)
+    for (int j = 0; j < 16; ++j) {
+      dequant_block(type, w + j * row_bytes + b * f.bytes, block);
+      float* to = panel + b * f.elems * 16 + j;
+      for (int64_t t = 0; t < f.elems; ++t) to[t * 16] = block[t];
+    }
+}
+
+inline void transpose8(__m256 r[8]) {  // an 8x8 float tile, rows <-> columns
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 2; ++h) {
+      u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0x44);
+      u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0xEE);
+    }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// one 32-value block of an integer-dot type as floats, in order: d q + m
+template <int T>
+inline void block_floats(const uint8_t* b, __m256 out[4]) {
+  const __m256i v = Block<T>::values(b);
+  const __m256 d = _mm256_set1_ps(half(b));
+  const __m256 m = _mm256_set1_ps(Block<T>::kUnsigned ? half(b + 2) : 0.0f);
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int u = 0; u < 4; ++u)
+    out[u] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[u])), m);
+}
+
+// dequant_panel for an integer-dot type: 8 rows' blocks at a time, transposed in registers
+template <int T>
+inline void dequant_panel_simd(const uint8_t* w, int64_t row_bytes, int64_t k, float* panel) {
+  for (int64_t b = 0; b < k / 32; ++b)
+    for (int j0 = 0; j0 < 16; j0 += 8) {
+      __m256 v[8][4];
+      for (int r = 0; r < 8; ++r)
+        block_floats<T>(w + (j0 + r) * row_bytes + b * Block<T>::kBytes, v[r]);
+      for (int u = 0; u < 4; ++u) {
+        __m256 tile[8];
+        for (int r = 0; r < 8; ++r) tile[r] = v[r][u];
+        transpose8(tile);
+        for (int c = 0; c < 8; ++c)
+          _mm256_storeu_ps(panel + (b * 32 + u * 8 + c) * 16 + j0, tile[c]);
+      }
+    }
+}
+
+inline void dequant_panel_any(int type, const uint8_t* w, int64_t row_bytes, int64_t k,
+                              float* panel) {
+  switch (type) {
+    case Q4_0: return dequant_panel_simd<Q4_0>(w, row_bytes, k, panel);
+    case Q4_1: return dequant_panel_simd<Q4_1>(w, row_bytes, k, panel);
+    case Q5_0: return dequant_panel_simd<Q5_0>(w, row_bytes, k, panel);
+    case Q5_1: return dequant_panel_simd<Q5_1>(w, row_bytes, k, panel);
+    case Q8_0: return dequant_panel_simd<Q8_0>(w, row_bytes, k, panel);
+    default: return dequant_panel(type, w, row_bytes, k, panel);
+  }
+}
+
+// out[m, 16 columns, ldo apart] = x [m, k] times a panel, by the float32 GEMM's register tiles
+inline void panel_gemm(const float* x, const float* panel, float* out, int64_t m, int64_t k,
+                       int64_t ldo) {
+#if defined(__AVX512F__)
+  qw::gemm_columns<float, 1>(x, panel, nullptr, out, m, k, ldo, 0);
+#elif defined(QW_GEMM_AVX2)
+  qw::gemm_rows<float>(x, panel, nullptr, out, 0, m, k, ldo, 0);
+#endif
+}
+
+constexpr int64_t kPanelRows = 4;  // from this many activation rows, weights go by panels
+
+// the same with the weights dequantized to float32: below kPanelRows activation rows a weight
+// row at a time (in L1), each dotted with every activation row; from there 16 rows at a time
+// into a panel (in L2) that the float32 GEMM's register tiles multiply with all of them
 inline void team_dequant_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
                               int64_t n, float* out, int64_t ldo) {
   const int64_t row_bytes = k / format(type).elems * format(type).bytes;
-  thread_local std::vector<float> row;
-  row.resize(static_cast<size_t>(k));
+  const int64_t panels = m >= kPanelRows ? n / 16 : 0;
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(k * (panels > 0 ? 16 : 1)));
 #pragma omp for schedule(static)
-  for (int64_t r = 0; r < n; ++r) {
-    dequant_row(type, w + r * row_bytes, k, row.data());
-    for (int64_t i = 0; i < m; ++i) out[i * ldo + r] = dot_f32(x + i * k, row.data(), k);
+  for (int64_t p = 0; p < panels + (n - panels * 16 + 15) / 16; ++p) {
+    const int64_t r0 = p * 16, r1 = std::min(n, r0 + 16);
+    if (p < panels) {
+      dequant_panel_any(type, w + r0 * row_bytes, row_bytes, k, buffer.data());
+      panel_gemm(x, buffer.data(), out + r0, m, k, ldo);
+      continue;
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      dequant_row(type, w + r * row_bytes, k, buffer.data());
+      for (int64_t i = 0; i < m; ++i) out[i * ldo + r] = dot_f32(x + i * k, buffer.data(), k);
+    }
   }
 }
 
