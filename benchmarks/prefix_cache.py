@@ -8,7 +8,8 @@ own suffix of `--suffix-min`..`--suffix-max` tokens and `--output-len` output to
 at once. Prints one JSON line per run (useful output tokens/s, TTFT p50 / p90, prefix cache hits)
 and a summary with the same-run ratios: cached vs uncached throughput and TTFT p50 (target: at
 most 0.2x), and on workload v1 (no shared prefixes; `--v1-requests` of it) the cost of caching
-(target: under 2%), each the median over `--rounds` rounds of alternating order.
+(target: under 2%), each the median over `--rounds` rounds of alternating order. `--caching on`
+(or `off`) runs only that side: its JSON lines, no ratios (cache off at full size is slow).
 
 With `--vllm-model-dir`, each shared-prefix round also runs the same requests through vLLM CPU
 with its prefix caching on (benchmarks.peers_vllm in vLLM's own venv, `--vllm-python`, one
@@ -107,17 +108,22 @@ def ratio(a: dict[str, object], b: dict[str, object], key: str) -> float:
 
 def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
             items: list[WorkItem], rounds: int, common: dict[str, object],
-            peer: Peer | None = None) -> dict[str, float]:
-    """Runs off and on `rounds` times, alternating which goes first, then `peer` if any; median
-    same-round ratios."""
+            modes: tuple[bool, ...] = (False, True), peer: Peer | None = None
+            ) -> dict[str, float]:
+    """Runs off and on (those of `modes`) `rounds` times, alternating which goes first, then
+    `peer` if any (with both modes); median same-round ratios."""
     throughput, ttft, peer_throughput, peer_ttft = [], [], [], []
     for k in range(rounds):
         order = (False, True) if k % 2 == 0 else (True, False)
         got = {}
         for caching in order:
+            if caching not in modes:
+                continue
             got[caching] = run(model, tokenizer, replace(config, prefix_caching=caching), items)
             print(json.dumps({**common, "workload": name, "round": k, **got[caching]}),
                   flush=True)
+        if len(got) < 2:
+            continue  # one mode only (--caching): its runs, no ratios
         throughput.append(ratio(got[True], got[False], "useful_out_tok_s"))
         ttft.append(ratio(got[True], got[False], "ttft_p50_s"))
         if peer is not None:
@@ -126,6 +132,8 @@ def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineCo
             assert other["fingerprint"] == fingerprint(items), "vLLM ran other requests"
             peer_throughput.append(ratio(got[True], other, "useful_out_tok_s"))
             peer_ttft.append(ratio(got[True], other, "ttft_p50_s"))
+    if not throughput:
+        return {}
     result = {"throughput_ratio": round(statistics.median(throughput), 3),
               "ttft_p50_ratio": round(statistics.median(ttft), 3)}
     if peer is not None:
@@ -148,6 +156,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--caching", choices=("both", "on", "off"), default="both",
+                        help="run cache on and off (ratios), or only one of them")
     parser.add_argument("--vllm-model-dir", help="a Hugging Face folder: also run vLLM CPU")
     parser.add_argument("--vllm-python", default="/tmp/peers/vllm-venv/bin/python",
                         help="the python of vLLM's own venv")
@@ -164,18 +174,19 @@ def main() -> None:
     shared = shared_prefix_workload(args.seed, vocab, args.requests, args.prefix_len,
                                     (args.suffix_min, args.suffix_max), args.output_len)
     peer = vllm_peer(args, dtype_name, vocab) if args.vllm_model_dir else None
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.caching]
     summary: dict[str, object] = {
         "benchmark": "prefix_cache", **common,
         "shared_prefix": {"requests": args.requests, "prefix_len": args.prefix_len,
                           "suffix": [args.suffix_min, args.suffix_max],
                           "output_len": args.output_len, "fingerprint": fingerprint(shared),
                           **compare("shared_prefix", model, tokenizer, config, shared,
-                                    args.rounds, common, peer)}}
+                                    args.rounds, common, modes, peer)}}
     if args.v1_requests:
         v1 = standard_workload(seed=0, vocab_size=vocab)[:args.v1_requests]
         summary["workload_v1"] = {"requests": len(v1), "fingerprint": fingerprint(v1),
                                   **compare("v1", model, tokenizer, config, v1, args.rounds,
-                                            common)}
+                                            common, modes)}
     if peer is None:
         summary["vllm"] = "not run: pass --vllm-model-dir"
     print(json.dumps(summary), flush=True)

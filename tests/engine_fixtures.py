@@ -6,6 +6,8 @@ import torch
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
+from qworker.engine.prefix_cache import block_hash
+from qworker.engine.sequence import Sequence
 from qworker.model.config import ModelConfig
 from qworker.model.llama import LlamaModel
 from qworker.model.tokenizer import Tokenizer
@@ -28,3 +30,20 @@ def tiny_engine(tokenizer: Tokenizer, model: LlamaModel, **settings: object) -> 
     defaults: dict[str, object] = dict(num_blocks=256, block_size=4, max_num_seqs=8,
                                        max_batched_tokens=64, prefill_chunk=32)
     return Engine(model, tokenizer, EngineConfig(**{**defaults, **settings}))
+
+
+def blocks_computed_twice(work: list[tuple[Sequence, int]], block_size: int) -> list[str]:
+    """The full blocks (same tokens after the same prefix, same salt) that two sequences of one
+    step complete: none with prefix caching, where a later one waits for it to be cached. A
+    runner hook returns them to the test (an exception there would only fail the step)."""
+    writers: dict[bytes, str] = {}
+    twice = []
+    for seq, n in work:
+        parent = None
+        for i in range(min(seq.num_computed + n, len(seq.token_ids)) // block_size):
+            parent = block_hash(parent, seq.token_ids[i * block_size:(i + 1) * block_size],
+                                seq.cache_salt)
+            completed_now = (i + 1) * block_size > seq.num_computed
+            if completed_now and writers.setdefault(parent, seq.request_id) != seq.request_id:
+                twice.append(f"block {i} of {seq.request_id} and of {writers[parent]}")
+    return twice

@@ -22,7 +22,7 @@ from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimOptions, SimulatedEngine
 from qworker.model.llama import LlamaModel
 from qworker.model.tokenizer import Tokenizer
-from tests.engine_fixtures import tiny_model
+from tests.engine_fixtures import blocks_computed_twice, tiny_model
 
 VOCAB = 256  # the simulated engine's: prompts are valid for both
 
@@ -60,10 +60,13 @@ def trace(engine: EngineCore, plan: list[Job]) -> list[tuple[Any, ...]]:
     what it streamed); one record per step: the runner's batch, preemptions, outputs (in no
     particular order: the torch runner returns its tokens in its own batch order), gauges."""
     batches: list[tuple[tuple[str, int, int], ...]] = []
+    twice: list[str] = []
     run = engine.runner.run
 
     def recording_run(work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         batches.append(tuple((seq.request_id, seq.num_computed, n) for seq, n in work))
+        if engine.config.prefix_caching:  # a shared block in flight is waited for
+            twice.extend(blocks_computed_twice(work, engine.config.block_size))
         return run(work)
 
     engine.runner.run = recording_run  # type: ignore[method-assign]
@@ -101,6 +104,7 @@ def trace(engine: EngineCore, plan: list[Job]) -> list[tuple[Any, ...]]:
                     str(o.finish_reason), o.preempted, str(o.error)) for o in outputs),
             engine.free_slots(), tuple(sorted(engine.stats().items()))))
         engine.blocks.check(engine.scheduler.running + engine.scheduler.waiting)
+        assert not twice, twice
         step += 1
     assert engine.blocks.num_free == engine.blocks.num_blocks
     return records

@@ -11,7 +11,7 @@ from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.sequence import Sequence
 from qworker.model.llama import LlamaModel
 from qworker.model.tokenizer import Tokenizer
-from tests.engine_fixtures import tiny_engine, tiny_model
+from tests.engine_fixtures import blocks_computed_twice, tiny_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -19,11 +19,16 @@ def model(smollm2_tokenizer: Tokenizer) -> LlamaModel:
     return tiny_model(smollm2_tokenizer.vocab_size)
 
 
-def stub_runner(engine: Engine) -> None:
-    """Replace the forward pass: every sequence that reaches its end samples token 100."""
+def stub_runner(engine: Engine) -> list[str]:
+    """Replace the forward pass: every sequence that reaches its end samples token 100. Returns
+    the list where it notes the blocks that two sequences of one step compute."""
+    twice: list[str] = []
+
     def run(work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        twice.extend(blocks_computed_twice(work, engine.config.block_size))
         return {seq: 100 for seq, n in work if seq.num_computed + n == len(seq.token_ids)}
     engine.runner.run = run  # type: ignore[method-assign]
+    return twice
 
 
 request_strategy = st.tuples(
@@ -51,7 +56,7 @@ def test_scheduler_invariants(smollm2_tokenizer: Tokenizer, model: LlamaModel,
     engine = tiny_engine(smollm2_tokenizer, model, max_num_seqs=max_num_seqs,
                          max_batched_tokens=max_batched_tokens, prefill_chunk=prefill_chunk,
                          block_size=block_size, num_blocks=num_blocks)
-    stub_runner(engine)
+    twice = stub_runner(engine)
     expected: dict[str, int] = {}
     produced: dict[str, int] = {}
     aborted: set[str] = set()
@@ -86,6 +91,7 @@ def test_scheduler_invariants(smollm2_tokenizer: Tokenizer, model: LlamaModel,
         advanced = {id(seq) for seq, _ in scheduled.work} | {id(s) for s in scheduled.preempted}
         assert all(id(seq) in advanced for seq in decoding), "a decoding sequence stalled"
         engine.blocks.check(engine.scheduler.running + engine.scheduler.waiting)
+        assert not twice, twice
         step += 1
     assert engine.blocks.num_free == num_blocks, "blocks leaked"
     for rid, count in expected.items():

@@ -16,7 +16,8 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.core import EngineCore
 from qworker.engine.engine import Engine
 from qworker.engine.prefix_cache import block_hash
-from qworker.engine.request import Request, SamplingParams
+from qworker.engine.request import Request, SamplingParams, StepOutput
+from qworker.engine.scheduler import ScheduledStep
 from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
 from qworker.engine.text import TextStream
@@ -83,16 +84,82 @@ def sim(**config: object) -> SimulatedEngine:
                            SimOptions(step_ms=0))
 
 
+def record(engine: EngineCore) -> tuple[list[int], list[ScheduledStep]]:
+    """Counts the tokens each forward computes, and keeps each step's schedule."""
+    computed: list[int] = []
+    steps: list[ScheduledStep] = []
+    run, schedule = engine.runner.run, engine.scheduler.schedule
+
+    def counting_run(work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        computed.append(sum(n for _, n in work))
+        return run(work)
+
+    def keeping_schedule(budget: int | None = None) -> ScheduledStep:
+        steps.append(schedule(budget))
+        return steps[-1]
+
+    engine.runner.run = counting_run  # type: ignore[method-assign]
+    engine.scheduler.schedule = keeping_schedule  # type: ignore[method-assign]
+    return computed, steps
+
+
 @pytest.mark.parametrize("seeded", [False, True])
-def test_simulated_tokens_and_hits_with_and_without_the_cache(seeded: bool) -> None:
+def test_requests_that_arrive_together_compute_their_shared_prefix_once(seeded: bool) -> None:
+    """6 requests queued at once, room for 4: the first computes the 5 blocks of PREFIX (3
+    chunks), the others wait for each block in flight and start from all 5."""
     off, on = sim(prefix_caching=False), sim()
+    (computed_off, _), (computed_on, steps) = record(off), record(on)
     assert tokens(on, requests(6, seeded)) == tokens(off, requests(6, seeded))
     stats = on.stats()
-    # the later ones find what the first computed of the prefix, the last 2 all its 5 blocks
-    assert 2 * 40 <= stats["prefix_cache_hits"] <= 5 * 40
+    assert stats["prefix_cache_hits"] == 5 * 40
+    assert sum(computed_on) == sum(computed_off) - 5 * 40
+    assert [len(step.held) for step in steps[:4]] == [3, 3, 3, 0]  # a slot each, then admitted
     queries = sum(len(r.prompt_token_ids) for r in requests(6, seeded))
     assert stats["prefix_cache_queries"] == queries
     assert "prefix_cache_hits" not in off.stats()
+
+
+def test_a_waiter_goes_on_alone_when_its_writer_is_aborted() -> None:
+    engine = sim()
+    computed, steps = record(engine)
+    writer, waiter = requests(2, False)
+    engine.add(writer)
+    engine.add(waiter)
+    engine.step()
+    assert [seq.request_id for seq in steps[0].held] == [waiter.request_id]
+    assert [seq.request_id for seq, _ in steps[0].work] == [writer.request_id]
+    engine.abort(writer.request_id)  # its first 2 blocks were complete: they stay cached
+    engine.step()
+    assert [seq.request_id for seq, _ in steps[1].work] == [waiter.request_id]
+    assert computed == [16, 16] and engine.stats()["prefix_cache_hits"] == 16
+    streamed = [token for out in steps_until_done(engine) for token in out.new_token_ids]
+    assert streamed == tokens(sim(prefix_caching=False), [waiter])[waiter.request_id]
+
+
+def steps_until_done(engine: EngineCore) -> list[StepOutput]:
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return outputs
+
+
+def test_a_waiter_goes_on_alone_when_its_writer_is_preempted() -> None:
+    """A 7-block pool: a decoding job's new block leaves too few for the writer's last chunk,
+    so the writer (the newest running) is handed back while the other waits for its block 4.
+    The waiter starts from the writer's 4 complete blocks once the pool has room."""
+    engine = sim(num_blocks=7, watermark=0.0, max_num_seqs=3, requeue_preempted=True)
+    decoding = Request("decoding", [9] * 7, SamplingParams(max_tokens=12, ignore_eos=True))
+    writer, waiter = requests(2, False)
+    computed, steps = record(engine)
+    alone = tokens(sim(prefix_caching=False), [waiter])
+    got = tokens(engine, [decoding, writer, waiter])
+    handed_back = next(k for k, step in enumerate(steps) if step.preempted)
+    assert [seq.request_id for seq in steps[handed_back].preempted] == [writer.request_id]
+    assert handed_back > 0 and all(step.held and step.held[0].request_id == waiter.request_id
+                                   for step in steps[:handed_back])
+    assert got[waiter.request_id] == alone[waiter.request_id]
+    assert engine.stats()["prefix_cache_hits"] >= 32
+    engine.blocks.check([])
 
 
 def test_a_salt_keeps_its_blocks_apart() -> None:

@@ -56,6 +56,27 @@ class BlockManager:
             return []
         return self.cache.lookup(self._hashes(seq, (len(seq.token_ids) - 1) // self.block_size))
 
+    def in_flight(self, seq: Sequence) -> list[bytes]:
+        """The hashes of the full blocks a running `seq` holds but has not completed yet (being
+        computed by this step or waiting for its budget): where a waiting sequence with the same
+        prefix waits to find them cached rather than compute them too."""
+        if self.cache is None:
+            return []
+        full = min(len(seq.block_table), len(seq.token_ids) // self.block_size)
+        return self._hashes(seq, full)[seq.num_registered:full]
+
+    def awaited_prefix(self, seq: Sequence, cached: int, in_flight: set[bytes]) -> int:
+        """How many full blocks from the start a waiting `seq` whose first `cached` are cached
+        will find there once the blocks `in_flight` land (its `cached_prefix` hashed them)."""
+        if self.cache is None or seq.wants_prompt_logprobs:
+            return cached
+        hashes = seq.block_hashes[:(len(seq.token_ids) - 1) // self.block_size]
+        known = cached
+        while known < len(hashes) and (hashes[known] in in_flight
+                                       or hashes[known] in self.cache.block_of):
+            known += 1
+        return known
+
     def admission_cost(self, prefix: list[int], num_tokens: int) -> int:
         """Free blocks a sequence starting from cached `prefix` takes to hold `num_tokens`: its new
         blocks, and the parked ones of `prefix` (held ones cost nothing)."""

@@ -6,7 +6,12 @@ running sequence needs a block and none is free, the newest running sequence is 
 itself), so nobody is ever preempted for a later arrival. Waiting sequences are then admitted in
 (priority, arrival) order while the budget, `max_num_seqs` and the free blocks (less a watermark)
 allow; nothing is admitted in a step that had to preempt. With prefix caching a sequence starts
-from its longest cached prefix (block_manager.py): those tokens and blocks are already there.
+from its longest cached prefix (block_manager.py): those tokens and blocks are already there. A
+waiting sequence whose next block a running one is computing ("in flight": in its block table, not
+yet complete) is held back, keeping its slot and blocks, until that block is cached; those behind
+it may start meanwhile. So requests that arrive together with a shared prefix compute it once. It
+cannot deadlock: the in-flight set is recomputed every step from the running sequences, so a
+writer that is preempted, aborted or fails no longer holds anyone back.
 
 Isolation: a sequence with `isolate` set (a job whose earlier runs may have crashed their process)
 runs in steps of its own until it has sampled a token: when it is running, or at the head of the
@@ -41,6 +46,7 @@ class ScheduledStep:
     work: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     preempted: list[Sequence] = field(default_factory=list)
     displaced: list[Sequence] = field(default_factory=list)  # of those, preempted for priority
+    held: list[Sequence] = field(default_factory=list)  # waiting for a block in flight to land
     prefill_tokens: int = 0  # tokens spent from the step's budget
 
 
@@ -158,6 +164,8 @@ class Scheduler:
         if not self.waiting or not self.running or budget <= 0:
             return False
         head = self.waiting[0]
+        if head in step.held:
+            return False  # it waits for a block in flight, not for room
         victim = max(self.running, key=lambda s: s.queue_key)
         if head.isolate or victim.rank <= head.rank:
             return False
@@ -174,19 +182,35 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+        """Admits waiting sequences in queue order while they fit. One whose next block a running
+        sequence is computing (in flight) is held back, keeping a slot and the blocks of its first
+        chunk: it finds that block cached in a later step instead of computing it too. Those
+        behind it may still start."""
+        step.held.clear()
+        in_flight = {h for seq in self.running for h in self.blocks.in_flight(seq)}
+        held, held_blocks = 0, 0
+        i = 0
+        while (i < len(self.waiting) and budget > 0
+               and len(self.running) + held < self.limits.max_num_seqs):
+            seq = self.waiting[i]
             if seq.isolate:
                 return  # it starts alone, in a step of its own
             if seq in step.displaced:
                 return  # displaced in this step: not back before the next
             prefix = self.blocks.cached_prefix(seq)  # counted as there: no prefill, no new block
+            awaited = self.blocks.awaited_prefix(seq, len(prefix), in_flight)
+            if awaited > len(prefix):
+                held += 1
+                held_blocks += self._first_chunk_blocks(seq, awaited)
+                step.held.append(seq)
+                i += 1
+                continue
             start = len(prefix) * self.blocks.block_size
             n = min(seq.num_pending - start, self.limits.prefill_chunk, budget)
-            reserve = self.limits.watermark_blocks if self.running else 0
+            reserve = held_blocks + (self.limits.watermark_blocks if self.running else 0)
             if self.blocks.admission_cost(prefix, start + n) + reserve > self.blocks.num_free:
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.blocks.share(seq, prefix)
             self.blocks.grow(seq, start + n)
             seq.status = Status.RUNNING
@@ -194,3 +218,10 @@ class Scheduler:
             step.work.append((seq, n))
             budget -= n
             step.prefill_tokens += n
+            in_flight.update(self.blocks.in_flight(seq))
+
+    def _first_chunk_blocks(self, seq: Sequence, prefix_blocks: int) -> int:
+        """New blocks the first chunk of `seq` takes if it starts from `prefix_blocks` cached."""
+        start = prefix_blocks * self.blocks.block_size
+        n = min(seq.num_pending - start, self.limits.prefill_chunk)
+        return self.blocks.blocks_for(start + n) - prefix_blocks
