@@ -9,7 +9,7 @@ its role; the finish chunk) are built as dicts.
 
 from __future__ import annotations
 
-import json
+from json.encoder import encode_basestring
 
 from qworker_client.gateway import logprobs, shaping
 from qworker_client.gateway.shaping import Shape
@@ -17,7 +17,9 @@ from qworker_client.gateway.sse import frame
 from qworker_client.protocol import TokenLogprob
 
 _MARK = "\x00text\x00"
-_encode = json.JSONEncoder(ensure_ascii=False).encode  # a str as `sse.frame` writes it
+# a str as `sse.frame` (json.dumps, ensure_ascii=False) writes it, without JSONEncoder's
+# Python-level dispatch
+_encode = encode_basestring
 
 
 class ChoiceFrames:

@@ -26,6 +26,7 @@ class OutputReader:
         self.hub = hub
         self.after = dict(after)
         self.open = {job_id: OutputState(job_id, last) for job_id, last in after.items()}
+        self._mailbox: Mailbox | None = None  # from the first take
 
     async def events(self) -> AsyncIterator[tuple[str, str, Event]]:
         """(job id, entry id, event) for every event to pass on, until every job has ended."""
@@ -35,18 +36,33 @@ class OutputReader:
 
     async def batches(self) -> AsyncIterator[Batch]:
         """`events()` as the reads bring them: one list per job per read (never empty)."""
-        mailbox = Mailbox()
-        self.hub.follow(self.after, mailbox)
         try:
             while self.open:
-                for item in await mailbox.take():
-                    if isinstance(item, BaseException):
-                        raise item
-                    batch = self._batch(*item, mailbox)
-                    if batch:
-                        yield batch
+                for batch in await self.take():
+                    yield batch
         finally:
-            self.hub.drop(list(self.after), mailbox)
+            self.close()
+
+    async def take(self) -> list[Batch]:
+        """The batches of the next read that brings any (one per job, none empty); [] once
+        every job has ended. `close` when done with it."""
+        if self._mailbox is None:
+            self._mailbox = Mailbox()
+            self.hub.follow(self.after, self._mailbox)
+        batches: list[Batch] = []
+        while self.open and not batches:
+            for item in await self._mailbox.take():
+                if isinstance(item, BaseException):
+                    raise item
+                batch = self._batch(*item, self._mailbox)
+                if batch:
+                    batches.append(batch)
+        return batches
+
+    def close(self) -> None:
+        """Stop following the jobs."""
+        if self._mailbox is not None:
+            self.hub.drop(list(self.after), self._mailbox)
 
     def _batch(self, job_id: str, entries: Entries, mailbox: Mailbox) -> Batch:
         """The events to pass on of one job's new entries (none once it has ended)."""

@@ -54,45 +54,56 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                  ) -> AsyncGenerator[str, None]:
     """The SSE frames of the jobs' events, then the usage chunk if asked, then `[DONE]`: the
     frames of one read go out as one piece."""
-    usage, last = _Usage(), None  # last: the choice and entry id of the last event seen
+    usage = _Usage()
+    last: tuple[ChoiceFrames, str] | None = None  # the choice and entry id of the last event
     choices = {job_id: ChoiceFrames(follow.shape, index, follow.tagged)
                for job_id, index in follow.index.items()}
     metrics.streams_open.inc()
     try:
-        async for batch in reader.batches():
+        while batches := await reader.take():
             parts: list[str] = []
-            failed = False
-            metrics.count_tokens(sum(isinstance(e, Text) for _, _, e in batch))
-            for job_id, entry_id, event in coalesced(batch) if follow.coalesce else batch:
-                choice = choices[job_id]
-                if isinstance(event, Text):
-                    part = (choice.text(entry_id, event.i, event.text) if event.logprobs is None
-                            else choice.logprob_text(entry_id, event.i, event.text,
-                                                     event.logprobs))
-                    if part is not None:
-                        parts.append(part)
-                elif isinstance(event, DoneEvent):
-                    usage.add(follow.prompt[job_id], event)
-                    parts.append(choice.finish(entry_id, event.finish_reason))
-                else:
-                    parts.append(frame(from_job_error(event.code, event.message).body(),
-                                       choice.event_id(entry_id)))
-                    failed = True
-                    break
-            last = choice, entry_id
+            for batch in batches:
+                choice = choices[batch[0][0]]
+                _, last_entry, last_event = batch[-1]
+                last = choice, last_entry
+                # its tokens: all but an end, always last
+                metrics.count_tokens(len(batch) - (not isinstance(last_event, Text)))
+                if _frames_of(coalesced(batch) if follow.coalesce else batch, choice, usage,
+                              follow, parts):
+                    yield "".join(parts)
+                    await follow.cancel(list(reader.open))
+                    yield DONE
+                    return
             if parts:
                 yield "".join(parts)
-            if failed:
-                await follow.cancel(list(reader.open))
-                break
-        else:
-            if follow.include_usage:
-                event_id = None if last is None else last[0].event_id(last[1])
-                yield frame(shaping.usage_chunk(follow.shape, sum(usage.prompt.values()),
-                                                usage.completion), event_id)
+        if follow.include_usage:
+            event_id = None if last is None else last[0].event_id(last[1])
+            yield frame(shaping.usage_chunk(follow.shape, sum(usage.prompt.values()),
+                                            usage.completion), event_id)
         yield DONE
     finally:
+        reader.close()
         metrics.streams_open.dec()
+
+
+def _frames_of(batch: Batch, choice: ChoiceFrames, usage: _Usage, follow: Follow,
+               parts: list[str]) -> bool:
+    """Append the frames of one job's events of a read to `parts`; True when the job failed
+    (its error frame is the last)."""
+    for job_id, entry_id, event in batch:
+        if isinstance(event, Text):
+            part = (choice.text(entry_id, event.i, event.text) if event.logprobs is None
+                    else choice.logprob_text(entry_id, event.i, event.text, event.logprobs))
+            if part is not None:
+                parts.append(part)
+        elif isinstance(event, DoneEvent):
+            usage.add(follow.prompt[job_id], event)
+            parts.append(choice.finish(entry_id, event.finish_reason))
+        else:
+            parts.append(frame(from_job_error(event.code, event.message).body(),
+                               choice.event_id(entry_id)))
+            return True
+    return False
 
 
 def coalesced(batch: Batch) -> Batch:
