@@ -4,7 +4,7 @@ shape and its choice index, in `<prefix>:gw:<id>` (JSON, for the workers' `resul
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import redis.asyncio
 
@@ -18,14 +18,18 @@ class JobMeta:
     include_usage: bool
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self.shape), "index": self.index,
-                           "include_usage": self.include_usage}, separators=(",", ":"))
+        data = {name: getattr(self.shape, name) for name in _SHAPE_FIELDS}  # not asdict: it
+        data.update(index=self.index, include_usage=self.include_usage)  # deep-copies, 10x slower
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> JobMeta:
         data = json.loads(raw)
         index, include_usage = data.pop("index"), data.pop("include_usage")
         return cls(Shape(**data), index, include_usage)
+
+
+_SHAPE_FIELDS = tuple(f.name for f in fields(Shape))
 
 
 def meta_key(prefix: str, job_id: str) -> str:

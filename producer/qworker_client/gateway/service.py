@@ -18,10 +18,10 @@ from qworker_client.gateway.files import FileStore
 from qworker_client.gateway.hub import Hub
 from qworker_client.gateway.meta import JobMeta, meta_key
 from qworker_client.gateway.metrics import Metrics
+from qworker_client.gateway.round_trip import Command, round_trip
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.translate import GatewayRequest
 from qworker_client.protocol import JobValidationError, Keys
-from qworker_client.retry import TRANSIENT_ERRORS
 from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call
 
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
@@ -68,18 +68,13 @@ class Gateway:
         """The metas set and the jobs queued in one round trip (EVALSHA beside the SETs); False
         when that did not do it all (the server lost the script, a dropped connection): both
         steps can simply be done again, the submit script queues an id once."""
-        pipe = self.redis.pipeline(transaction=False)
-        for key, value in metas.items():
-            pipe.set(key, value, ex=self.config.result_ttl_s)
+        ttl = self.config.result_ttl_s
+        commands: list[Command] = [("SET", key, value, "EX", ttl) for key, value in metas.items()]
         for stream, positions in by_stream(self.keys, prepared).items():
-            keys, args = submit_call(self.keys, [prepared[k] for k in positions],
-                                     self.config.result_ttl_s, stream)
-            pipe.evalsha(self._submit_sha, len(keys), *keys, *args)
-        try:
-            replies = await pipe.execute(raise_on_error=False)
-        except TRANSIENT_ERRORS:
-            return False
-        return not any(isinstance(reply, Exception) for reply in replies)
+            keys, args = submit_call(self.keys, [prepared[k] for k in positions], ttl, stream)
+            commands.append(("EVALSHA", self._submit_sha, len(keys), *keys, *args))
+        replies = await round_trip(self.redis.connection_pool, commands)
+        return replies is not None and not any(isinstance(r, Exception) for r in replies)
 
     async def cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
