@@ -3,12 +3,15 @@ clients.
 
     .venv/bin/python -m benchmarks.gateway [--clients 256] [--requests 4] [--max-tokens 64]
                                            [--workers 2] [--step-ms 10] [--stream-interval MS]
+                                           [--no-warmup]
 
 A throwaway redis-server, K `qworker serve --model sim:...` processes (no model: a fixed step
 time; 256 sequences each), one `qworker gateway` process, then N asyncio clients in this process
 (a lean HTTP client: `benchmarks.sse_client`), each sending `--requests` streamed completions one
 after another and counting the tokens streamed (the usage chunk's completion tokens) and the
-chunks that carry text (several tokens each with a stream interval). Prints one JSON line:
+chunks that carry text (several tokens each with a stream interval). Each client first sends
+one short stream, not counted (the steady state: the gateway's Redis pool and the clients'
+connections already open), unless `--no-warmup`. Prints one JSON line:
 streamed tokens/s
 over the run, the gateway's CPU seconds and its CPU per streamed token (µs), the CPU of the
 workers, of Redis and of the clients, the machine's CPU over the run, time to first chunk
@@ -29,9 +32,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx2
 import redis
@@ -83,17 +87,26 @@ class Fleet:
                 "redis": cpu_seconds(self.redis_pid)}
 
 
-@contextmanager
-def fleet(url: str, workers: int, step_ms: float, port: int, stream_interval: float | None
-          ) -> Iterator[Fleet]:
+def spawn_workers(url: str, kind: str, workers: int, step_ms: float, rate: float
+                  ) -> list[subprocess.Popen[bytes]]:
+    """`sim`: K simulated workers (`qworker serve --model sim:...`) on this machine; `paced`: one
+    `benchmarks.token_feeder` writing every stream at `rate` tokens/s (a fleet elsewhere)."""
+    if kind == "paced":
+        return [spawn("benchmarks.token_feeder", "--redis-url", url, "--model", "paced",
+                      "--rate", str(rate))]
     sim = f"sim:step_ms={step_ms},num_blocks=8192,max_num_seqs=256"
-    sims = [spawn("qworker.cli", "serve", "--redis-url", url, "--name", f"bench-{k}",
+    return [spawn("qworker.cli", "serve", "--redis-url", url, "--name", f"bench-{k}",
                   "--model", sim) for k in range(workers)]
+
+
+@contextmanager
+def fleet(url: str, sims: list[subprocess.Popen[bytes]], port: int,
+          stream_interval: float | None) -> Iterator[Fleet]:
     interval = [] if stream_interval is None else ["--stream-interval", str(stream_interval)]
     gateway = spawn("qworker_client", "gateway", "--redis-url", url, "--port", str(port),
                     "--log-level", "warning", *interval)
     try:
-        wait_ready(url, workers, port)
+        wait_ready(url, len(sims), port)
         redis_pid = int(redis.Redis.from_url(url).info("server")["process_id"])
         yield Fleet(gateway, sims, redis_pid)
     finally:
@@ -141,19 +154,28 @@ async def one_stream(conn: Connection, model: str, k: int, max_tokens: int, tall
     tally.text_chunks += whole.count(b"data: {") - whole.count(b'"text":""') - 1
 
 
-async def clients(port: int, n: int, requests: int, max_tokens: int, tally: Tally) -> None:
+async def clients(port: int, n: int, requests: int, max_tokens: int, tally: Tally,
+                  warmup: bool, start: Callable[[], None]) -> None:
+    """N clients, each its own connection; with `warmup`, one short stream each first (the
+    gateway's Redis pool and the clients' connections opened), then `start()`, then the run."""
     async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]  # the workers' --model
+    conns = [Connection("127.0.0.1", port) for _ in range(n)]
 
     async def client(k: int) -> None:
-        conn = Connection("127.0.0.1", port)
-        try:
-            for r in range(requests):
-                await one_stream(conn, model, k * requests + r, max_tokens, tally)
-        finally:
-            await conn.close()
+        for r in range(requests):
+            await one_stream(conns[k], model, k * requests + r, max_tokens, tally)
 
-    await asyncio.gather(*(client(k) for k in range(n)))
+    try:
+        if warmup:
+            ignored = Tally()
+            await asyncio.gather(*(one_stream(conns[k], model, n * requests + k, 2, ignored)
+                                   for k in range(n)))
+        start()
+        await asyncio.gather(*(client(k) for k in range(n)))
+    finally:
+        for conn in conns:
+            await conn.close()
 
 
 def main() -> None:
@@ -163,26 +185,42 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--fleet", choices=["sim", "paced"], default="sim",
+                        help="sim: simulated workers here; paced: a token feeder at --rate")
+    parser.add_argument("--rate", type=float, default=80.0,
+                        help="--fleet paced: tokens/s of each stream")
     parser.add_argument("--stream-interval", type=float, default=None,
                         help="the gateway's --stream-interval, ms (default: the gateway's own)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="count from the first request (connections opened in the run)")
     args = parser.parse_args()
     port = free_port()
-    with local_redis() as url, fleet(url, args.workers, args.step_ms, port,
-                                     args.stream_interval) as procs:
+    with local_redis() as url, fleet(url, spawn_workers(url, args.fleet, args.workers,
+                                                        args.step_ms, args.rate),
+                                     port, args.stream_interval) as procs:
         tally = Tally()
-        cpu0, mine0 = procs.cpu(), time.process_time()
-        machine0, t0 = machine_cpu_seconds(), time.monotonic()
-        asyncio.run(clients(port, args.clients, args.requests, args.max_tokens, tally))
-        wall = time.monotonic() - t0
-        cpu = {k: v - cpu0[k] for k, v in procs.cpu().items()}
-        mine, machine = time.process_time() - mine0, machine_cpu_seconds() - machine0
+        at: dict[str, Any] = {}
+
+        def start() -> None:
+            at.update(cpu=procs.cpu(), mine=time.process_time(),
+                      machine=machine_cpu_seconds(), t=time.monotonic())
+
+        asyncio.run(clients(port, args.clients, args.requests, args.max_tokens, tally,
+                            not args.no_warmup, start))
+        wall = time.monotonic() - at["t"]
+        cpu = {k: v - at["cpu"][k] for k, v in procs.cpu().items()}
+        mine = time.process_time() - at["mine"]
+        machine = machine_cpu_seconds() - at["machine"]
     firsts = sorted(tally.first_chunk_s) or [0.0]
     tokens = max(tally.tokens, 1)
     print(json.dumps({
         "benchmark": "gateway", "command": " ".join(["python -m benchmarks.gateway",
                                                      *sys.argv[1:]]),
         "clients": args.clients, "requests_per_client": args.requests,
-        "max_tokens": args.max_tokens, "workers": args.workers, "step_ms": args.step_ms,
+        "warmup": not args.no_warmup,
+        "max_tokens": args.max_tokens, "fleet": args.fleet,
+        **({"rate_per_stream": args.rate} if args.fleet == "paced" else
+           {"workers": args.workers, "step_ms": args.step_ms}),
         "stream_interval_ms": args.stream_interval,
         "streamed_tokens": tally.tokens, "text_chunks": tally.text_chunks,
         "tokens_per_chunk": round(tally.tokens / max(tally.text_chunks, 1), 2),
