@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from qworker.model import loader
 from qworker.model.config import ModelConfig, UnsupportedModelError
 from qworker.model.loader import LoaderError, expected_shapes, load_checkpoint
+from tests.quant_fixtures import KEPT, write_tiny_gguf
 
 TINY = dict(
     vocab_size=101,
@@ -280,6 +282,17 @@ def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
     assert_same_tensors(tensors, {k: roundtrip(v, kind) for k, v in state.items()})
     stored = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(kind, torch.float32)
     assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == stored
+
+
+@pytest.mark.parametrize("kind", KEPT)
+def test_native_expansion_equals_gguf_s_dequantization_bit_for_bit(
+        tmp_path: Path, kind: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", kind)
+    assert loader.native_loaded(), "the native build is installed (make install)"
+    _, native = load_checkpoint(path)
+    monkeypatch.setattr(loader, "native_loaded", lambda: False)
+    _, reference = load_checkpoint(path)
+    assert_same_tensors(native, reference)  # type: ignore[arg-type]
 
 
 def test_gguf_qwen2_is_not_permuted(tmp_path: Path) -> None:

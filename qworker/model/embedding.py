@@ -15,6 +15,10 @@ class Embedding(nn.Embedding):
     lookup: RowLookup | None = None  # set once the weight is released
     quant: object = None  # the QuantWeight the lookup reads, if it is one (counted, reported)
 
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":  # on meta, normal_ imports torch._refs: 1.5-4 s
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.lookup is not None:
             return self.lookup(ids)

