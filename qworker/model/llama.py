@@ -192,7 +192,9 @@ class LlamaModel(nn.Module):
             assert pack is not None
             self.embed_tokens.release_to(lambda ids: native.gemm_rows(pack, ids))
         self.decode_graph.reset()
-        return before - self.weight_bytes()
+        after = self.weight_bytes()
+        log.info("weights_released", freed_bytes=before - after, weight_bytes=after)
+        return before - after
 
     def weight_bytes(self) -> int:
         """Bytes of every distinct weight and pack this model holds."""
