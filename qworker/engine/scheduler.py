@@ -187,6 +187,8 @@ class Scheduler:
         chunk: it finds that block cached in a later step instead of computing it too. Those
         behind it may still start."""
         step.held.clear()
+        if not self.waiting:
+            return
         in_flight = {h for seq in self.running for h in self.blocks.in_flight(seq)}
         held, held_blocks = 0, 0
         i = 0
