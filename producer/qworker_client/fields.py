@@ -27,7 +27,8 @@ def job_fields(spec: JobInput) -> tuple[str, dict[str, str]]:
     worker would reject, and TypeError for a value that has no wire encoding.
     """
     raw = spec.to_fields() if isinstance(spec, Job) else _encode(spec)
-    raw.setdefault("id", new_job_id())
+    if "id" not in raw:  # not setdefault: a uuid4 (a urandom read) for nothing per given id
+        raw["id"] = new_job_id()
     job = parse_job_fields(raw, _PLACEHOLDER_ENTRY_ID)
     assert job.id is not None
     return job.id, raw

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from itertools import groupby
 from typing import Any
 
 from qworker_client.gateway import shaping
 from qworker_client.gateway.chunks import ChoiceFrames
 from qworker_client.gateway.errors import from_job_error
 from qworker_client.gateway.metrics import Metrics
-from qworker_client.gateway.reader import Batch, OutputReader
+from qworker_client.gateway.reader import Batch, Event, OutputReader
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.sse import DONE, frame
 from qworker_client.gateway.tokens import Text
@@ -112,18 +111,29 @@ def coalesced(batch: Batch) -> Batch:
     if len(batch) == 1:
         return batch  # most reads bring one entry of a stream
     out: Batch = []
-    for is_text, group in groupby(batch, key=lambda item: isinstance(item[2], Text)):
-        items = list(group)
-        if not is_text or len(items) == 1:
-            out += items
+    run: list[Text] = []
+    for item in batch:
+        event = item[2]
+        if isinstance(event, Text):
+            run.append(event)
+            last = item
             continue
-        first = items[0][2]
-        assert isinstance(first, Text)
-        texts = [event for _, _, event in items if isinstance(event, Text)]
-        entries = [e for event in texts for e in event.logprobs or ()]
-        out.append((items[-1][0], items[-1][1],
-                    Text(first.i, "".join(event.text for event in texts), entries or None)))
+        if run:
+            out.append(_joined(run, last))
+            run = []
+        out.append(item)
+    if run:
+        out.append(_joined(run, last))
     return out
+
+
+def _joined(run: list[Text], last: tuple[str, str, Event]) -> tuple[str, str, Event]:
+    """A run of tokens (`last` the item of its last one) as one token."""
+    if len(run) == 1:
+        return last
+    entries = [entry for event in run for entry in event.logprobs or ()]
+    return last[0], last[1], Text(run[0].i, "".join([event.text for event in run]),
+                                  entries or None)
 
 
 async def body(reader: OutputReader, follow: Follow) -> dict[str, Any]:
