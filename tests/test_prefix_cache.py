@@ -186,8 +186,10 @@ def test_tiny_model_across_preemption_equals_no_cache(smollm2_tokenizer: Tokeniz
         return tiny_engine(smollm2_tokenizer, model, num_blocks=20, block_size=4, max_num_seqs=6,
                            prefill_chunk=16, requeue_preempted=True, prefix_caching=caching)
     off, on = engine(False), engine(True)
+    _, steps = record(on)
     assert tokens(on, requests(6, seeded)) == tokens(off, requests(6, seeded))
     assert on.num_preemptions > 0 and on.stats()["prefix_cache_hits"] > 0
+    assert any(step.held for step in steps)  # they also waited for each other's blocks
     on.blocks.check([])
 
 
