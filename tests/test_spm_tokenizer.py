@@ -28,7 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qworker.model.spm_tokenizer import SPACE
-from qworker.model.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from qworker.model.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from tests.detok_check import assert_stream_exact, stream
 
 USER_TOKEN = "<|tool|>"  # a user-defined piece: matched whole in text, not special
 LLAMA2_TEMPLATE = (
@@ -344,19 +345,6 @@ def test_chat_template_raises(spm: Fixture) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # streaming
-
-
-def stream(tok: Tokenizer, ids: list[int], skip: bool = False) -> list[str]:
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-    return [detok.add(i) for i in ids] + [detok.flush()]
-
-
-def assert_stream_exact(tok: Tokenizer, ids: list[int], skip: bool = False) -> None:
-    deltas = stream(tok, ids, skip)
-    full = tok.decode(ids, skip_special_tokens=skip)
-    assert "".join(deltas) == full
-    if REPLACEMENT_CHAR not in full:
-        assert not any(REPLACEMENT_CHAR in d for d in deltas)
 
 
 @pytest.mark.parametrize("skip", [False, True])

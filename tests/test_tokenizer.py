@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qworker.model.tokenizer import (
-    REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerError,
 )
+from tests.detok_check import assert_stream_exact, stream
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -124,19 +124,6 @@ def test_load_chooses_by_path(smollm2_path: Path, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # incremental detokenizer
-
-
-def stream(tok: Tokenizer, ids: list[int], skip: bool = False) -> list[str]:
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-    return [detok.add(i) for i in ids] + [detok.flush()]
-
-
-def assert_stream_exact(tok: Tokenizer, ids: list[int], skip: bool = False) -> None:
-    deltas = stream(tok, ids, skip)
-    full = tok.decode(ids, skip_special_tokens=skip)
-    assert "".join(deltas) == full
-    if REPLACEMENT_CHAR not in full:
-        assert not any(REPLACEMENT_CHAR in d for d in deltas)
 
 
 @pytest.mark.parametrize("skip", [False, True])
