@@ -2,8 +2,9 @@
 
 As vLLM's default, they describe the model's own distribution: before temperature, penalties,
 bans and any other edit the sampler makes to its copy of the logits. No log_softmax is
-materialized and no row copied: the native kernel reads the asked rows where they are (one pass
-each for the max, the sum of exp and the top k); without it, torch computes the same per row.
+materialized and no row copied: the native kernel reads the asked rows where they are (a pass
+for the chunks' maxes, one for the sum of exp, the top k from the few chunks that can hold it).
+Without it, the torch path: log_softmax of a copy of the asked rows, then gather and topk.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ from qworker.engine.request import TokenLogprobs
 from qworker.model import native
 
 
-def token_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int], top: list[int]
-                   ) -> list[TokenLogprobs]:
+def token_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int], top: list[int],
+                   native_kernel: bool = True) -> list[TokenLogprobs]:
     """For each i: row rows[i] of the raw logits [*, vocab], the logprob of token_ids[i] in it and
-    its top[i] most likely tokens, best first. The logits are not changed."""
+    its top[i] most likely tokens, best first. The logits are not changed. native_kernel=False:
+    the torch path even where the kernel runs (tests, benchmarks/logprobs_step.py)."""
     assert len(rows) == len(token_ids) == len(top), "one row, one token and one k each"
     if not rows:
         return []
     k = max(top)
     row_index = torch.tensor(rows, dtype=torch.long)
     chosen_ids = torch.tensor(token_ids, dtype=torch.long)
-    if logits.device.type == "cpu" and native.library() is not None:
+    if native_kernel and logits.device.type == "cpu" and native.library() is not None:
         if logits.dtype != torch.float32:  # only the asked rows, in float32
             logits, row_index = logits[row_index].float(), torch.arange(len(rows))
         chosen, values, ids = native.logprobs(logits, row_index, chosen_ids, k)
@@ -40,8 +42,6 @@ def token_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int], 
 def _torch_logprobs(logits: torch.Tensor, rows: torch.Tensor, chosen_ids: torch.Tensor, k: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What native.logprobs computes, in float32 torch (no native build, or not on the CPU)."""
-    x = logits[rows].float()
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    chosen = x.gather(1, chosen_ids[:, None]).squeeze(1) - lse.squeeze(1)
-    values, ids = x.topk(k, dim=-1)  # sorted, best first
-    return chosen, values - lse, ids
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    values, ids = lp.topk(k, dim=-1)  # sorted, best first
+    return lp.gather(1, chosen_ids[:, None]).squeeze(1), values, ids
