@@ -359,13 +359,15 @@ def keda_triggers() -> list[dict[str, Any]]:
     return k8s("ScaledObject", "qworker-worker")["spec"]["triggers"]
 
 
-def test_keda_scales_on_the_length_of_both_streams() -> None:
+def test_keda_scales_on_the_length_of_every_work_stream_of_every_band() -> None:
     keys = Keys("qw")
     scaled = k8s("ScaledObject", "qworker-worker")["spec"]
     assert scaled["scaleTargetRef"]["name"] == "qworker-worker"
     triggers = keda_triggers()
     assert {t["type"] for t in triggers} == {"redis-streams"}
-    assert {t["metadata"]["stream"] for t in triggers} == {keys.jobs, keys.requeue}
+    assert [t["metadata"]["stream"] for t in triggers] == list(keys.streams)
+    assert {keys.jobs, keys.requeue, keys.jobs_of(None, "high"), keys.jobs_of(None, "low")} <= {
+        t["metadata"]["stream"] for t in triggers}
     redis_url = k8s_worker_env()["QWORKER_REDIS_URL"]
     batch = int(k8s_worker_env()["QWORKER_MAX_NUM_SEQS"])
     for t in triggers:
@@ -416,7 +418,8 @@ def test_the_keda_signal_counts_the_backlog_where_the_lag_is_null(redis_url: str
     assert client.xinfo_groups(keys.jobs)[0]["lag"] is None, "Redis reports no lag here"
     assert keda_value(client, lag_trigger) == 0, "the old trigger saw no work at all"
     values = {t["metadata"]["stream"]: keda_value(client, t["metadata"]) for t in keda_triggers()}
-    assert values == {keys.jobs: pending + undelivered, keys.requeue: 1}
+    assert values == {**dict.fromkeys(keys.streams, 0), keys.jobs: pending + undelivered,
+                      keys.requeue: 1}
     stats = collect_stats(client, keys)
     assert (stats.backlog, stats.unfinished) == (undelivered + 1, pending + undelivered + 1)
 
