@@ -20,7 +20,7 @@ class JobMeta:
     def to_json(self) -> str:
         data = {name: getattr(self.shape, name) for name in _SHAPE_FIELDS}  # not asdict: it
         data.update(index=self.index, include_usage=self.include_usage)  # deep-copies, 10x slower
-        return json.dumps(data, separators=(",", ":"))
+        return _encode(data)
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> JobMeta:
@@ -30,6 +30,7 @@ class JobMeta:
 
 
 _SHAPE_FIELDS = tuple(f.name for f in fields(Shape))
+_encode = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps made one per call
 
 
 def meta_key(prefix: str, job_id: str) -> str:

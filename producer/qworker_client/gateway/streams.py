@@ -57,7 +57,7 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
     last: tuple[ChoiceFrames, str] | None = None  # the choice and entry id of the last event
     choices = {job_id: ChoiceFrames(follow.shape, index, follow.tagged)
                for job_id, index in follow.index.items()}
-    metrics.streams_open.inc()
+    metrics.open_streams += 1
     try:
         while batches := await reader.take():
             parts: list[str] = []
@@ -82,7 +82,7 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
         yield DONE
     finally:
         reader.close()
-        metrics.streams_open.dec()
+        metrics.open_streams -= 1
 
 
 def _frames_of(batch: Batch, choice: ChoiceFrames, usage: _Usage, follow: Follow,
