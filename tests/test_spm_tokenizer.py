@@ -403,3 +403,26 @@ def test_tiny_llama_generates_like_transformers(bpe: Fixture) -> None:
                        min_new_tokens=8)[0, len(prompt):].tolist()
     assert done.token_ids == want
     assert done.text == bpe.ours.decode(want)  # the end of the text too (flushed)
+
+
+def test_the_worker_gives_a_plain_prompt_its_bos_and_a_chat_none_on_top(
+        bpe: Fixture, redis_url: str) -> None:
+    import torch
+
+    from qworker.model.llama import load_model
+    from qworker_client import Producer
+    from tests.engine_fixtures import tiny_engine
+    from tests.service_harness import thread_worker
+
+    engine = tiny_engine(bpe.ours, load_model(bpe.path, dtype=torch.float32))
+    text, chat = "hello world", CHATS[0]
+    with thread_worker(redis_url, "spm", engine) as w, Producer(redis_url) as producer:
+        plain = producer.submit(prompt=text, max_tokens=1).result(timeout=60)
+        templated = producer.submit(messages=chat, max_tokens=1).result(timeout=60)
+        assert w.stop() == 0
+    with_bos = bpe.ours.encode(text, add_special_tokens=True)
+    assert with_bos[0] == bpe.ours.bos_token_id and with_bos[1:] == bpe.ours.encode(text)
+    assert plain.usage.prompt_tokens == len(with_bos)
+    chat_ids = bpe.ours.encode_chat(chat)
+    assert chat_ids.count(bpe.ours.bos_token_id) == 1  # the template's own
+    assert templated.usage.prompt_tokens == len(chat_ids)

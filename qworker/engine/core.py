@@ -282,7 +282,7 @@ class EngineCore:
 
     def _encode(self, text: str) -> list[int]:
         self.check_prompt_text(text)
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=True))  # as the worker does
 
     def _hand_back(self, seq: Sequence) -> StepOutput:
         self.scheduler.remove(seq)

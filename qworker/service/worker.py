@@ -591,7 +591,9 @@ class Worker:
         text = (tokenizer.apply_chat_template([m.model_dump() for m in job.messages])
                 if job.messages is not None else job.prompt or "")
         self.engine.check_prompt_text(text)  # far too long for the context: rejected untokenized
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        # a plain prompt gets the special tokens its vocabulary adds (Llama 2's BOS), as vLLM's
+        # and llama.cpp's completions do; a rendered chat has them from its template already
+        return list(tokenizer.encode(text, add_special_tokens=job.messages is None))
 
     def _report_kernels(self) -> None:
         """Once at start: which kernels run (in the log and /metrics); loudly when the native
