@@ -10,7 +10,7 @@ from typing import TypeVar
 import anyio
 from starlette.types import Receive, Scope, Send
 
-from qworker_client.gateway.sse import HEADERS, MEDIA_TYPE
+from qworker_client.gateway.sse import DONE, HEADERS, MEDIA_TYPE
 
 T = TypeVar("T")
 Abort = Callable[[], Awaitable[None]]
@@ -53,8 +53,9 @@ async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]],
 
 
 class EventStream:
-    """An ASGI response sending server-sent events from `frames`; `on_abort` runs when the client
-    left before the last frame (or sending failed)."""
+    """An ASGI response sending server-sent events from `frames` (the piece that ends with
+    `[DONE]` ends the body, in the same write); `on_abort` runs when the client left before the
+    last frame (or sending failed)."""
 
     def __init__(self, frames: AsyncGenerator[str, None], on_abort: Abort,
                  headers: dict[str, str] | None = None) -> None:
@@ -75,8 +76,11 @@ class EventStream:
     async def _send_all(self, send: Send) -> bool:
         try:
             async for text in self.frames:
+                end = text.endswith(DONE)  # the last frame: the body ends with its piece
                 await send({"type": "http.response.body", "body": text.encode(),
-                            "more_body": True})
+                            "more_body": not end})
+                if end:
+                    return True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the connection broke under the send
             await self.on_abort()

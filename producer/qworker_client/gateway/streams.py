@@ -52,14 +52,15 @@ class _Usage:
 async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                  ) -> AsyncGenerator[str, None]:
     """The SSE frames of the jobs' events, then the usage chunk if asked, then `[DONE]`: the
-    frames of one read go out as one piece."""
-    usage = _Usage()
+    frames of one read go out as one piece, the last read's with the usage chunk and `[DONE]`
+    (one write for the whole end of a stream)."""
+    usage, ended = _Usage(), False
     last: tuple[ChoiceFrames, str] | None = None  # the choice and entry id of the last event
     choices = {job_id: ChoiceFrames(follow.shape, index, follow.tagged)
                for job_id, index in follow.index.items()}
     metrics.open_streams += 1
     try:
-        while batches := await reader.take():
+        while not ended and (batches := await reader.take()):
             parts: list[str] = []
             for batch in batches:
                 choice = choices[batch[0][0]]
@@ -73,16 +74,25 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                     await follow.cancel(list(reader.open))
                     yield DONE
                     return
+            if not reader.open:  # every job has ended
+                parts += _ending(follow, usage, last)
+                ended = True
             if parts:
                 yield "".join(parts)
-        if follow.include_usage:
-            event_id = None if last is None else last[0].event_id(last[1])
-            yield frame(shaping.usage_chunk(follow.shape, sum(usage.prompt.values()),
-                                            usage.completion), event_id)
-        yield DONE
+        if not ended:
+            yield "".join(_ending(follow, usage, last))
     finally:
         reader.close()
         metrics.open_streams -= 1
+
+
+def _ending(follow: Follow, usage: _Usage, last: tuple[ChoiceFrames, str] | None) -> list[str]:
+    """The usage chunk if asked (with the last event's id), and `[DONE]`."""
+    if not follow.include_usage:
+        return [DONE]
+    event_id = None if last is None else last[0].event_id(last[1])
+    return [frame(shaping.usage_chunk(follow.shape, sum(usage.prompt.values()),
+                                      usage.completion), event_id), DONE]
 
 
 def _frames_of(batch: Batch, choice: ChoiceFrames, usage: _Usage, follow: Follow,
