@@ -10,6 +10,12 @@ Three phases on the same worker: (1) the low jobs alone (their reference texts),
 burst on the idle worker, (3) the low jobs again and, once every one has streamed a token, the
 high burst. Prints one JSON line: high TTFT p50 / max idle and under load, their ratio (target
 <= 2), displacements, requeues, and whether every low job finished with its reference text.
+
+Aging (`--aging-s`, the engine's `priority_aging_s`) lifts a waiting or running job one level
+per that many seconds since it arrived: once the low jobs have run (LOW - HIGH) levels' worth
+when the burst comes, they rank with it and are not displaced, by design (a bound on
+starvation). On a slow or loaded machine their prefill alone may take that long; the JSON says
+how long they had run (`low_age_at_burst_s`) and whether they still ranked below the burst.
 """
 
 from __future__ import annotations
@@ -104,12 +110,14 @@ def drive(url: str, engine: Engine, worker: Worker, args: argparse.Namespace,
             finals(client, idle_ids)
 
             low_ids = [f"low-{k}" for k in range(args.low)]
+            low_submitted = time.monotonic()
             prod.submit_many([job(i, it.prompt_ids, args.low_tokens, LOW)
                               for i, it in zip(low_ids, lows, strict=True)])
             first_tokens(client, low_ids, time.monotonic())  # every low job is running now
             before = engine.num_preemptions
             busy_ids = [f"busy-{k}" for k in range(args.high)]
             started = time.monotonic()
+            seen["low_age_at_burst_s"] = started - low_submitted
             prod.submit_many([job(i, p, args.high_tokens, HIGH)
                               for i, p in zip(busy_ids, highs, strict=True)])
             seen["busy_ttft"] = first_tokens(client, busy_ids, started)
@@ -131,11 +139,13 @@ def main() -> None:
     parser.add_argument("--low-tokens", type=int, default=256)
     parser.add_argument("--high", type=int, default=8)
     parser.add_argument("--high-tokens", type=int, default=16)
+    parser.add_argument("--aging-s", type=float, default=EngineConfig().priority_aging_s,
+                        help="the engine's priority_aging_s (0: strict priority)")
     args = parser.parse_args()
     path = str(resolve_model(args.model))
     dtype = resolve_dtype(args.dtype, "cpu")
     config = EngineConfig(max_num_seqs=args.low, kv_cache_gb=2.0, requeue_preempted=True,
-                          prefix_caching=False)
+                          prefix_caching=False, priority_aging_s=args.aging_s)
     engine = Engine(load_model(path, dtype=dtype), Tokenizer.load(path), config)
     engine.warm_up()
     with local_redis() as url:
@@ -161,7 +171,10 @@ def main() -> None:
         "busy_high_ttft_ms_max": round(max(busy) * 1000, 1),
         "ttft_ratio_p50": round(p50_busy / p50_idle, 2),
         "ttft_ratio_max": round(max(busy) / max(idle), 2),
-        "target_ratio": 2.0,
+        "target_ratio": 2.0, "aging_s": args.aging_s,
+        "low_age_at_burst_s": round(seen["low_age_at_burst_s"], 1),
+        "lows_ranked_below_burst": (args.aging_s == 0
+                                    or seen["low_age_at_burst_s"] < (LOW - HIGH) * args.aging_s),
         "displaced": seen["displaced"], "requeued_low": seen["requeued"],
         "low_jobs_finished": len(seen["mixed"]),
         "low_texts_unchanged": sum(a == b for a, b in zip(reference, mixed, strict=True)),
