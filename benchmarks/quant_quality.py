@@ -5,7 +5,9 @@ same file dequantized to float32, over the reference chats (tests/test_model_smo
 
 The float32 model answers each chat greedily; prompt and answer are then run through both models
 in one prefill each, and every position's next-token distribution is compared: top-1 agreement
-(target >= 99%) and the mean KL divergence KL(float32 || quantized). Both greedy answers are
+(target >= 99%) and the mean KL divergence KL(float32 || quantized), with the kernels the
+measured choice runs for such a prefill (`top1_agreement`), then with every layer forced onto one
+kernel (`by_setting`: "int8" is what a decode step of a few rows runs). Both greedy answers are
 printed. One JSON line.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -23,8 +26,10 @@ from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.hub import resolve_model
+from qworker.model.kernel_choice import BUCKETS
 from qworker.model.kv_cache import KVCache
 from qworker.model.llama import LlamaModel, load_model
+from qworker.model.quant_linear import QuantLinear
 from qworker.model.tokenizer import Tokenizer
 
 CHATS = [
@@ -47,6 +52,40 @@ def all_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     return model(batch, cache).float()
 
 
+# every layer on one kernel, whatever the bucket: "int8" is what a decode step of a few rows
+# runs; "int8, gate_up dequant" puts the MLP's input projection on float32 activations
+SETTINGS: dict[str, Callable[[str], str]] = {
+    "int8": lambda name: "int8",
+    "dequant": lambda name: "dequant",
+    "int8, gate_up dequant": lambda name: "dequant" if name.endswith("gate_up_proj") else "int8",
+}
+
+
+def forced(model: LlamaModel, pick: Callable[[str], str]) -> LlamaModel:
+    """The model with each quantized layer on pick(its name) at every bucket (its own first
+    kernel where it has not that one)."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantLinear):
+            kind = pick(name) if pick(name) in layer.kernels() else layer.kernels()[0]
+            layer.set_choice((kind,) * len(BUCKETS))
+    model.decode_graph.reset()
+    return model
+
+
+def agreement(model: LlamaModel, sequences: list[list[int]],
+              refs: list[torch.Tensor]) -> tuple[float, float]:
+    """(top-1 agreement with refs, mean KL(ref || model)) over every position."""
+    agree = positions = 0
+    kl_sum = 0.0
+    for tokens, ref in zip(sequences, refs, strict=True):
+        got = all_logits(model, tokens)
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        positions += len(tokens)
+        log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)
+        kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+    return round(agree / positions, 4), round(kl_sum / positions, 5)
+
+
 def greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     return [c.token_ids for c in engine.generate(prompts, params)]
@@ -66,20 +105,20 @@ def main() -> None:
         engine.warm_up()
     prompts = [tokenizer.encode_chat(chat) for chat in CHATS]
     answers = {w: greedy(e, prompts, args.new_tokens) for w, e in engines.items()}
-    agree = positions = 0
-    kl_sum = 0.0
-    for prompt, answer in zip(prompts, answers["float32"], strict=True):
-        tokens = prompt + answer
-        ref, got = (all_logits(models[w], tokens) for w in ("float32", "quantized"))
-        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-        positions += len(tokens)
-        log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)
-        kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
+    sequences = [p + a for p, a in zip(prompts, answers["float32"], strict=True)]
+    refs = [all_logits(models["float32"], tokens) for tokens in sequences]
     quant = models["quantized"]
+    measured = agreement(quant, sequences, refs)  # the kernels the prefill's bucket chose
+    kernels = quant.kernel_report()  # before `forced` changes them
+    by_setting = {}
+    for name, pick in SETTINGS.items():
+        by_setting[name] = agreement(forced(quant, pick), sequences, refs)
     print(json.dumps({
         "model": args.model, "weights": quant.weights_kept(), **machine_info(),
-        "positions": positions, "top1_agreement": round(agree / positions, 4),
-        "mean_kl": round(kl_sum / positions, 5),
+        "positions": sum(len(t) for t in sequences), "top1_agreement": measured[0],
+        "mean_kl": measured[1], "kernels": kernels,
+        "by_setting": {name: {"top1_agreement": a, "mean_kl": kl}
+                       for name, (a, kl) in by_setting.items()},
         "greedy": [{"float32": tokenizer.decode(a), "quantized": tokenizer.decode(b)}
                    for a, b in zip(answers["float32"], answers["quantized"], strict=True)],
     }))
