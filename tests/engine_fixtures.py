@@ -34,13 +34,14 @@ def tiny_engine(tokenizer: Tokenizer, model: LlamaModel, **settings: object) -> 
 
 def blocks_computed_twice(work: list[tuple[Sequence, int]], block_size: int) -> list[str]:
     """The full blocks (same tokens after the same prefix, same salt) that two sequences of one
-    step complete: none with prefix caching, where a later one waits for it to be cached. A
-    runner hook returns them to the test (an exception there would only fail the step)."""
+    step complete: none with prefix caching, where a later one waits for it to be cached. Not
+    counted: a block that holds its sequence's last token, which it computes anyway (to sample).
+    A runner hook returns them to the test (an exception there would only fail the step)."""
     writers: dict[bytes, str] = {}
     twice = []
     for seq, n in work:
         parent = None
-        for i in range(min(seq.num_computed + n, len(seq.token_ids)) // block_size):
+        for i in range(min(seq.num_computed + n, len(seq.token_ids) - 1) // block_size):
             parent = block_hash(parent, seq.token_ids[i * block_size:(i + 1) * block_size],
                                 seq.cache_salt)
             completed_now = (i + 1) * block_size > seq.num_computed
