@@ -14,6 +14,7 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.core import EngineCore
 from qworker.engine.request import Request, SamplingParams, StepOutput
 from qworker.engine.scheduler import ScheduledStep
+from qworker.engine.sequence import Status
 from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -160,27 +161,94 @@ def test_aging_bounds_starvation() -> None:
             assert all(arrived[rid] >= 1000.0 + 2 * aging - 1 for rid in order[len(before) + 1:])
 
 
-def test_aging_protects_the_old_from_displacement_and_nobody_thrashes() -> None:
-    e = engine(max_num_seqs=1, priority_aging_s=10.0)
-    clock = e.clock
-    assert isinstance(clock, FakeClock)
-    e.add(request("old", 1, max_tokens=40))
+def aged(max_num_seqs: int = 1, **settings: object) -> tuple[SimulatedEngine, FakeClock]:
+    e = engine(max_num_seqs=max_num_seqs, priority_aging_s=10.0, **settings)
+    assert isinstance(e.clock, FakeClock)
+    return e, e.clock
+
+
+def run_ticking(e: SimulatedEngine, clock: FakeClock, n: int, dt: float = 1.0
+                ) -> list[StepOutput]:
+    outs: list[StepOutput] = []
+    for _ in range(n):
+        clock.now += dt
+        outs += e.step()
+    return outs
+
+
+def test_a_long_running_low_job_stays_displaceable() -> None:
+    """Running time does not age: however long a low job has run, a fresh high one displaces it
+    (by arrival time it would have aged past the high one's level after 10 s)."""
+    e, clock = aged()
+    e.add(request("low", 1, max_tokens=200))
     e.step()
-    clock.now += 25.0  # older than 2 levels' worth: a new priority -1 does not outrank it
-    e.add(request("new", -1, max_tokens=3))
-    steps(e, 5)
-    assert running(e) == ["old"] and e.num_preemptions == 0
-    e2 = engine(max_num_seqs=1, priority_aging_s=10.0)
-    e2.add(request("old", 1, max_tokens=60))
-    e2.step()
-    e2.clock.now += 5.0  # type: ignore[attr-defined]
-    e2.add(request("new", -1, max_tokens=60))
-    outs = []
-    for _ in range(200):  # the displaced one ages while it waits, yet never displaces back
-        e2.clock.now += 1.0  # type: ignore[attr-defined]
-        outs += e2.step()
-    assert e2.num_preemptions == 1
-    assert [o.request_id for o in outs if o.finished] == ["new", "old"]
+    run_ticking(e, clock, 100, dt=10.0)  # 1000 s of running
+    assert running(e) == ["low"]
+    e.add(request("high", 0, max_tokens=3))
+    e.step()
+    assert [s.request_id for s in e.last_schedule.displaced] == ["low"]
+    assert running(e) == ["high"]
+
+
+def test_a_low_job_that_waited_is_protected_by_its_wait() -> None:
+    """A job that waited W seconds before it started is displaced only by a fresh job more
+    urgent by more than W / A levels: the starvation bound, in waiting time."""
+    for urgent, displaced in ((0, False), (-1, False), (-2, True)):
+        e, clock = aged()
+        e.add(request("first", 1, max_tokens=25))  # same priority: it only makes "low" wait
+        e.step()
+        e.add(request("low", 1, max_tokens=80))
+        run_ticking(e, clock, 25)  # "first" finishes, "low" starts having waited 25 s: rank -15
+        assert running(e) == ["low"]
+        run_ticking(e, clock, 30)  # running does not age it further
+        e.add(request("new", urgent, max_tokens=3))  # at its step rank -1, -11, -21
+        outs = run_ticking(e, clock, 5)
+        assert e.num_preemptions == int(displaced), urgent
+        assert any(o.request_id == "new" and o.finished for o in outs) == displaced, urgent
+
+
+def test_a_displaced_job_ages_on_from_where_it_stopped() -> None:
+    e, clock = aged()
+    e.add(request("first", 1, max_tokens=7))
+    e.step()
+    e.add(request("low", 1, max_tokens=60))
+    run_ticking(e, clock, 7)  # "low" waits 7 s, then runs: rank 10 - 7 = 3, frozen
+    assert running(e) == ["low"]
+    run_ticking(e, clock, 20)
+    low = e.scheduler.running[0]
+    assert e.scheduler.aging.rank(low) == 3.0
+    e.add(request("high", 0, max_tokens=4))  # at its step rank -1 < 3: displaces it
+    run_ticking(e, clock, 5)  # "low" waits 4 s more while "high" runs, then runs again
+    assert running(e) == ["low"] and e.num_preemptions == 1
+    assert e.scheduler.aging.rank(low) == -1.0  # 10 - (7 + 4)
+    e.add(request("high2", 0, max_tokens=4))  # at its step rank -1: no longer better ...
+    run_ticking(e, clock, 1)
+    assert running(e) == ["low"] and e.num_preemptions == 1
+    run_ticking(e, clock, 1)  # ... until it has waited 1 s more than "low" beyond a level
+    assert running(e) == ["high2"] and e.num_preemptions == 2
+
+
+def test_no_ping_pong_between_equal_priorities_or_two_levels() -> None:
+    """Jobs of two levels keep arriving, more than the engine serves: displacements only ever go
+    from a better level to a worse one (each job at most once per arrival of a better one),
+    and never between equals, however the waiting ones age meanwhile."""
+    for levels in ((0,), (0, 1)):
+        e, clock = aged(max_num_seqs=2)
+        for k in range(40):
+            e.add(request(f"j{k}", levels[k % len(levels)], max_tokens=6))
+            for _ in range(2):
+                clock.now += 1.0
+                e.step()
+                step = e.last_schedule
+                started = [seq for seq, _ in step.work if seq.num_computed == 0]
+                for victim in step.displaced:
+                    assert all(victim.priority > seq.priority for seq in started)
+        run_ticking(e, clock, 200)
+        assert not e.has_unfinished()
+        if levels == (0,):
+            assert e.num_preemptions == 0
+        else:  # a priority-1 job is displaced by priority-0 arrivals until it has waited 10 s
+            assert 0 < e.num_preemptions < 20
 
 
 def check_priority(engine: EngineCore) -> None:
@@ -192,17 +260,23 @@ def check_priority(engine: EngineCore) -> None:
 
     def checked(budget: int | None = None) -> ScheduledStep:
         step = schedule(budget)
-        if step.preempted:
-            worst = max((seq.queue_key for seq in scheduler.running), default=(-1e300, -1))
-            assert worst < min(seq.queue_key for seq in step.preempted), "a better one preempted"
-        assert all(any(seq is p for p in step.preempted) for seq in step.displaced)
+        aging = scheduler.aging
         pressure = len(step.preempted) > len(step.displaced)
+        if pressure:
+            worst = max((aging.key(seq) for seq in scheduler.running), default=(-1e300, -1))
+            assert worst < min(map(aging.key, step.preempted)), "a better one preempted"
+        assert all(any(seq is p for p in step.preempted) for seq in step.displaced)
+        started = [seq for seq, _ in step.work if seq.status is Status.RUNNING]
+        for victim in step.displaced:  # for one of a better priority and rank
+            assert any(seq.priority < victim.priority
+                       and aging.rank(seq) < aging.rank(victim) for seq in started)
         alone = any(seq.isolate for seq in scheduler.running)
         head = scheduler.waiting[0] if scheduler.waiting else None
         if (head is not None and not pressure and not alone and head not in step.displaced
                 and not head.isolate
                 and step.prefill_tokens < scheduler.limits.max_batched_tokens):
-            assert all(seq.rank <= head.rank for seq in scheduler.running), "priority inversion"
+            assert not any(aging.displaces(head, seq) for seq in scheduler.running), \
+                "priority inversion"
         return step
 
     scheduler.schedule = checked  # type: ignore[method-assign]

@@ -46,8 +46,8 @@ class EngineConfig:
     watermark: float = field(default=0.01, metadata={"flag": None})
     # True: hand preempted requests back instead of re-waiting (a worker always does)
     requeue_preempted: bool = field(default=False, metadata={"flag": None})
-    # starvation bound: a request's effective priority improves by one per this many seconds since
-    # it arrived (see EngineCore.rank); 0: no aging, strict priority
+    # starvation bound: a request's effective priority improves by one per this many seconds it
+    # has waited, not counting the time it ran (see aging.py); 0: no aging, strict priority
     priority_aging_s: float = field(default=60.0, metadata={
         "help": "seconds of waiting that make a request as urgent as one of the next better "
                 "priority (bounds starvation; 0: strict priority)"})

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from qworker.engine.aging import Aging
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.config import EngineConfig
 from qworker.engine.pacer import PrefillPacer
@@ -74,7 +75,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk,
                             int(config.watermark * num_blocks)),
-            self.blocks,
+            self.blocks, Aging(config.priority_aging_s),
         )
         self.max_model_len = min(config.max_model_len or runner.max_context, runner.max_context)
         self.limits = ModelLimits(vocab_size=runner.vocab_size, max_model_len=self.max_model_len,
@@ -89,7 +90,6 @@ class EngineCore:
         self.pacer = (PrefillPacer(config.decode_stretch, config.max_batched_tokens)
                       if config.decode_stretch else None)
         self.num_preemptions = 0
-        self.clock: Callable[[], float] = time.monotonic  # for aging (tests set their own)
         self.num_steps = 0
         self.last_schedule = ScheduledStep()
 
@@ -113,7 +113,7 @@ class EngineCore:
             params=params,
             seed=params.seed if params.seed is not None else random.getrandbits(63),
             priority=request.priority,
-            rank=self.rank(request.priority, request.queued_s),
+            waited_s=request.queued_s,
             arrival=next(self._arrivals),
             text=TextStream(self._detokenizer(), params.stop),
             isolate=request.isolate,
@@ -146,30 +146,29 @@ class EngineCore:
         """Which kernel runs each op, for the worker's logs, metrics and liveness key."""
         return self.runner.kernel_report()
 
-    def rank(self, priority: int, queued_s: float = 0.0) -> float:
-        """Where a request of `priority` that has waited `queued_s` seconds before now goes in the
-        queues, lower first. With aging (`priority_aging_s` = A) the rank is priority * A plus
-        the time it arrived: at any moment a request's effective priority is its priority less
-        one per A seconds since it arrived, so a later arrival overtakes it only by being more
-        urgent by more levels than it has waited A's; ranks never change, so preemption by
-        priority cannot thrash. Without aging (0) the rank is the priority."""
-        aging = self.config.priority_aging_s
-        if not aging:
-            return float(priority)
-        # in whole ms: jobs queued in the same ms tie, and ties go by arrival (the newest last)
-        return round(priority * aging + self.clock() - queued_s, 3)
+    @property
+    def clock(self) -> Callable[[], float]:
+        """What priority aging reads the time from (time.monotonic; tests set their own)."""
+        return self.scheduler.aging.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.scheduler.aging.clock = clock
 
     def free_slots(self, priority: int | None = None) -> int:
-        """How many more requests admission would take now; with `priority`, how many of that
-        priority it would take, counting the slots held by requests it would displace (of a
-        worse rank), so a full worker still takes urgent work."""
-        held = self.scheduler.running + self.scheduler.waiting
+        """How many more requests admission would take now; with `priority`, how many new ones
+        of that priority it would take, counting the slots held by running requests they would
+        displace (aging.py) and by waiting ones they would go before, so a full worker still
+        takes urgent work."""
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        held = running + waiting
+        displaceable = False
         if priority is not None:
-            rank = self.rank(priority)
-            held = [seq for seq in held if seq.rank <= rank]
-            displaceable = any(seq.rank > rank for seq in self.scheduler.running)
-        else:
-            displaceable = False
+            aging = self.scheduler.aging
+            rank = aging.new_rank(priority)
+            kept = [seq for seq in running if not aging.may_displace(priority, rank, seq)]
+            displaceable = len(kept) < len(running)
+            held = kept + [seq for seq in waiting if aging.rank(seq) <= rank]
         if self.blocks.num_free <= self.scheduler.limits.watermark_blocks and not displaceable:
             return 0
         return max(0, self.config.max_num_seqs - len(held))

@@ -18,10 +18,11 @@ runs in steps of its own until it has sampled a token: when it is running, or at
 waiting queue with room for its whole prefill, the step is that sequence alone and the others wait;
 otherwise nothing is admitted behind it. So whatever it does to a step, no other sequence was in it.
 
-Priority: queues and the running list are in rank order (`Sequence.rank`: the priority, aged by
-the time waited, see EngineCore.rank; ties by arrival, kept across preemption). A block shortage
-preempts the worst-ranked running sequence, the newest of equals. A waiting head that does not fit
-(no slot, no blocks) preempts running sequences it strictly outranks until it fits (`_displace`).
+Priority: queues and the running list are in rank order (aging.py: the priority aged by the time
+waited, frozen while running; ties by arrival, kept across preemption). A block shortage preempts
+the worst-ranked running sequence, the newest of equals. A waiting head that does not fit (no
+slot, no blocks) preempts running sequences of a worse priority that it outranks until it fits
+(`_displace`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from qworker.engine.aging import Aging
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.sequence import Sequence, Status
 
@@ -51,15 +53,18 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks: BlockManager) -> None:
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, aging: Aging) -> None:
         self.limits = limits
         self.blocks = blocks
-        self.waiting: list[Sequence] = []  # sorted by queue_key
-        self.running: list[Sequence] = []  # in admission order
+        self.aging = aging
+        self.waiting: list[Sequence] = []  # sorted by aging.wait_key
+        self.running: list[Sequence] = []  # in rank order, then admission order
 
     def add(self, seq: Sequence) -> None:
+        """It waits (new, or preempted: it ages again from what it had waited)."""
         seq.status = Status.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
+        self.aging.start_waiting(seq)
+        bisect.insort(self.waiting, seq, key=self.aging.wait_key)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished, aborted or handed back) and free its blocks."""
@@ -67,6 +72,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+            self.aging.stop_waiting(seq)
         self.blocks.release(seq)
         seq.status = Status.FINISHED
 
@@ -77,7 +83,7 @@ class Scheduler:
         """budget: prefill tokens this step may take (at most, and by default, the limit's)."""
         step = ScheduledStep()
         limit = self.limits.max_batched_tokens
-        self.running.sort(key=lambda s: s.queue_key)  # admission appends; rank order again
+        self.running.sort(key=self.aging.key)  # admission appends; rank order again (frozen)
         if not self._schedule_alone(step, limit):
             total = limit if budget is None else min(budget, limit)
             self._schedule_running(step, total)
@@ -111,9 +117,10 @@ class Scheduler:
             return False
         if seq.status is Status.WAITING:
             self.waiting.pop(0)
+            self.aging.stop_waiting(seq)
             self.blocks.share(seq, self.blocks.cached_prefix(seq))
             seq.status = Status.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.queue_key)
+            bisect.insort(self.running, seq, key=self.aging.key)
         n = min(seq.num_pending, self.limits.prefill_chunk, budget)
         if self._make_room(seq, seq.num_computed + n, step):
             self.blocks.grow(seq, seq.num_computed + n)
@@ -157,18 +164,19 @@ class Scheduler:
             self._admit_waiting(step, total - step.prefill_tokens)
 
     def _displace(self, step: ScheduledStep, budget: int) -> bool:
-        """Preempts the worst running sequence (highest rank, newest) for the waiting head, if
-        the head outranks it strictly and was stopped by slots or blocks (not by the budget, not
-        isolated). The victim waits behind the head (its rank is worse), so it is never admitted
-        again ahead of the one that displaced it, and ranks never change: no thrashing."""
+        """Preempts a running sequence for the waiting head, if the head was stopped by slots or
+        blocks (not by the budget, not isolated): of those it may displace (a worse priority and
+        a worse rank, `Aging.displaces`), the worst ranked, the newest of equals. The victim is of
+        a worse priority, so it never displaces the head back, whatever it waits."""
         if not self.waiting or not self.running or budget <= 0:
             return False
         head = self.waiting[0]
-        if head in step.held:
-            return False  # it waits for a block in flight, not for room
-        victim = max(self.running, key=lambda s: s.queue_key)
-        if head.isolate or victim.rank <= head.rank:
+        if head in step.held or head.isolate:
+            return False  # it waits for a block in flight, not for room; or it starts alone
+        victims = [seq for seq in self.running if self.aging.displaces(head, seq)]
+        if not victims:
             return False
+        victim = max(victims, key=self.aging.key)
         for k, (seq, n) in enumerate(step.work):
             if seq is victim:  # scheduled earlier in this step: it gives its tokens back
                 del step.work[k]
@@ -213,6 +221,7 @@ class Scheduler:
             if self.blocks.admission_cost(prefix, start + n) + reserve > self.blocks.num_free:
                 return
             self.waiting.pop(i)
+            self.aging.stop_waiting(seq)
             self.blocks.share(seq, prefix)
             self.blocks.grow(seq, start + n)
             seq.status = Status.RUNNING

@@ -35,8 +35,11 @@ class Sequence:
     matcher: Matcher | None = None  # its place in its structured_outputs grammar (structured.py)
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
-    # its place in the queues, lower first: the priority aged by waiting (EngineCore.rank)
-    rank: float = 0.0
+    # priority aging (aging.py): seconds it has waited (as of `waiting_since` while it waits,
+    # counting its request's `queued_s`), and the clock when it last began waiting (None: not
+    # waiting, its rank is frozen)
+    waited_s: float = 0.0
+    waiting_since: float | None = None
     isolate: bool = False  # runs alone in its steps until it samples a token (Request.isolate)
     cache_salt: str | None = None  # isolates its prefix cache entries (Request.cache_salt)
     # prefix caching (prefix_cache.py): the chained hashes of its full blocks, as far as computed,
@@ -78,7 +81,3 @@ class Sequence:
             return range(0)
         start = max(self.num_computed, len(self.prompt_logprobs))
         return range(start, min(self.num_computed + n, self.num_prompt_tokens - 1))
-
-    @property
-    def queue_key(self) -> tuple[float, int]:
-        return (self.rank, self.arrival)
