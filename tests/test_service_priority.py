@@ -15,7 +15,10 @@ import redis
 
 from qworker.engine.request import Request
 from qworker.engine.simulated import SimulatedEngine
+from qworker.service.intake import Taken
+from qworker.service.job import Entry, Readback
 from qworker_client import Producer
+from qworker_client.protocol import Job
 from tests.service_harness import (
     KEYS,
     check_stream,
@@ -156,3 +159,15 @@ def test_an_idle_worker_woken_by_a_burst_takes_all_of_it(redis_url: str,
     ids = [i.decode() for i in pipe.execute()]
     reader.join(15)
     assert got == [ids[:2]]  # the normal band's room, and none of the low band (room 0)
+
+
+def test_a_requeued_job_ages_only_by_its_waits() -> None:
+    """queued_s for aging: a new job waited since first queued; a requeued one until it first
+    started and since its requeue entry, not while it ran in between."""
+    t0, started, requeued_at, now = 1_000_000, 1_004_000, 1_060_000, 1_061_500
+    fresh = Taken(Entry("qw:jobs:low", f"{t0}-0", {}), Job(prompt="p"), Readback(), False,
+                  t0_ms=t0, started_ms=now)
+    assert fresh.waited_ms(now) == now - t0
+    back = Taken(Entry(KEYS.requeue_of(None, "low"), f"{requeued_at}-0", {}), Job(prompt="p"),
+                 Readback(), False, t0_ms=t0, started_ms=started, requeued=True)
+    assert back.waited_ms(now) == 4_000 + 1_500  # not the 56 s it ran

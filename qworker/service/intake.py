@@ -71,6 +71,16 @@ class Taken:
     started_before: bool = False  # some worker took it before (it may have streamed tokens)
     crashes: int = 0  # its workers that died (or stalled) while they ran it alone
     excused: int = 0  # its workers that died (or stalled) while they ran another job alone
+    requeued: bool = False  # read from a requeue stream (preempted, or at a worker's shutdown)
+
+    def waited_ms(self, now: int) -> int:
+        """How long it has waited, not counting the time it ran (priority aging): a requeued job
+        until it first started plus since its requeue entry; any other since first queued.
+        Short: waits between a requeue and the next start before the last are not counted."""
+        since = entry_ms(self.entry.entry_id) if self.requeued else None
+        if since is None:
+            return max(0, now - self.t0_ms)
+        return max(0, self.started_ms - self.t0_ms) + max(0, now - since)
 
 
 def _s(value: object) -> str:
@@ -297,7 +307,8 @@ class Intake:
             taken.append(Taken(entry, job, readback, cancelled=bool(mine[5]),
                                t0_ms=int(t0 or now), started_ms=int(started or now),
                                started_before=before, crashes=int(mine[0][0]),
-                               excused=int(mine[0][1])))
+                               excused=int(mine[0][1]),
+                               requeued=self.keys.is_requeue(entry.stream)))
         return taken, rejects
 
     def poisoned(self, t: Taken) -> Reject | None:

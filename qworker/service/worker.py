@@ -564,7 +564,7 @@ class Worker:
             # delivered before: an earlier run may have crashed its process on this job, so it
             # runs alone until it has produced a token and shares no step with others
             self.engine.add(Request(job_id, prompt, sampling_params(t.job, job_id),
-                                    queued_s=max(0.0, time.time() - t.t0_ms / 1000),  # aging
+                                    queued_s=t.waited_ms(now_ms()) / 1000,  # for aging
                                     output_token_ids=list(t.readback.token_ids),
                                     priority=t.job.priority, isolate=t.entry.deliveries > 1,
                                     cache_salt=t.job.cache_salt))
