@@ -11,11 +11,12 @@ burst on the idle worker, (3) the low jobs again and, once every one has streame
 high burst. Prints one JSON line: high TTFT p50 / max idle and under load, their ratio (target
 <= 2), displacements, requeues, and whether every low job finished with its reference text.
 
-Aging (`--aging-s`, the engine's `priority_aging_s`) lifts a waiting or running job one level
-per that many seconds since it arrived: once the low jobs have run (LOW - HIGH) levels' worth
-when the burst comes, they rank with it and are not displaced, by design (a bound on
-starvation). On a slow or loaded machine their prefill alone may take that long; the JSON says
-how long they had run (`low_age_at_burst_s`) and whether they still ranked below the burst.
+Aging (`--aging-s`, the engine's `priority_aging_s`) lifts a job one level per that many seconds
+it has *waited* (not run; qworker/engine/aging.py): a low job that waited (LOW - HIGH) levels'
+worth before it started ranks with the burst and is not displaced, by design (a bound on
+starvation); however long it then runs, it does not age. The JSON says how long the low jobs
+had been submitted when the burst came (`low_age_at_burst_s`), the longest any running one had
+waited (`low_waited_max_s`), and whether they all still ranked below the burst.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def drive(url: str, engine: Engine, worker: Worker, args: argparse.Namespace,
             busy_ids = [f"busy-{k}" for k in range(args.high)]
             started = time.monotonic()
             seen["low_age_at_burst_s"] = started - low_submitted
+            seen["low_waited_max_s"] = max(
+                (seq.waited_s for seq in list(engine.scheduler.running)), default=0.0)
             prod.submit_many([job(i, p, args.high_tokens, HIGH)
                               for i, p in zip(busy_ids, highs, strict=True)])
             seen["busy_ttft"] = first_tokens(client, busy_ids, started)
@@ -173,8 +176,9 @@ def main() -> None:
         "ttft_ratio_max": round(max(busy) / max(idle), 2),
         "target_ratio": 2.0, "aging_s": args.aging_s,
         "low_age_at_burst_s": round(seen["low_age_at_burst_s"], 1),
+        "low_waited_max_s": round(seen["low_waited_max_s"], 1),
         "lows_ranked_below_burst": (args.aging_s == 0
-                                    or seen["low_age_at_burst_s"] < (LOW - HIGH) * args.aging_s),
+                                    or seen["low_waited_max_s"] < (LOW - HIGH) * args.aging_s),
         "displaced": seen["displaced"], "requeued_low": seen["requeued"],
         "low_jobs_finished": len(seen["mixed"]),
         "low_texts_unchanged": sum(a == b for a, b in zip(reference, mixed, strict=True)),
