@@ -7,8 +7,8 @@ The float32 model answers each chat greedily; prompt and answer are then run thr
 in one prefill each, and every position's next-token distribution is compared: top-1 agreement
 (target >= 99%) and the mean KL divergence KL(float32 || quantized), with the kernels the
 measured choice runs for such a prefill (`top1_agreement`), then with every layer forced onto one
-kernel (`by_setting`: "int8" is what a decode step of a few rows runs). Both greedy answers are
-printed. One JSON line.
+kernel (`by_setting`: "int16" is what a decode step of a few rows runs, "int8" llama.cpp's 8-bit
+activations). Both greedy answers are printed. One JSON line.
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ def all_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     return model(batch, cache).float()
 
 
-# every layer on one kernel, whatever the bucket: "int8" is what a decode step of a few rows
-# runs; "int8, gate_up dequant" puts the MLP's input projection on float32 activations
+# every layer on one kernel, whatever the bucket: "int16" is what a decode step of a few rows
+# runs; "int8" (8-bit activations, llama.cpp's scheme) is never chosen, forced here to compare;
+# "int8, gate_up int16" puts the MLP's input projection alone on 16-bit activations
 SETTINGS: dict[str, Callable[[str], str]] = {
+    "int16": lambda name: "int16",
     "int8": lambda name: "int8",
     "dequant": lambda name: "dequant",
-    "int8, gate_up dequant": lambda name: "dequant" if name.endswith("gate_up_proj") else "int8",
+    "int8, gate_up int16": lambda name: "int16" if name.endswith("gate_up_proj") else "int8",
 }
 
 
@@ -66,7 +68,7 @@ def forced(model: LlamaModel, pick: Callable[[str], str]) -> LlamaModel:
     kernel where it has not that one)."""
     for name, layer in model.named_modules():
         if isinstance(layer, QuantLinear):
-            kind = pick(name) if pick(name) in layer.kernels() else layer.kernels()[0]
+            kind = pick(name) if pick(name) in layer.runnable() else layer.kernels()[0]
             layer.set_choice((kind,) * len(BUCKETS))
     model.decode_graph.reset()
     return model

@@ -16,11 +16,12 @@ from tests.quant_fixtures import KEPT, random_blocks
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
 
 
-def _activations_q8(x: np.ndarray) -> np.ndarray:
-    """The integer kernel's view of x: per 32-block, q = round(x / d), d = max|x| / 127."""
+def _activations_quantized(x: np.ndarray, top: int) -> np.ndarray:
+    """An integer kernel's view of x: per 32-block, q = round(x / d), d = max|x| / top (127 for
+    8 bits, 32767 for 16)."""
     blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
-    q = np.round(blocks * np.where(d > 0, np.float32(1) / d, 0))
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(top)
+    q = np.round(blocks * np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0))
     return (q * d).reshape(x.shape)
 
 
@@ -34,18 +35,21 @@ def test_quantized_matmul_matches_dequantize_then_matmul(kind: gguf.GGMLQuantiza
     raw = random_blocks(kind, outputs, cols, rng)
     w = gguf.quants.dequantize(raw, kind).astype(np.float64)
     x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[-1, 32:64] = 0  # a block of zeros: its scale is 0
     layer = QuantLinear(QuantWeight.of(kind.name, torch.from_numpy(raw), cols), None)
-    assert set(layer.kernels()) == ({"int8", "dequant"} if kind.name in INT8_DOT_TYPES
-                                    else {"dequant"})
-    scale = np.abs(x.astype(np.float64) @ w.T).max()
+    integer = kind.name in INT8_DOT_TYPES
+    assert layer.kernels() == (("int16", "dequant") if integer else ("dequant",))
+    assert set(layer.runnable()) == set(layer.kernels()) | ({"int8"} if integer else set())
+    plain = x.astype(np.float64) @ w.T
+    scale = np.abs(plain).max()
     got = layer.run("dequant", torch.from_numpy(x)).double().numpy()
-    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, atol=1e-5 * scale, rtol=0)
-    if "int8" in layer.kernels():
-        want = _activations_q8(x).astype(np.float64) @ w.T
-        got = layer.run("int8", torch.from_numpy(x)).double().numpy()
-        np.testing.assert_allclose(got, want, atol=1e-4 * scale, rtol=0)
-        plain = x.astype(np.float64) @ w.T  # and within 8-bit activations' error of float
-        assert np.abs(got - plain).max() < 0.03 * scale
+    np.testing.assert_allclose(got, plain, atol=1e-5 * scale, rtol=0)
+    if integer:  # each within float32's rounding of its own view of x, and that near float's
+        for kernel, top, error in (("int16", 32767, 1e-4), ("int8", 127, 0.03)):
+            want = _activations_quantized(x, top).astype(np.float64) @ w.T
+            got = layer.run(kernel, torch.from_numpy(x)).double().numpy()
+            np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=0)
+            assert np.abs(got - plain).max() < error * scale, kernel
 
 
 @pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
@@ -77,10 +81,10 @@ def test_the_kernel_per_bucket_is_the_measured_fastest() -> None:
     raw = random_blocks(gguf.GGMLQuantizationType.Q4_0, 16, 64, np.random.default_rng(1))
     layer = QuantLinear(QuantWeight.of("Q4_0", torch.from_numpy(raw), 64), None)
 
-    def timer(kind: str, rows: int, run: object) -> float:  # int8 wins below 32 rows
-        return {"int8": 1.0, "dequant": 2.0}[kind] if rows < 32 else {"int8": 3.0,
-                                                                       "dequant": 2.0}[kind]
+    def timer(kind: str, rows: int, run: object) -> float:  # int16 wins below 32 rows
+        return {"int16": 1.0, "dequant": 2.0}[kind] if rows < 32 else {"int16": 3.0,
+                                                                        "dequant": 2.0}[kind]
 
     chosen = kernel_choice.choose([(layer, 512)], None, timer)
-    assert chosen == {"16x64:Q4_0": ("int8", "int8", "dequant", "dequant", "dequant")}
-    assert layer.kind_for(1) == "int8" and layer.kind_for(300) == "dequant"
+    assert chosen == {"16x64:Q4_0": ("int16", "int16", "dequant", "dequant", "dequant")}
+    assert layer.kind_for(1) == "int16" and layer.kind_for(300) == "dequant"

@@ -227,7 +227,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
     return out
 
 
-QUANT_METHODS = {"int8": 0, "dequant": 1}  # qw_quant_gemm's methods
+QUANT_METHODS = {"int8": 0, "dequant": 1, "int16": 2}  # qw_quant_gemm's methods
 
 
 def quant_gemm(method: str, type_id: int, x: torch.Tensor, raw: torch.Tensor,

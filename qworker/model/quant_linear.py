@@ -2,8 +2,12 @@
 a quantized embedding. Activations run in float32 (converted from and back to the model's dtype).
 
 The kernels ("kinds"):
-- "int8": the native integer dot (activations quantized per 32-block to 8 bits, llama.cpp's
-  scheme); Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0;
+- "int16": the native integer dot on activations quantized per 32-block to 16 bits (d =
+  max|x| / 32767), `_mm256_madd_epi16` against the weights widened to 16 bits; Q4_0, Q4_1,
+  Q5_0, Q5_1 and Q8_0. Its logits are the float32 model's to ~1e-5 of their range;
+- "int8": the same on 8-bit activations (llama.cpp's scheme): up to ~10% faster at one row, but
+  its rounding flips the top token at ~3% of positions (benchmarks/quant_quality.py), so it is
+  never chosen, only run where forced (`run`, `set_choice`), to compare;
 - "dequant": native, the weights dequantized to float32, every format (the K-quants too): for
   a few activation rows a weight row at a time (in L1), dotted with each; from 4 rows on, 16
   weight rows at a time into a panel of the float32 GEMM's layout (in L2), which its register
@@ -68,16 +72,24 @@ class QuantLinear(nn.Module):
         return self.kernels()[0]
 
     def kernels(self) -> tuple[str, ...]:
+        """The kernels the measured choice picks among (the first where nothing is chosen)."""
         if native.library() is None:
             return ("torch",)
-        int8 = set(self.quant.type_names) <= INT8_DOT_TYPES and self.in_features % 32 == 0
-        return ("int8", "dequant") if int8 else ("dequant",)
+        return ("int16", "dequant") if self._integer_dot() else ("dequant",)
+
+    def runnable(self) -> tuple[str, ...]:
+        """kernels() and those that run only where forced (int8)."""
+        return (*self.kernels(), "int8") if self._integer_dot() else self.kernels()
+
+    def _integer_dot(self) -> bool:
+        return (native.library() is not None and self.in_features % 32 == 0
+                and set(self.quant.type_names) <= INT8_DOT_TYPES)
 
     def kinds_run(self) -> set[str]:
         return set(self.choice) if self.choice is not None else {self.kernels()[0]}
 
     def set_choice(self, choice: tuple[str, ...]) -> None:
-        assert all(kind in self.kernels() for kind in choice), choice
+        assert all(kind in self.runnable() for kind in choice), choice
         self.choice = choice
 
     def release_weight(self) -> bool:

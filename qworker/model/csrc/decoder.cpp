@@ -78,7 +78,7 @@ bool proj_serves(const Proj& p, int64_t m, int64_t n, int64_t k) {
 // ends on a barrier. shared: the integer dot's scratch, m * k/32 blocks.
 template <typename T>
 void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_t n, int64_t k,
-             qw::quant::Q8Block* shared) {
+             qw::quant::ActBlock* shared) {
   if (p.pack != nullptr) {
     qw::gemm(x, static_cast<const T*>(p.pack), bias, out, m, n, k);
     return;
@@ -113,10 +113,10 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   const qw::Shape shape{m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.num_blocks,
                         d.block_size, qkv_width};
   const int64_t widest = std::max({d.hidden, q_width, d.inter});
-  std::vector<qw::quant::Q8Block> q8(m > qw::quant::kPrivateRows ? m * (widest / 32) : 0);
+  std::vector<qw::quant::ActBlock> q8(m > qw::quant::kPrivateRows ? m * (widest / 32) : 0);
   auto cast = [](const void* p) { return static_cast<const T*>(p); };
   const T* none = nullptr;
-  qw::quant::Q8Block* shared = q8.data();
+  qw::quant::ActBlock* shared = q8.data();
 #pragma omp parallel
   {
     for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier

@@ -6,13 +6,14 @@
 
 #include "quant_gemm.h"
 
-// method 0: integer dot on quantized activations; 1: rows dequantized to float32. Returns 0,
-// computing nothing, where the method does not serve this type or shape.
+// method 0: integer dot on 8-bit activations; 1: rows dequantized to float32; 2: integer dot on
+// 16-bit activations. Returns 0, computing nothing, where the method does not serve this type or
+// shape.
 extern "C" int qw_quant_gemm(int type, int method, const void* x, int64_t m, int64_t k,
                              const void* w, int64_t n, void* out, int64_t ldo) {
   using namespace qw::quant;
   if (!serves(type, method, m, k, n, ldo)) return 0;
-  std::vector<Q8Block> shared(static_cast<size_t>(m > kPrivateRows ? m * (k / 32) : 0));
+  std::vector<ActBlock> shared(static_cast<size_t>(m > kPrivateRows ? m * (k / 32) : 0));
 #pragma omp parallel
   team_gemm(type, method, static_cast<const float*>(x), m, k, static_cast<const uint8_t*>(w), n,
             static_cast<float*>(out), ldo, shared.data());

@@ -1,7 +1,8 @@
 // GGUF block formats, kept as the file stores them: each weight row is its blocks, back to back.
-// Two ways to multiply: an integer dot (the activations quantized per 32-block to 8 bits, then
-// _mm256_maddubs_epi16 / _mm256_madd_epi16 per block, as llama.cpp's AVX2 path does) for Q4_0,
-// Q4_1, Q5_0, Q5_1 and Q8_0; and dequantize to float32 (every format, the K-quants included):
+// Two ways to multiply: an integer dot for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, on the activations
+// quantized per 32-block to 16 bits (_mm256_madd_epi16 against the weights widened to 16 bits;
+// float32's results to ~1e-5) or to 8 bits (_mm256_maddubs_epi16 / _mm256_madd_epi16, as
+// llama.cpp's AVX2 path does; coarser); and dequantize to float32 (every format, K-quants too):
 // for a few activation rows a weight row at a time, dotted with each; for more, 16 weight rows at
 // a time into a panel in the float32 GEMM's packed layout, which its register tiles multiply
 // with every activation row (the dequantization paid once per 16 columns for all rows). Types
@@ -153,11 +154,24 @@ inline float dot_f32(const float* a, const float* b, int64_t k) {  // k % 32 == 
   return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-// ---- activations quantized per 32-block: q = round(x / d), d = max|x| / 127; s = d * sum(q)
+// ---- activations quantized per 32-block: q = round(x / d), d = max|x| / 127 in 8 bits (the
+// int8 dot) or max|x| / 32767 in 16 bits (the int16 dot); s = d * sum(q)
 
-struct Q8Block { float d, s; int8_t q[32]; };
+struct ActBlock {
+  float d, s;
+  union { int8_t q8[32]; int16_t q16[32]; };
+};
 
-inline void quantize_row_q8(const float* x, int64_t k, Q8Block* out) {
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  s4 = _mm_hadd_epi32(s4, s4);
+  return _mm_cvtsi128_si32(s4);
+}
+
+template <bool Wide>  // 16-bit values, else 8-bit
+inline void quantize_row(const float* x, int64_t k, ActBlock* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < k / 32; ++b, x += 32) {
     __m256 v[4], mx = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -168,25 +182,30 @@ inline void quantize_row_q8(const float* x, int64_t k, Q8Block* out) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4), d = amax / 127.0f;
+    const float amax = _mm_cvtss_f32(m4), d = amax / (Wide ? 32767.0f : 127.0f);
     const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
     __m256i i32[4];
     for (int u = 0; u < 4; ++u)
       i32[u] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[u], inv),
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    // pack 32 int32 -> 32 int8 in order (packs interleave 128-bit lanes: permute back)
+    // pack 32 int32 -> 32 int16 / int8 in order (packs interleave 128-bit lanes: permute back)
     __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-    __m256i i8 = _mm256_packs_epi16(i16a, i16b);
-    i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), i8);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i wide = _mm256_madd_epi16(_mm256_add_epi16(_mm256_cvtepi8_epi16(
-        _mm256_castsi256_si128(i8)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(i8, 1))), ones);
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    s4 = _mm_hadd_epi32(s4, s4);
+    __m256i pairs;
+    if constexpr (Wide) {
+      i16a = _mm256_permute4x64_epi64(i16a, 0xD8);
+      i16b = _mm256_permute4x64_epi64(i16b, 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q16), i16a);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q16 + 16), i16b);
+      pairs = _mm256_add_epi32(_mm256_madd_epi16(i16a, ones), _mm256_madd_epi16(i16b, ones));
+    } else {
+      __m256i i8 = _mm256_packs_epi16(i16a, i16b);
+      i8 = _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q8), i8);
+      pairs = _mm256_madd_epi16(_mm256_add_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(i8)),
+                                _mm256_cvtepi8_epi16(_mm256_extracti128_si256(i8, 1))), ones);
+    }
     out[b].d = d;
-    out[b].s = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    out[b].s = d * static_cast<float>(hsum_epi32(pairs));
   }
 }
 
@@ -227,38 +246,88 @@ template <int T> struct Block {
   }
 };
 
+struct Halves { __m256i lo, hi; };  // a block's 32 values as 2 x 16 int16
+
+// a 4-bit block's 16 bytes as int16: the low nibbles (values 0-15), the high ones (16-31)
+inline Halves nibbles16(const uint8_t* qs, int zero) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i z = _mm256_set1_epi16(static_cast<int16_t>(zero));
+  return {_mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), z),
+          _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), z)};
+}
+
+// one weight block unpacked for the dot: 32 bytes (8-bit activations), or 2 x 16 int16
+template <int T, bool Wide> struct Unpacked {
+  static auto of(const uint8_t* w) {
+    if constexpr (!Wide) {
+      return Block<T>::values(w);
+    } else if constexpr (T == Q4_0 || T == Q4_1) {
+      return nibbles16(w + (T == Q4_0 ? 2 : 4), T == Q4_0 ? 8 : 0);
+    } else if constexpr (T == Q8_0) {
+      const __m128i* q = reinterpret_cast<const __m128i*>(w + 2);
+      return Halves{_mm256_cvtepi8_epi16(_mm_loadu_si128(q)),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1))};
+    } else {  // Q5_0 (signed), Q5_1 (unsigned)
+      const __m256i v = Block<T>::values(w);
+      const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+      if constexpr (Block<T>::kUnsigned)
+        return Halves{_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)};
+      return Halves{_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)};
+    }
+  }
+};
+
+// the dot of one unpacked weight block with one activation block, as 8 int32 sums
+template <int T, bool Wide, typename W>  // W: Halves where Wide, else __m256i
+inline __m256i block_dot(const W& wv, const ActBlock& xb) {
+  if constexpr (Wide) {  // weights widened to 16 bits (2 halves), _mm256_madd_epi16 with each
+    const __m256i* x = reinterpret_cast<const __m256i*>(xb.q16);
+    return _mm256_add_epi32(_mm256_madd_epi16(wv.lo, _mm256_loadu_si256(x)),
+                            _mm256_madd_epi16(wv.hi, _mm256_loadu_si256(x + 1)));
+  } else {  // unsigned weights x signed activations (the signs moved onto the activations)
+    const __m256i aw = Block<T>::kUnsigned ? wv : _mm256_sign_epi8(wv, wv);
+    __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q8));
+    if constexpr (!Block<T>::kUnsigned) xq = _mm256_sign_epi8(xq, wv);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), _mm256_set1_epi16(1));
+  }
+}
+
 // out[r] = dot(weight row w, activation row r) for R activation rows, `stride` blocks apart:
 // each weight block is unpacked once for all R.
-template <int T, int R>
-inline void rows_dot(const uint8_t* w, const Q8Block* x, int64_t blocks, int64_t stride,
+template <int T, bool Wide, int R>
+inline void rows_dot(const uint8_t* w, const ActBlock* x, int64_t blocks, int64_t stride,
                      float* out, int64_t out_stride) {
   using B = Block<T>;
   __m256 acc[R];
-  float offsets[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); offsets[r] = 0.0f; }
-  const __m256i ones = _mm256_set1_epi16(1);
+  __m128 offsets[R];  // lane 1: the sum of a Q4_1 / Q5_1 block's minimum times s
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); offsets[r] = _mm_setzero_ps(); }
   for (int64_t b = 0; b < blocks; ++b, w += B::kBytes) {
-    const __m256i wv = B::values(w);
-    const __m256i aw = B::kUnsigned ? wv : _mm256_sign_epi8(wv, wv);
-    const float dw = half(w);
+    const auto wv = Unpacked<T, Wide>::of(w);
+    uint32_t halves;  // the block's d (and its minimum m, for the unsigned types)
+    std::memcpy(&halves, w, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(halves)));
     for (int r = 0; r < R; ++r) {
-      const Q8Block& xb = x[r * stride + b];
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
-      if constexpr (!B::kUnsigned) xq = _mm256_sign_epi8(xq, wv);
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), dot, acc[r]);
-      if constexpr (B::kUnsigned) offsets[r] += half(w + 2) * xb.s;
+      const ActBlock& xb = x[r * stride + b];
+      const __m128 scales = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd(
+          reinterpret_cast<const double*>(&xb.d))));  // d * xb.d, m * xb.s
+      const __m256 dot = _mm256_cvtepi32_ps(block_dot<T, Wide>(wv, xb));
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), dot, acc[r]);
+      if constexpr (B::kUnsigned) offsets[r] = _mm_add_ps(offsets[r], scales);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + offsets[r];
+  for (int r = 0; r < R; ++r) {
+    float tail[4];
+    _mm_storeu_ps(tail, offsets[r]);
+    out[r * out_stride] = hsum(acc[r]) + (B::kUnsigned ? tail[1] : 0.0f);
+  }
 }
 
 // ---- whole layers, called by every thread of an OpenMP team (inside a parallel region): the
 // threads split the weight rows; each call ends on the barrier of its `omp for`
 
-template <int T>
-inline void team_int8_rows(const Q8Block* xq, const uint8_t* w, int64_t m, int64_t n, int64_t k,
-                           float* out, int64_t ldo) {
+template <int T, bool Wide>
+inline void team_int_rows(const ActBlock* xq, const uint8_t* w, int64_t m, int64_t n, int64_t k,
+                          float* out, int64_t ldo) {
   constexpr int64_t kRows = 4;  // activation rows per pass over a weight row
   const int64_t blocks = k / 32, row_bytes = blocks * Block<T>::kBytes;
 #pragma omp for schedule(static)
@@ -266,36 +335,39 @@ inline void team_int8_rows(const Q8Block* xq, const uint8_t* w, int64_t m, int64
     const uint8_t* row = w + r * row_bytes;
     int64_t i = 0;
     for (; i + kRows <= m; i += kRows)
-      rows_dot<T, kRows>(row, xq + i * blocks, blocks, blocks, out + i * ldo + r, ldo);
-    for (; i < m; ++i) rows_dot<T, 1>(row, xq + i * blocks, blocks, blocks, out + i * ldo + r, ldo);
+      rows_dot<T, Wide, kRows>(row, xq + i * blocks, blocks, blocks, out + i * ldo + r, ldo);
+    for (; i < m; ++i)
+      rows_dot<T, Wide, 1>(row, xq + i * blocks, blocks, blocks, out + i * ldo + r, ldo);
   }
 }
 
 constexpr int64_t kPrivateRows = 8;  // up to this many rows each thread quantizes them all
 
-// out[m, ldo] (its first n columns) = x[m, k] W^T by the integer dot. shared: scratch of
-// m * k/32 blocks, used (by all threads) only above kPrivateRows rows; below, each thread
-// quantizes every row for itself, which spares the team a barrier (on a busy machine a barrier
-// waits for every thread to be scheduled: the larger cost).
-inline void team_int8_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
-                           int64_t n, float* out, int64_t ldo, Q8Block* shared) {
+// out[m, ldo] (its first n columns) = x[m, k] W^T by the integer dot on 8-bit or (Wide) 16-bit
+// activations. shared: scratch of m * k/32 blocks, used (by all threads) only above
+// kPrivateRows rows; below, each thread quantizes every row for itself, which spares the team
+// a barrier (on a busy machine a barrier waits for every thread to be scheduled: the larger
+// cost).
+template <bool Wide>
+inline void team_int_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
+                          int64_t n, float* out, int64_t ldo, ActBlock* shared) {
   const int64_t blocks = k / 32;
-  const Q8Block* xq = shared;
+  const ActBlock* xq = shared;
   if (m <= kPrivateRows) {
-    thread_local std::vector<Q8Block> mine;
+    thread_local std::vector<ActBlock> mine;
     mine.resize(static_cast<size_t>(m * blocks));
-    for (int64_t i = 0; i < m; ++i) quantize_row_q8(x + i * k, k, mine.data() + i * blocks);
+    for (int64_t i = 0; i < m; ++i) quantize_row<Wide>(x + i * k, k, mine.data() + i * blocks);
     xq = mine.data();
   } else {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) quantize_row_q8(x + i * k, k, shared + i * blocks);
+    for (int64_t i = 0; i < m; ++i) quantize_row<Wide>(x + i * k, k, shared + i * blocks);
   }
   switch (type) {
-    case Q4_0: team_int8_rows<Q4_0>(xq, w, m, n, k, out, ldo); break;
-    case Q4_1: team_int8_rows<Q4_1>(xq, w, m, n, k, out, ldo); break;
-    case Q5_0: team_int8_rows<Q5_0>(xq, w, m, n, k, out, ldo); break;
-    case Q5_1: team_int8_rows<Q5_1>(xq, w, m, n, k, out, ldo); break;
-    default: team_int8_rows<Q8_0>(xq, w, m, n, k, out, ldo); break;
+    case Q4_0: team_int_rows<Q4_0, Wide>(xq, w, m, n, k, out, ldo); break;
+    case Q4_1: team_int_rows<Q4_1, Wide>(xq, w, m, n, k, out, ldo); break;
+    case Q5_0: team_int_rows<Q5_0, Wide>(xq, w, m, n, k, out, ldo); break;
+    case Q5_1: team_int_rows<Q5_1, Wide>(xq, w, m, n, k, out, ldo); break;
+    default: team_int_rows<Q8_0, Wide>(xq, w, m, n, k, out, ldo); break;
   }
 }
 
@@ -408,19 +480,21 @@ inline void team_dequant_gemm(int type, const float* x, int64_t m, int64_t k, co
   }
 }
 
-enum Method : int { kInt8 = 0, kDequant = 1 };
+enum Method : int { kInt8 = 0, kDequant = 1, kInt16 = 2 };
 
 inline bool serves(int type, int method, int64_t m, int64_t k, int64_t n, int64_t ldo) {
   const Format f = format(type);
   if (f.elems == 0 || k % f.elems || k % 32 || m <= 0 || ldo < n) return false;
-  return method == kDequant || (method == kInt8 && int8_dot_serves(type));
+  return method == kDequant || ((method == kInt8 || method == kInt16) && int8_dot_serves(type));
 }
 
 // one of the above by method (only where `serves`); shared: m * k/32 blocks of scratch
 inline void team_gemm(int type, int method, const float* x, int64_t m, int64_t k,
-                      const uint8_t* w, int64_t n, float* out, int64_t ldo, Q8Block* shared) {
+                      const uint8_t* w, int64_t n, float* out, int64_t ldo, ActBlock* shared) {
   if (method == kInt8)
-    team_int8_gemm(type, x, m, k, w, n, out, ldo, shared);
+    team_int_gemm<false>(type, x, m, k, w, n, out, ldo, shared);
+  else if (method == kInt16)
+    team_int_gemm<true>(type, x, m, k, w, n, out, ldo, shared);
   else
     team_dequant_gemm(type, x, m, k, w, n, out, ldo);
 }
