@@ -159,11 +159,15 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_cached", "num"), [(0, 1), (0, 37), (0, 130), (20, 50), (300, 7)])
+@pytest.mark.parametrize(("num_cached", "num", "block_size"), [
+    (0, 1, 16), (0, 37, 16), (0, 130, 16), (20, 50, 16), (300, 7, 16),
+    (1100, 21, 16),  # a long cached context, as a cached prefix's suffix reads it
+    (250, 19, 256),  # blocks longer than the flash kernel's key panels
+])
 def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, num_cached: int,
-                                                 num: int) -> None:
+                                                 num: int, block_size: int) -> None:
     gen = torch.Generator().manual_seed(num_cached + num)
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    heads, kv_heads, head_dim = 9, 3, 64
     total = num_cached + num
     num_blocks = -(-total // block_size) + 3
     cache_k = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)

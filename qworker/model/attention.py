@@ -4,8 +4,9 @@ The cache of one layer is `[kv_heads, blocks, block_size, head_dim]`, read as ro
 (`[kv_heads * blocks, block_size * head_dim]`): a sequence's keys are one `index_select` of rows,
 already in the `[kv_heads, tokens, head_dim]` layout attention consumes. Decodes (one new token per
 sequence) are attended in two batched matmuls per group of similar lengths; prefill chunks one at a
-time with the fused SDPA kernel. Grouped-query attention is folded into the query axis: K/V are
-never repeated.
+time, by the native flash kernel where it serves the cache (first and later chunks alike: it reads
+the cached context in place), else by PyTorch's fused SDPA kernel. Grouped-query attention is
+folded into the query axis: K/V are never repeated.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class AttentionPlan:
             decodes.append(DecodePlan(d, rows(d.block_tables), bias[None, :, None]))
         masks: list[torch.Tensor | None] = []
         for chunk in batch.prefills:
-            if chunk.num_cached == 0:
+            if chunk.num_cached == 0 or native.serves(cache_k):  # the kernel masks by itself
                 masks.append(None)
                 continue
             total = chunk.num_cached + chunk.end - chunk.start
@@ -108,9 +109,9 @@ def paged_attention(
     for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
                                        plan.prefill_masks, strict=True):
         rows = slice(chunk.start, chunk.end)
-        if mask is None and plan.fused:  # a first chunk, read back from the cache just written
+        if plan.fused:  # read back from the cache just written, after its cached tokens
             out[rows] = native.prefill_attention(q[rows], cache_k, cache_v, chunk.block_table,
-                                                 0, scale)
+                                                 chunk.num_cached, scale)
         elif mask is None:  # a first chunk: its own keys are all there is, causal
             out[rows] = _causal(q[rows], k[rows], v[rows], scale)
         else:

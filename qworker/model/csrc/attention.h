@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "flash_prefill.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -377,12 +378,38 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
              0, k_cache, v_cache, s, scale, buf);
 }
 
+#if defined(QW_FLASH_PREFILL)
+// the flash tasks (flash_prefill.h): tiles of kFlashRows query rows, each through one KV head
+template <typename T>
+void flash_prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, T* out,
+                   const Shape& s, int64_t cached, int64_t count, double scale) {
+  const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
+  const int64_t tile = kFlashRows / group, tiles = (count + tile - 1) / tile;
+  FlashScratch buf;
+#pragma omp for collapse(2) schedule(dynamic)
+  for (int64_t k = 0; k < tiles; ++k)
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t first = k * tile;
+      flash_attend(q + first * s.q_stride + h * group_width, s.q_stride,
+                   std::min(tile, count - first), cached + first + 1, table, h,
+                   out + first * s.heads * s.head_dim + h * group_width, s.heads * s.head_dim,
+                   k_cache, v_cache, s.num_blocks, s.block_size, group, s.head_dim, scale, buf);
+    }
+}
+#endif
+
 // a prefill chunk: `count` query tokens of one sequence after `cached` tokens, causal; queries
-// go in tiles small enough that a tile's scores stay in cache
+// go in tiles small enough that a tile's scores stay in cache (flash tiles where they serve)
 template <typename T>
 void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                        T* out, const Shape& s, int64_t cached, int64_t count, double scale) {
   const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
+#if defined(QW_FLASH_PREFILL)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (flash_serves(s.head_dim, group)) return flash_prefill(q, k_cache, v_cache, table, out, s,
+                                                              cached, count, scale);
+  }
+#endif
   const int64_t tile = std::clamp<int64_t>((64 << 10) / (group * (cached + count)), 1, 16);
   const int64_t tiles = (count + tile - 1) / tile;
   Scratch<T> buf;
