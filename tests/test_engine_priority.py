@@ -251,6 +251,18 @@ def test_no_ping_pong_between_equal_priorities_or_two_levels() -> None:
             assert 0 < e.num_preemptions < 20
 
 
+def test_a_block_shortage_preempts_by_priority_and_arrival_not_by_rank() -> None:
+    """Three equal jobs that outgrow a pool of 12 blocks: the newest is preempted, waits, and
+    comes back last. By rank (which improves while it waits) it would come back ahead and
+    preempt another, in turn for ever: nobody finished in 2000 steps that way."""
+    e, clock = aged(max_num_seqs=3, num_blocks=12, prefill_chunk=4, watermark=0.0)
+    for k in range(3):
+        e.add(request(f"j{k}", 0, max_tokens=30, prompt_len=4))
+    outs = run_ticking(e, clock, 100)
+    assert not e.has_unfinished() and e.num_preemptions <= 6
+    assert [o.request_id for o in outs if o.finished] == ["j0", "j1", "j2"]
+
+
 def check_priority(engine: EngineCore) -> None:
     """Wraps the scheduler: after each decision no running sequence outranks a victim, and
     (unless the step preempted for blocks, ran alone or spent its budget) the waiting head
@@ -263,13 +275,16 @@ def check_priority(engine: EngineCore) -> None:
         aging = scheduler.aging
         pressure = len(step.preempted) > len(step.displaced)
         if pressure:
-            worst = max((aging.key(seq) for seq in scheduler.running), default=(-1e300, -1))
-            assert worst < min(map(aging.key, step.preempted)), "a better one preempted"
+            order = aging.preemption_key
+            worst = max((order(seq) for seq in scheduler.running), default=(-10**9, -1))
+            assert worst < min(map(order, step.preempted)), "a better one preempted"
         assert all(any(seq is p for p in step.preempted) for seq in step.displaced)
+        # each for one of a better priority and rank: started in this step, or still the head
+        # (it displaces the worst first until it fits, and may not fit even then)
         started = [seq for seq, _ in step.work if seq.status is Status.RUNNING]
-        for victim in step.displaced:  # for one of a better priority and rank
-            assert any(seq.priority < victim.priority
-                       and aging.rank(seq) < aging.rank(victim) for seq in started)
+        for victim in step.displaced:
+            assert any(aging.may_displace(seq.priority, aging.rank(seq), victim)
+                       for seq in started + scheduler.waiting[:1] if seq is not victim)
         alone = any(seq.isolate for seq in scheduler.running)
         head = scheduler.waiting[0] if scheduler.waiting else None
         if (head is not None and not pressure and not alone and head not in step.displaced

@@ -10,6 +10,13 @@ sequence's current rank is that key less the clock. A = 0 is strict priority (ra
 Displacement needs a strictly better priority *and* a better rank (`displaces`): equal priorities
 never displace each other (no time-slicing), two levels never in both directions (no ping-pong),
 and a sequence that waited (levels apart) x A is displaced by no newer arrival of a level.
+
+A block shortage among running sequences preempts by `preemption_key` instead: the worst
+priority, the newest of equals. It must not change when a sequence is preempted: a rank that
+improves while the preempted one waits would make it preempt the others in turn when it comes
+back, and sequences of one level could take turns being recomputed for ever (a pool too small
+for all of them: nobody finishes). It agrees with displacement: the head only displaces worse
+priorities, the first to go when blocks run short.
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ class Aging:
     def key(self, seq: Sequence) -> tuple[float, int]:
         """Its rank now, ties by arrival (kept across preemption: the older first)."""
         return (self.rank(seq), seq.arrival)
+
+    @staticmethod
+    def preemption_key(seq: Sequence) -> tuple[int, int]:
+        """The running list's order: a block shortage preempts the last (it never changes)."""
+        return (seq.priority, seq.arrival)
 
     def wait_key(self, seq: Sequence) -> tuple[float, int]:
         """The waiting queue's order: the rank it had at clock 0 had it waited all along, which

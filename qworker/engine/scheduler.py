@@ -2,27 +2,27 @@
 
 Running sequences go first, oldest first: a decode takes one token, a prefill a chunk of at most
 `prefill_chunk` tokens from the step's `max_batched_tokens` budget (decodes do not spend it). When a
-running sequence needs a block and none is free, the newest running sequence is preempted (possibly
-itself), so nobody is ever preempted for a later arrival. Waiting sequences are then admitted in
-(priority, arrival) order while the budget, `max_num_seqs` and the free blocks (less a watermark)
-allow; nothing is admitted in a step that had to preempt. With prefix caching a sequence starts
-from its longest cached prefix (block_manager.py): those tokens and blocks are already there. A
-waiting sequence whose next block a running one is computing ("in flight": in its block table, not
-yet complete) is held back, keeping its slot and blocks, until that block is cached; those behind
-it may start meanwhile. So requests that arrive together with a shared prefix compute it once. It
-cannot deadlock: the in-flight set is recomputed every step from the running sequences, so a
-writer that is preempted, aborted or fails no longer holds anyone back.
+running sequence needs a block and none is free, the newest of the worst priority is preempted
+(possibly itself), so nobody is preempted for a later arrival of its priority. Waiting sequences
+are then admitted in rank order while the budget, `max_num_seqs` and the free blocks (less a
+watermark) allow; nothing is admitted in a step that had to preempt. With prefix caching a
+sequence starts from its longest cached prefix (block_manager.py): those tokens and blocks are
+already there. A waiting sequence whose next block a running one is computing ("in flight": in
+its block table, not yet complete) is held back, keeping its slot and blocks, until that block is
+cached; those behind it may start meanwhile. So requests that arrive together with a shared
+prefix compute it once. It cannot deadlock: the in-flight set is recomputed every step from the
+running sequences, so a writer that is preempted, aborted or fails no longer holds anyone back.
 
 Isolation: a sequence with `isolate` set (a job whose earlier runs may have crashed their process)
 runs in steps of its own until it has sampled a token: when it is running, or at the head of the
 waiting queue with room for its whole prefill, the step is that sequence alone and the others wait;
 otherwise nothing is admitted behind it. So whatever it does to a step, no other sequence was in it.
 
-Priority: queues and the running list are in rank order (aging.py: the priority aged by the time
-waited, frozen while running; ties by arrival, kept across preemption). A block shortage preempts
-the worst-ranked running sequence, the newest of equals. A waiting head that does not fit (no
-slot, no blocks) preempts running sequences of a worse priority that it outranks until it fits
-(`_displace`).
+Priority (aging.py): the waiting queue is in rank order (the priority aged by the time waited,
+frozen while running; ties by arrival, kept across preemption), the running list in (priority,
+arrival) order: a block shortage preempts the worst priority, the newest of equals. A waiting
+head that does not fit (no slot, no blocks) preempts running sequences of a worse priority that
+it outranks until it fits (`_displace`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Scheduler:
         self.blocks = blocks
         self.aging = aging
         self.waiting: list[Sequence] = []  # sorted by aging.wait_key
-        self.running: list[Sequence] = []  # in rank order, then admission order
+        self.running: list[Sequence] = []  # by aging.preemption_key (after admission appends)
 
     def add(self, seq: Sequence) -> None:
         """It waits (new, or preempted: it ages again from what it had waited)."""
@@ -83,7 +83,7 @@ class Scheduler:
         """budget: prefill tokens this step may take (at most, and by default, the limit's)."""
         step = ScheduledStep()
         limit = self.limits.max_batched_tokens
-        self.running.sort(key=self.aging.key)  # admission appends; rank order again (frozen)
+        self.running.sort(key=self.aging.preemption_key)  # admission appends; in order again
         if not self._schedule_alone(step, limit):
             total = limit if budget is None else min(budget, limit)
             self._schedule_running(step, total)
@@ -120,7 +120,7 @@ class Scheduler:
             self.aging.stop_waiting(seq)
             self.blocks.share(seq, self.blocks.cached_prefix(seq))
             seq.status = Status.RUNNING
-            bisect.insort(self.running, seq, key=self.aging.key)
+            bisect.insort(self.running, seq, key=self.aging.preemption_key)
         n = min(seq.num_pending, self.limits.prefill_chunk, budget)
         if self._make_room(seq, seq.num_computed + n, step):
             self.blocks.grow(seq, seq.num_computed + n)
