@@ -60,7 +60,8 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     output_token_ids: list[int] = field(default_factory=list)
     priority: int = 0  # lower runs first, as in vLLM
-    # seconds it already waited before this add (a job since first queued): counts for aging
+    # seconds it already waited before this add (a job: in Redis, not while it ran before a
+    # requeue; the service's Taken.waited_ms): it counts for aging (aging.py)
     queued_s: float = 0.0
     # run alone, in a step of its own, until it has produced a token: a job whose earlier runs
     # may have crashed their process (a reclaimed entry delivered more than once)
