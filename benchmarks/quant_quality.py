@@ -85,7 +85,7 @@ def agreement(model: LlamaModel, sequences: list[list[int]],
         positions += len(tokens)
         log_p, log_q = ref.log_softmax(-1), got.log_softmax(-1)
         kl_sum += float((log_p.exp() * (log_p - log_q)).sum())
-    return round(agree / positions, 4), round(kl_sum / positions, 5)
+    return round(agree / positions, 4), float(f"{kl_sum / positions:.3g}")
 
 
 def greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -67,6 +67,31 @@ def test_buckets_beyond_the_largest_step_are_not_measured(tmp_path: Path) -> Non
     assert measured == {k: [1.0, 1.0, None, None, None] for k in ("onednn", "plain")}
 
 
+def test_short_calls_are_timed_more_often_up_to_a_bound() -> None:
+    layer = _layers(("onednn", "plain"), count=1)[0]
+    calls: dict[float, int] = {}
+
+    def timer(kind: str, rows: int, run: object) -> float:  # 1 ms at one row, 0.1 us at 8
+        seconds = 1e-3 if rows == 1 else 1e-7
+        calls[seconds] = calls.get(seconds, 0) + 1
+        return seconds
+
+    kernel_choice.measure(layer, 8, timer)
+    per_kind = {s: n // 2 for s, n in calls.items()}
+    assert abs(per_kind[1e-3] - kernel_choice.MEASURE_S / 1e-3) <= 1  # float sums
+    assert per_kind[1e-7] == kernel_choice.MAX_ROUNDS
+
+
+def test_a_cached_choice_of_a_kernel_no_longer_offered_is_measured_again(
+        tmp_path: Path) -> None:
+    old = _layers(("onednn", "plain"), count=1)
+    chosen = kernel_choice.choose([(old[0], 1)], tmp_path, lambda kind, rows, run: 1.0)
+    assert chosen == {"48x32:float32": ("onednn",) * len(BUCKETS)}
+    now = _layers(("native", "plain"), count=1)  # "onednn" gone (as int8 for quantized layers)
+    again = kernel_choice.choose([(now[0], 1)], tmp_path, lambda kind, rows, run: 1.0)
+    assert again == {"48x32:float32": ("native",) * len(BUCKETS)}
+
+
 def test_a_layer_with_one_kernel_is_not_measured(tmp_path: Path) -> None:
     layer = _layers(("plain",), count=1)[0]
     assert kernel_choice.choose([(layer, 512)], tmp_path, lambda kind, rows, run: 1 / 0) == {}
