@@ -203,11 +203,77 @@ inline __m256 sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
 }
 
+// Up to 64 keys against MR (1..3) query rows held in registers, 32 dimensions at a time: each
+// key row is read once for the MR rows (4 loads for 12 FMAs). Each (row, key) leaves an 8-lane
+// partial sum in `part` ([MR][64][8], added over the dimension slices), summed up at the end.
+template <int MR, typename T>
+void dots_rows(const float* q, const T* keys, int64_t n, int64_t d, int64_t stride,
+               float* scores) {
+  static_assert(MR >= 1 && MR <= 3);
+  alignas(32) float part[MR * 64 * 8];
+  for (int64_t k = 0; k < d; k += 32) {
+#define QW_ROWS(X) X(0) X(1) X(2)
+#define QW_LOAD(r)                                                                  \
+  __m256 q##r##a = _mm256_setzero_ps(), q##r##b = q##r##a, q##r##c = q##r##a,       \
+         q##r##d = q##r##a;                                                         \
+  if constexpr (r < MR) {                                                           \
+    q##r##a = _mm256_loadu_ps(q + r * d + k);                                       \
+    q##r##b = _mm256_loadu_ps(q + r * d + k + 8);                                   \
+    q##r##c = _mm256_loadu_ps(q + r * d + k + 16);                                  \
+    q##r##d = _mm256_loadu_ps(q + r * d + k + 24);                                  \
+  }
+#define QW_STEP(r)                                                                  \
+  if constexpr (r < MR) {                                                           \
+    __m256 sum = _mm256_mul_ps(q##r##a, k0);                                        \
+    sum = _mm256_fmadd_ps(q##r##b, k1, sum);                                        \
+    sum = _mm256_fmadd_ps(q##r##c, k2, sum);                                        \
+    sum = _mm256_fmadd_ps(q##r##d, k3, sum);                                        \
+    float* at = part + (r * 64 + j) * 8;                                            \
+    _mm256_store_ps(at, k == 0 ? sum : _mm256_add_ps(sum, _mm256_load_ps(at)));     \
+  }
+    QW_ROWS(QW_LOAD)
+    for (int64_t j = 0; j < n; ++j) {
+      const T* key = keys + j * d + k;
+      const __m256 k0 = load8(key), k1 = load8(key + 8), k2 = load8(key + 16);
+      const __m256 k3 = load8(key + 24);
+      QW_ROWS(QW_STEP)
+    }
+#undef QW_ROWS
+#undef QW_LOAD
+#undef QW_STEP
+  }
+  for (int r = 0; r < MR; ++r) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 v[8];
+      for (int t = 0; t < 8; ++t) v[t] = _mm256_load_ps(part + (r * 64 + j + t) * 8);
+      _mm256_storeu_ps(scores + r * stride + j, sum8(v));
+    }
+    for (; j < n; ++j) {
+      const float* at = part + (r * 64 + j) * 8;
+      float total = 0;
+      for (int t = 0; t < 8; ++t) total += at[t];
+      scores[r * stride + j] = total;
+    }
+  }
+}
+
 // 8 key rows at a time (widened to float once, unless float already), dotted with every query
-// head of the group
+// head of the group; with head sizes of whole 32s, query rows by 3 and keys by 64 (dots_rows)
 template <typename T>
 void dots(const float* q, const T* keys, int64_t n, int64_t d, int64_t group, int64_t stride,
           float* scores) {
+  if (d % 32 == 0 && d <= kMaxHeadDim) {
+    for (int64_t j = 0; j < n; j += 64) {
+      const int64_t m = std::min<int64_t>(64, n - j);
+      int64_t r = 0;
+      for (; r + 3 <= group; r += 3)
+        dots_rows<3>(q + r * d, keys + j * d, m, d, stride, scores + r * stride + j);
+      if (group - r == 2) dots_rows<2>(q + r * d, keys + j * d, m, d, stride, scores + r * stride + j);
+      if (group - r == 1) dots_rows<1>(q + r * d, keys + j * d, m, d, stride, scores + r * stride + j);
+    }
+    return;
+  }
   int64_t j = 0;
   if (vectorised(d)) {
     alignas(32) float wide[std::is_same_v<T, float> ? 1 : 8 * kMaxHeadDim];
@@ -269,9 +335,62 @@ void weigh_rows_tiled(const float* weights, const T* values, int64_t n, int64_t 
   }
 }
 
+// MR (1..3) rows over 32 dimensions: 12 accumulators, spelled out (arrays of them GCC stores to
+// the stack every step); per value row 4 loads and 3 broadcasts for 12 FMAs
+template <int MR, typename T>
+void weigh_tile32(const float* weights, const T* values, int64_t n, int64_t d, int64_t stride,
+                  float* acc) {
+  static_assert(MR >= 1 && MR <= 3);
+#define QW_ROWS(X) X(0) X(1) X(2)
+#define QW_LOAD(r)                                                                  \
+  __m256 a##r = _mm256_setzero_ps(), b##r = a##r, c##r = a##r, e##r = a##r;         \
+  if constexpr (r < MR) {                                                           \
+    a##r = _mm256_loadu_ps(acc + r * d);                                            \
+    b##r = _mm256_loadu_ps(acc + r * d + 8);                                        \
+    c##r = _mm256_loadu_ps(acc + r * d + 16);                                       \
+    e##r = _mm256_loadu_ps(acc + r * d + 24);                                       \
+  }
+#define QW_STEP(r)                                                                  \
+  if constexpr (r < MR) {                                                           \
+    const __m256 p = _mm256_broadcast_ss(weights + r * stride + j);                 \
+    a##r = _mm256_fmadd_ps(p, v0, a##r);                                            \
+    b##r = _mm256_fmadd_ps(p, v1, b##r);                                            \
+    c##r = _mm256_fmadd_ps(p, v2, c##r);                                            \
+    e##r = _mm256_fmadd_ps(p, v3, e##r);                                            \
+  }
+#define QW_STORE(r)                                                                 \
+  if constexpr (r < MR) {                                                           \
+    _mm256_storeu_ps(acc + r * d, a##r);                                            \
+    _mm256_storeu_ps(acc + r * d + 8, b##r);                                        \
+    _mm256_storeu_ps(acc + r * d + 16, c##r);                                       \
+    _mm256_storeu_ps(acc + r * d + 24, e##r);                                       \
+  }
+  QW_ROWS(QW_LOAD)
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = values + j * d;
+    const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+    QW_ROWS(QW_STEP)
+  }
+  QW_ROWS(QW_STORE)
+#undef QW_ROWS
+#undef QW_LOAD
+#undef QW_STEP
+#undef QW_STORE
+}
+
 template <typename T>
 void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t rows,
            int64_t stride, float* acc) {
+  if (d % 32 == 0) {  // rows by 3, dims by 32: a decode's group of 3 query heads in one pass
+    for (int64_t k = 0; k < d; k += 32) {
+      int64_t r = 0;
+      for (; r + 3 <= rows; r += 3)
+        weigh_tile32<3>(weights + r * stride, values + k, n, d, stride, acc + r * d + k);
+      if (rows - r == 2) weigh_tile32<2>(weights + r * stride, values + k, n, d, stride, acc + r * d + k);
+      if (rows - r == 1) weigh_tile32<1>(weights + r * stride, values + k, n, d, stride, acc + r * d + k);
+    }
+    return;
+  }
   // float values: the compiler's vectorised loop was as fast on a Zen 1 (bfloat16 tiles: 1.35x)
   if (!vectorised(d) || std::is_same_v<T, float>)
     return weigh_scalar(weights, values, n, d, rows, stride, acc);
