@@ -184,6 +184,7 @@ def test_a_long_running_low_job_stays_displaceable() -> None:
     e.step()
     run_ticking(e, clock, 100, dt=10.0)  # 1000 s of running
     assert running(e) == ["low"]
+    assert e.free_slots() == 0 and e.free_slots(1) == 0 and e.free_slots(0) == 1
     e.add(request("high", 0, max_tokens=3))
     e.step()
     assert [s.request_id for s in e.last_schedule.displaced] == ["low"]
@@ -201,6 +202,7 @@ def test_a_low_job_that_waited_is_protected_by_its_wait() -> None:
         run_ticking(e, clock, 25)  # "first" finishes, "low" starts having waited 25 s: rank -15
         assert running(e) == ["low"]
         run_ticking(e, clock, 30)  # running does not age it further
+        assert [e.free_slots(p) for p in (1, 0, -1, -2)] == [0, 0, 0, 1]  # as displacement
         e.add(request("new", urgent, max_tokens=3))  # at its step rank -1, -11, -21
         outs = run_ticking(e, clock, 5)
         assert e.num_preemptions == int(displaced), urgent
