@@ -9,7 +9,8 @@ at once. Prints one JSON line per run (useful output tokens/s, TTFT p50 / p90, p
 and a summary with the same-run ratios: cached vs uncached throughput and TTFT p50 (target: at
 most 0.2x), and on workload v1 (no shared prefixes; `--v1-requests` of it) the cost of caching
 (target: under 2%), each the median over `--rounds` rounds of alternating order. `--caching on`
-(or `off`) runs only that side: its JSON lines, no ratios (cache off at full size is slow).
+(or `off`) runs only that side: its JSON lines, no on / off ratios (cache off at full size is
+slow); with `--caching on` the vLLM ratios below still come.
 
 With `--vllm-model-dir`, each shared-prefix round also runs the same requests through vLLM CPU
 with its prefix caching on (benchmarks.peers_vllm in vLLM's own venv, `--vllm-python`, one
@@ -111,7 +112,7 @@ def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineCo
             modes: tuple[bool, ...] = (False, True), peer: Peer | None = None
             ) -> dict[str, float]:
     """Runs off and on (those of `modes`) `rounds` times, alternating which goes first, then
-    `peer` if any (with both modes); median same-round ratios."""
+    `peer` if any (after a cache-on run); median same-round ratios."""
     throughput, ttft, peer_throughput, peer_ttft = [], [], [], []
     for k in range(rounds):
         order = (False, True) if k % 2 == 0 else (True, False)
@@ -122,21 +123,20 @@ def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineCo
             got[caching] = run(model, tokenizer, replace(config, prefix_caching=caching), items)
             print(json.dumps({**common, "workload": name, "round": k, **got[caching]}),
                   flush=True)
-        if len(got) < 2:
-            continue  # one mode only (--caching): its runs, no ratios
-        throughput.append(ratio(got[True], got[False], "useful_out_tok_s"))
-        ttft.append(ratio(got[True], got[False], "ttft_p50_s"))
-        if peer is not None:
+        if len(got) == 2:  # both ran (not --caching on / off): the on / off ratios
+            throughput.append(ratio(got[True], got[False], "useful_out_tok_s"))
+            ttft.append(ratio(got[True], got[False], "ttft_p50_s"))
+        if peer is not None and True in got:
             other = peer()
             print(json.dumps({"workload": name, "round": k, **other}), flush=True)
             assert other["fingerprint"] == fingerprint(items), "vLLM ran other requests"
             peer_throughput.append(ratio(got[True], other, "useful_out_tok_s"))
             peer_ttft.append(ratio(got[True], other, "ttft_p50_s"))
-    if not throughput:
-        return {}
-    result = {"throughput_ratio": round(statistics.median(throughput), 3),
-              "ttft_p50_ratio": round(statistics.median(ttft), 3)}
-    if peer is not None:
+    result = {}
+    if throughput:
+        result = {"throughput_ratio": round(statistics.median(throughput), 3),
+                  "ttft_p50_ratio": round(statistics.median(ttft), 3)}
+    if peer_throughput:
         result["vs_vllm_throughput_ratio"] = round(statistics.median(peer_throughput), 3)
         result["vs_vllm_ttft_p50_ratio"] = round(statistics.median(peer_ttft), 3)
     return result
