@@ -10,7 +10,7 @@ import torch
 
 from qworker.model import kernel_choice, native
 from qworker.model.quant_linear import QuantLinear, quant_lookup
-from qworker.model.quant_weight import INT8_DOT_TYPES, QuantWeight
+from qworker.model.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight
 from tests.quant_fixtures import KEPT, random_blocks
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
@@ -37,19 +37,19 @@ def test_quantized_matmul_matches_dequantize_then_matmul(kind: gguf.GGMLQuantiza
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     x[-1, 32:64] = 0  # a block of zeros: its scale is 0
     layer = QuantLinear(QuantWeight.of(kind.name, torch.from_numpy(raw), cols), None)
-    integer = kind.name in INT8_DOT_TYPES
-    assert layer.kernels() == (("int16", "dequant") if integer else ("dequant",))
-    assert set(layer.runnable()) == set(layer.kernels()) | ({"int8"} if integer else set())
+    wide, narrow = kind.name in INT16_DOT_TYPES, kind.name in INT8_DOT_TYPES
+    assert layer.kernels() == (("int16", "dequant") if wide else ("dequant",))
+    assert set(layer.runnable()) == set(layer.kernels()) | ({"int8"} if narrow else set())
     plain = x.astype(np.float64) @ w.T
     scale = np.abs(plain).max()
     got = layer.run("dequant", torch.from_numpy(x)).double().numpy()
     np.testing.assert_allclose(got, plain, atol=1e-5 * scale, rtol=0)
-    if integer:  # each within float32's rounding of its own view of x, and that near float's
-        for kernel, top, error in (("int16", 32767, 1e-4), ("int8", 127, 0.03)):
-            want = _activations_quantized(x, top).astype(np.float64) @ w.T
-            got = layer.run(kernel, torch.from_numpy(x)).double().numpy()
-            np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=0)
-            assert np.abs(got - plain).max() < error * scale, kernel
+    integer = [("int16", 32767, 1e-4)] * wide + [("int8", 127, 0.03)] * narrow
+    for kernel, top, error in integer:  # each within float32's rounding of its own view of x,
+        want = _activations_quantized(x, top).astype(np.float64) @ w.T  # and that near float's
+        got = layer.run(kernel, torch.from_numpy(x)).double().numpy()
+        np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=0)
+        assert np.abs(got - plain).max() < error * scale, kernel
 
 
 @pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)

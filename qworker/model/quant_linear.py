@@ -4,10 +4,11 @@ a quantized embedding. Activations run in float32 (converted from and back to th
 The kernels ("kinds"):
 - "int16": the native integer dot on activations quantized per 32-block to 16 bits (d =
   max|x| / 32767), `_mm256_madd_epi16` against the weights widened to 16 bits; Q4_0, Q4_1,
-  Q5_0, Q5_1 and Q8_0. Its logits are the float32 model's to ~1e-5 of their range;
-- "int8": the same on 8-bit activations (llama.cpp's scheme): up to ~10% faster at one row, but
-  its rounding flips the top token at ~3% of positions (benchmarks/quant_quality.py), so it is
-  never chosen, only run where forced (`run`, `set_choice`), to compare;
+  Q5_0, Q5_1, Q8_0 and Q4_K (by its 32-value sub-blocks, each with its 6-bit scale and
+  minimum). Its logits are the float32 model's to ~1e-5 of their range;
+- "int8": the same on 8-bit activations (llama.cpp's scheme; not Q4_K): 5-10% faster at one
+  row, but its rounding flips the top token at 1-3% of positions (benchmarks/quant_quality.py),
+  so it is never chosen, only run where forced (`run`, `set_choice`), to compare;
 - "dequant": native, the weights dequantized to float32, every format (the K-quants too): for
   a few activation rows a weight row at a time (in L1), dotted with each; from 4 rows on, 16
   weight rows at a time into a panel of the float32 GEMM's layout (in L2), which its register
@@ -25,7 +26,7 @@ from torch import nn
 
 from qworker.model import kernel_choice, native
 from qworker.model.embedding import RowLookup
-from qworker.model.quant_weight import INT8_DOT_TYPES, QuantWeight, Segment
+from qworker.model.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight, Segment
 
 
 class QuantLinear(nn.Module):
@@ -75,15 +76,15 @@ class QuantLinear(nn.Module):
         """The kernels the measured choice picks among (the first where nothing is chosen)."""
         if native.library() is None:
             return ("torch",)
-        return ("int16", "dequant") if self._integer_dot() else ("dequant",)
+        return ("int16", "dequant") if self._integer_dot(INT16_DOT_TYPES) else ("dequant",)
 
     def runnable(self) -> tuple[str, ...]:
         """kernels() and those that run only where forced (int8)."""
-        return (*self.kernels(), "int8") if self._integer_dot() else self.kernels()
+        return (*self.kernels(), "int8") if self._integer_dot(INT8_DOT_TYPES) else self.kernels()
 
-    def _integer_dot(self) -> bool:
+    def _integer_dot(self, types: frozenset[str]) -> bool:
         return (native.library() is not None and self.in_features % 32 == 0
-                and set(self.quant.type_names) <= INT8_DOT_TYPES)
+                and set(self.quant.type_names) <= types)
 
     def kinds_run(self) -> set[str]:
         return set(self.choice) if self.choice is not None else {self.kernels()[0]}

@@ -17,7 +17,8 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
 }
 TYPE_IDS = {name: type_id for type_id, (name, _, _) in FORMATS.items()}
-INT8_DOT_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # integer dots serve
+INT8_DOT_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # the int8 dot serves
+INT16_DOT_TYPES = INT8_DOT_TYPES | {"Q4_K"}  # the int16 dot serves
 
 
 @dataclass(frozen=True)

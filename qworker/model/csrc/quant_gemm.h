@@ -232,8 +232,22 @@ inline __m256i bits_as_bytes(const uint8_t* p) {  // 32 bits -> 32 bytes, 0xFF w
 // values below 32 with a block minimum m (Q4_1, Q5_1: w = d q + m).
 template <int T> struct Block {
   static constexpr int64_t kBytes =
-      T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
-  static constexpr bool kUnsigned = T == Q4_1 || T == Q5_1;
+      T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : T == Q4_K ? 144 : 34;
+  static constexpr bool kUnsigned = T == Q4_1 || T == Q5_1 || T == Q4_K;
+  static constexpr int64_t kPer = T == Q4_K ? 8 : 1;  // 32-value sub-blocks per block
+  // [d, m] of sub-block j as floats, its values being w = d q + m
+  static __m128 scales(const uint8_t* w, int64_t j) {
+    uint32_t halves;  // the block's d (and, for Q4_1 / Q5_1 its minimum; Q4_K's dmin)
+    std::memcpy(&halves, w, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(halves)));
+    if constexpr (T != Q4_K) {
+      return dm;
+    } else {
+      int sc, mn;
+      scale_min_k4(static_cast<int>(j), w + 4, &sc, &mn);
+      return _mm_mul_ps(dm, _mm_setr_ps(static_cast<float>(sc), -static_cast<float>(mn), 0, 0));
+    }
+  }
   static __m256i values(const uint8_t* w) {
     if constexpr (T == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
     if constexpr (T == Q4_0) return _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
@@ -258,9 +272,18 @@ inline Halves nibbles16(const uint8_t* qs, int zero) {
 
 // one weight block unpacked for the dot: 32 bytes (8-bit activations), or 2 x 16 int16
 template <int T, bool Wide> struct Unpacked {
-  static auto of(const uint8_t* w) {
+  static auto of(const uint8_t* w, int64_t j) {  // sub-block j of the block at w
     if constexpr (!Wide) {
       return Block<T>::values(w);
+    } else if constexpr (T == Q4_K) {  // 32 bytes per 2 sub-blocks: low nibbles, then high
+      const __m128i* q = reinterpret_cast<const __m128i*>(w + 16 + (j / 2) * 32);
+      const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(q));
+      const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(q + 1));
+      if (j % 2 == 0) {
+        const __m256i low = _mm256_set1_epi16(0x0F);
+        return Halves{_mm256_and_si256(b0, low), _mm256_and_si256(b1, low)};
+      }
+      return Halves{_mm256_srli_epi16(b0, 4), _mm256_srli_epi16(b1, 4)};
     } else if constexpr (T == Q4_0 || T == Q4_1) {
       return nibbles16(w + (T == Q4_0 ? 2 : 4), T == Q4_0 ? 8 : 0);
     } else if constexpr (T == Q8_0) {
@@ -299,13 +322,12 @@ inline void rows_dot(const uint8_t* w, const ActBlock* x, int64_t blocks, int64_
                      float* out, int64_t out_stride) {
   using B = Block<T>;
   __m256 acc[R];
-  __m128 offsets[R];  // lane 1: the sum of a Q4_1 / Q5_1 block's minimum times s
+  __m128 offsets[R];  // lane 1: the sum of a Q4_1 / Q5_1 / Q4_K block's minimum times s
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); offsets[r] = _mm_setzero_ps(); }
-  for (int64_t b = 0; b < blocks; ++b, w += B::kBytes) {
-    const auto wv = Unpacked<T, Wide>::of(w);
-    uint32_t halves;  // the block's d (and its minimum m, for the unsigned types)
-    std::memcpy(&halves, w, 4);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(halves)));
+  for (int64_t b = 0; b < blocks; ++b) {  // 32-value (sub-)blocks
+    const uint8_t* wb = w + (b / B::kPer) * B::kBytes;
+    const auto wv = Unpacked<T, Wide>::of(wb, b % B::kPer);
+    const __m128 dm = B::scales(wb, b % B::kPer);
     for (int r = 0; r < R; ++r) {
       const ActBlock& xb = x[r * stride + b];
       const __m128 scales = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd(
@@ -329,7 +351,7 @@ template <int T, bool Wide>
 inline void team_int_rows(const ActBlock* xq, const uint8_t* w, int64_t m, int64_t n, int64_t k,
                           float* out, int64_t ldo) {
   constexpr int64_t kRows = 4;  // activation rows per pass over a weight row
-  const int64_t blocks = k / 32, row_bytes = blocks * Block<T>::kBytes;
+  const int64_t blocks = k / 32, row_bytes = blocks / Block<T>::kPer * Block<T>::kBytes;
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* row = w + r * row_bytes;
@@ -367,6 +389,9 @@ inline void team_int_gemm(int type, const float* x, int64_t m, int64_t k, const 
     case Q4_1: team_int_rows<Q4_1, Wide>(xq, w, m, n, k, out, ldo); break;
     case Q5_0: team_int_rows<Q5_0, Wide>(xq, w, m, n, k, out, ldo); break;
     case Q5_1: team_int_rows<Q5_1, Wide>(xq, w, m, n, k, out, ldo); break;
+    case Q4_K:  // 16-bit activations only (`serves`)
+      if constexpr (Wide) team_int_rows<Q4_K, true>(xq, w, m, n, k, out, ldo);
+      break;
     default: team_int_rows<Q8_0, Wide>(xq, w, m, n, k, out, ldo); break;
   }
 }
@@ -485,7 +510,8 @@ enum Method : int { kInt8 = 0, kDequant = 1, kInt16 = 2 };
 inline bool serves(int type, int method, int64_t m, int64_t k, int64_t n, int64_t ldo) {
   const Format f = format(type);
   if (f.elems == 0 || k % f.elems || k % 32 || m <= 0 || ldo < n) return false;
-  return method == kDequant || ((method == kInt8 || method == kInt16) && int8_dot_serves(type));
+  return method == kDequant || (method == kInt8 && int8_dot_serves(type)) ||
+         (method == kInt16 && (int8_dot_serves(type) || type == Q4_K));
 }
 
 // one of the above by method (only where `serves`); shared: m * k/32 blocks of scratch
