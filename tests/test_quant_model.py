@@ -56,12 +56,13 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
 
 Q = gguf.GGMLQuantizationType
 # per kernel_choice bucket (1, 8, 32, ...): the steps below fall in the first two (1 and 3-10 rows)
-CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"), "dequant": ("dequant",) * 5}
+CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
+           "k-mixed": ("int16", "dequant", "dequant", "dequant", "dequant")}
 
 
 @pytest.mark.parametrize(("kind", "others", "choice"), [
     (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_up": Q.Q5_0}, "mixed"),  # fused layers of two formats
-    (Q.Q4_K, {"attn_v": Q.Q6_K}, "dequant"),  # K-quants: dequant only
+    (Q.Q4_K, {"attn_v": Q.Q6_K}, "k-mixed"),  # K-quants: int16 or dequant, no int8
 ], ids=["int16-and-int8", "k-quants"])
 def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],

@@ -18,7 +18,7 @@ FORMATS: dict[int, tuple[str, int, int]] = {
 }
 TYPE_IDS = {name: type_id for type_id, (name, _, _) in FORMATS.items()}
 INT8_DOT_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # the int8 dot serves
-INT16_DOT_TYPES = INT8_DOT_TYPES | {"Q4_K"}  # the int16 dot serves
+INT16_DOT_TYPES = INT8_DOT_TYPES | {"Q4_K", "Q6_K"}  # the int16 dot serves
 
 
 @dataclass(frozen=True)

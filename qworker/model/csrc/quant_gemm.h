@@ -232,15 +232,18 @@ inline __m256i bits_as_bytes(const uint8_t* p) {  // 32 bits -> 32 bytes, 0xFF w
 // values below 32 with a block minimum m (Q4_1, Q5_1: w = d q + m).
 template <int T> struct Block {
   static constexpr int64_t kBytes =
-      T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : T == Q4_K ? 144 : 34;
+      T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : T == Q4_K ? 144
+      : T == Q6_K ? 210 : 34;
   static constexpr bool kUnsigned = T == Q4_1 || T == Q5_1 || T == Q4_K;
-  static constexpr int64_t kPer = T == Q4_K ? 8 : 1;  // 32-value sub-blocks per block
+  static constexpr int64_t kPer = T == Q4_K || T == Q6_K ? 8 : 1;  // 32-value sub-blocks
   // [d, m] of sub-block j as floats, its values being w = d q + m
   static __m128 scales(const uint8_t* w, int64_t j) {
-    uint32_t halves;  // the block's d (and, for Q4_1 / Q5_1 its minimum; Q4_K's dmin)
-    std::memcpy(&halves, w, 4);
+    uint32_t halves = 0;  // the block's d (and, for Q4_1 / Q5_1 its minimum; Q4_K's dmin)
+    std::memcpy(&halves, T == Q6_K ? w + 208 : w, T == Q6_K ? 2 : 4);  // Q6_K: d (16-value
+    // scales are in its values)
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(halves)));
     if constexpr (T != Q4_K) {
+      (void)j;
       return dm;
     } else {
       int sc, mn;
@@ -284,6 +287,26 @@ template <int T, bool Wide> struct Unpacked {
         return Halves{_mm256_and_si256(b0, low), _mm256_and_si256(b1, low)};
       }
       return Halves{_mm256_srli_epi16(b0, 4), _mm256_srli_epi16(b1, 4)};
+    } else if constexpr (T == Q6_K) {  // halves of 128 values: 64 bytes of ql, 32 of qh, 8 scales
+      const int64_t h = j / 4, t = j % 4;
+      const uint8_t* ql = w + h * 64 + (t % 2) * 32;
+      const uint8_t* qh = w + 128 + h * 32;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192 + h * 8 + 2 * t);
+      const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(2 * t));
+      const __m256i low = _mm256_set1_epi16(0x0F), two = _mm256_set1_epi16(3);
+      Halves out;
+      for (int half = 0; half < 2; ++half) {  // values 16 * half .. + 15, scale sc[half]
+        __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(ql + 16 * half)));
+        q = t < 2 ? _mm256_and_si256(q, low) : _mm256_srli_epi16(q, 4);
+        __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(qh + 16 * half)));
+        hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hi, shift), two), 4);
+        q = _mm256_sub_epi16(_mm256_or_si256(q, hi), _mm256_set1_epi16(32));  // -32..31
+        q = _mm256_mullo_epi16(q, _mm256_set1_epi16(sc[half]));  // |q sc| <= 4064
+        (half == 0 ? out.lo : out.hi) = q;
+      }
+      return out;
     } else if constexpr (T == Q4_0 || T == Q4_1) {
       return nibbles16(w + (T == Q4_0 ? 2 : 4), T == Q4_0 ? 8 : 0);
     } else if constexpr (T == Q8_0) {
@@ -391,6 +414,9 @@ inline void team_int_gemm(int type, const float* x, int64_t m, int64_t k, const 
     case Q5_1: team_int_rows<Q5_1, Wide>(xq, w, m, n, k, out, ldo); break;
     case Q4_K:  // 16-bit activations only (`serves`)
       if constexpr (Wide) team_int_rows<Q4_K, true>(xq, w, m, n, k, out, ldo);
+      break;
+    case Q6_K:
+      if constexpr (Wide) team_int_rows<Q6_K, true>(xq, w, m, n, k, out, ldo);
       break;
     default: team_int_rows<Q8_0, Wide>(xq, w, m, n, k, out, ldo); break;
   }
@@ -511,7 +537,7 @@ inline bool serves(int type, int method, int64_t m, int64_t k, int64_t n, int64_
   const Format f = format(type);
   if (f.elems == 0 || k % f.elems || k % 32 || m <= 0 || ldo < n) return false;
   return method == kDequant || (method == kInt8 && int8_dot_serves(type)) ||
-         (method == kInt16 && (int8_dot_serves(type) || type == Q4_K));
+         (method == kInt16 && (int8_dot_serves(type) || type == Q4_K || type == Q6_K));
 }
 
 // one of the above by method (only where `serves`); shared: m * k/32 blocks of scratch
