@@ -4,9 +4,9 @@ a quantized embedding. Activations run in float32 (converted from and back to th
 The kernels ("kinds"):
 - "int16": the native integer dot on activations quantized per 32-block to 16 bits (d =
   max|x| / 32767), `_mm256_madd_epi16` against the weights widened to 16 bits; Q4_0, Q4_1,
-  Q5_0, Q5_1, Q8_0 and Q4_K (by its 32-value sub-blocks, each with its 6-bit scale and
-  minimum). Its logits are the float32 model's to ~1e-5 of their range;
-- "int8": the same on 8-bit activations (llama.cpp's scheme; not Q4_K): 5-10% faster at one
+  Q5_0, Q5_1, Q8_0, Q4_K (by its 32-value sub-blocks, each with its 6-bit scale and minimum)
+  and Q6_K (values times their 16-value scales). Logits float32's to ~1e-5 of their range;
+- "int8": the same on 8-bit activations (llama.cpp's scheme; no K-quant): 5-10% faster at one
   row, but its rounding flips the top token at 1-3% of positions (benchmarks/quant_quality.py),
   so it is never chosen, only run where forced (`run`, `set_choice`), to compare;
 - "dequant": native, the weights dequantized to float32, every format (the K-quants too): for
