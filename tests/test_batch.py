@@ -73,7 +73,12 @@ def batch_cli(*args: str, url: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "qworker.cli", "batch", "run", *args, "--redis-url", url]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+
+
+def default_sigint() -> None:
+    """In the child: Ctrl-C as in a terminal, even where this suite runs with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:

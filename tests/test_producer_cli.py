@@ -79,6 +79,7 @@ def test_submit_stream_prints_tokens_as_they_come(redis_url: str, client: redis.
     proc = subprocess.Popen(
         [sys.executable, "-m", "qworker_client", "submit", "hi", "--id", "live", "--stream",
          "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+        preexec_fn=default_sigint,
     )
     try:
         head = b""
@@ -237,6 +238,12 @@ def test_stats(redis_url: str, client: redis.Redis) -> None:
     assert "  w1 host=h pid=1 model=sim running=1 free_slots=7" in lines
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C as in a terminal, even where this suite runs with SIGINT ignored
+    (a background job of a shell), which Python would otherwise inherit and keep."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_cancels_the_submitted_job(redis_url: str, client: redis.Redis) -> None:
     release = threading.Event()
     worker = FakeWorker(redis_url, "int", completion(TEXTS), pause_at=1,
@@ -245,6 +252,7 @@ def test_ctrl_c_cancels_the_submitted_job(redis_url: str, client: redis.Redis) -
     proc = subprocess.Popen(
         [sys.executable, "-m", "qworker_client", "submit", "hi", "--id", "int", "--stream",
          "--redis-url", redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+        preexec_fn=default_sigint,
     )
     try:
         assert os.read(proc.stdout.fileno(), 64) == TEXTS[0].encode()
