@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from qworker_client.gateway.app import create_app
+        from qworker_client.gateway.gc_tuning import tune_gc
     except ModuleNotFoundError as exc:
         report_error(f"`gateway` needs its extra ({exc.name} is missing): {INSTALL_HINT}")
         return EXIT_USAGE
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         result_ttl_s=args.result_ttl, files_dir=args.files_dir,
         stream_interval_ms=args.stream_interval,
     )
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=args.log_level, lifespan="on")
+    app = create_app(config)
+    tune_gc()  # what the imports and the app made is frozen
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
+                lifespan="on")
     return 0
