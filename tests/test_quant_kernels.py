@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qworker.model import kernel_choice, native
+from qworker.model import quant_interleave as interleave
 from qworker.model.quant_linear import QuantLinear, quant_lookup
 from qworker.model.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight
 from tests.quant_fixtures import KEPT, random_blocks
@@ -81,13 +82,84 @@ def test_a_fused_layer_of_two_formats_writes_each_segment_s_columns() -> None:
 
 
 def test_the_kernel_per_bucket_is_the_measured_fastest() -> None:
-    raw = random_blocks(gguf.GGMLQuantizationType.Q4_0, 16, 64, np.random.default_rng(1))
+    raw = random_blocks(gguf.GGMLQuantizationType.Q4_0, 24, 64, np.random.default_rng(1))
     layer = QuantLinear(QuantWeight.of("Q4_0", torch.from_numpy(raw), 64), None)
+    assert layer.kernels() == ("int16", "dequant")  # 24 rows: no whole 16-row groups for x8
 
     def timer(kind: str, rows: int, run: object) -> float:  # int16 wins below 32 rows
         return {"int16": 1.0, "dequant": 2.0}[kind] if rows < 32 else {"int16": 3.0,
                                                                         "dequant": 2.0}[kind]
 
     chosen = kernel_choice.choose([(layer, 512)], None, timer)
-    assert chosen == {"16x64:Q4_0": ("int16", "int16", "dequant", "dequant", "dequant")}
+    assert chosen == {"24x64:Q4_0": ("int16", "int16", "dequant", "dequant", "dequant")}
     assert layer.kind_for(1) == "int16" and layer.kind_for(300) == "dequant"
+
+
+X8_KINDS = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+            gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0)
+
+
+@pytest.mark.parametrize("kind", X8_KINDS, ids=lambda k: k.name)
+def test_the_x8_layout_is_as_compact_and_gives_the_file_s_rows_back(
+        kind: gguf.GGMLQuantizationType) -> None:
+    raw = torch.from_numpy(random_blocks(kind, 48, 96, np.random.default_rng(int(kind))))
+    x8 = interleave.to_x8(int(kind), raw)
+    assert x8.shape == raw.shape and not torch.equal(x8, raw)
+    assert torch.equal(interleave.from_x8(int(kind), x8), raw)
+    weight = QuantWeight.of(kind.name, raw, 96)
+    assert torch.equal(weight.to_x8().dequantize(), weight.dequantize())
+
+
+@pytest.mark.parametrize("kind", X8_KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, 5, 17, 64])
+def test_x8_kernels_match_dequantize_then_matmul(kind: gguf.GGMLQuantizationType,
+                                                 rows: int) -> None:
+    rng = np.random.default_rng(7 * rows + int(kind))
+    cols, outputs = 96, 48  # 3 blocks; 6 groups of 8, 3 panels of 16
+    raw = random_blocks(kind, outputs, cols, rng)
+    w = gguf.quants.dequantize(raw, kind).astype(np.float64)  # of the file's layout
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[-1, 32:64] = 0
+    layer = QuantLinear(QuantWeight.of(kind.name, torch.from_numpy(raw), cols), None)
+    assert layer.kernels() == ("int16", "dequant", "int16x8", "dequantx8")
+    plain = x.astype(np.float64) @ w.T
+    scale = np.abs(plain).max()
+    got = layer.run("dequantx8", torch.from_numpy(x)).double().numpy()
+    np.testing.assert_allclose(got, plain, atol=1e-5 * scale, rtol=0)
+    want = _activations_quantized(x, 32767).astype(np.float64) @ w.T
+    got = layer.run("int16x8", torch.from_numpy(x)).double().numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=0)
+    assert np.abs(got - plain).max() < 1e-4 * scale
+    same = layer.run("int16", torch.from_numpy(x)).double().numpy()  # the file layout's dot
+    np.testing.assert_allclose(got, same, atol=1e-5 * scale, rtol=0)
+
+
+def test_choosing_an_x8_kernel_repacks_the_weight_once_for_every_bucket() -> None:
+    kind = gguf.GGMLQuantizationType.Q4_1
+    raw = torch.from_numpy(random_blocks(kind, 32, 64, np.random.default_rng(3)))
+    weight = QuantWeight.of("Q4_1", raw, 64)
+    layer = QuantLinear(weight, None)
+    x = torch.randn(2, 64)
+    before = layer.run("int16", x)
+
+    def timer(kind: str, rows: int, run: object) -> float:  # x8 wins at 1 row, dequant at 128
+        return {"int16": 2.0, "dequant": 3.0 if rows < 128 else 1.0, "int16x8": 1.5,
+                "dequantx8": 2.5}[kind]
+
+    chosen = kernel_choice.choose([(layer, 128)], None, timer)
+    assert chosen == {"32x64:Q4_1": ("int16x8",) * 3 + ("dequant",) * 2}
+    assert layer.choice == ("int16x8",) * 3 + ("dequantx8",) * 2  # dequant's twin, x8 bytes
+    assert layer.quant.is_x8 and layer.quant.nbytes == weight.nbytes and layer._trial is None
+    assert layer.kernels() == ("int16x8", "dequantx8") == layer.runnable()
+    torch.testing.assert_close(layer(x), before, atol=1e-5, rtol=0)
+    lookup = quant_lookup(layer.quant, torch.float32)  # a tied embedding's rows, from x8
+    ids = torch.tensor([0, 31, 9, 9])
+    assert torch.equal(lookup(ids), weight.dequantize()[ids])
+
+
+def test_without_an_x8_win_the_file_layout_stays() -> None:
+    raw = random_blocks(gguf.GGMLQuantizationType.Q8_0, 16, 32, np.random.default_rng(4))
+    layer = QuantLinear(QuantWeight.of("Q8_0", torch.from_numpy(raw), 32), None)
+    kernel_choice.choose([(layer, 8)], None,
+                         lambda kind, rows, run: 1.0 if kind == "int16" else 2.0)
+    assert not layer.quant.is_x8 and layer._trial is None and set(layer.choice) == {"int16"}

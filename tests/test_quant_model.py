@@ -42,14 +42,17 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
     assert quant.embed_tokens.quant is quant.lm_head.quant  # one copy for both
     file_bytes = path.stat().st_size
     assert quant.weight_bytes() <= file_bytes < dense.weight_bytes()
+    if kind.name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):  # the x8 layout: measured on a copy, not kept
+        assert all("int16x8" in m.kernels() for m in linears)
     tokens = [5, 9, 1, 33, 60, 2, 17]
     want = _logits(dense, tokens)
-    for kinds in {(k,) * 5 for m in linears for k in m.runnable()}:
+    every = {(k,) * 5 for m in linears for k in m.runnable()}
+    for kinds in sorted(every, key=lambda k: k[0].endswith("x8")):  # x8 repacks: last
         if all(kinds[0] in m.runnable() for m in linears):
             for m in linears:
                 m.set_choice(kinds)
             got = _logits(quant, tokens)
-            tol = {"int8": 0.05, "int16": 5e-4}.get(kinds[0], 1e-4)  # 8- / 16-bit activations
+            tol = {"int8": 0.05, "int16": 5e-4, "int16x8": 5e-4}.get(kinds[0], 1e-4)  # 8- / 16-bit
             scale = want.abs().max().item()
             assert (got - want).abs().max().item() <= tol * scale, kinds
 
@@ -57,13 +60,15 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
 Q = gguf.GGMLQuantizationType
 # per kernel_choice bucket (1, 8, 32, ...): the steps below fall in the first two (1 and 3-10 rows)
 CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
-           "k-mixed": ("int16", "dequant", "dequant", "dequant", "dequant")}
+           "k-mixed": ("int16", "dequant", "dequant", "dequant", "dequant"),
+           "x8": ("int16x8", "dequantx8", "dequantx8", "dequantx8", "dequantx8")}
 
 
 @pytest.mark.parametrize(("kind", "others", "choice"), [
     (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_up": Q.Q5_0}, "mixed"),  # fused layers of two formats
     (Q.Q4_K, {"attn_v": Q.Q6_K}, "k-mixed"),  # K-quants: int16 or dequant, no int8
-], ids=["int16-and-int8", "k-quants"])
+    (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_down": Q.Q4_0}, "x8"),  # repacked in groups of 8 rows
+], ids=["int16-and-int8", "k-quants", "x8"])
 def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],
         choice: str) -> None:
@@ -74,6 +79,7 @@ def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         2 if others else 1)
     for m in linears:
         m.set_choice(CHOICES[choice])
+    assert all(m.quant.is_x8 for m in linears) == (choice == "x8")
     qkv = model.layers[0].self_attn.qkv_proj  # a Qwen2-like bias, added after the kernel
     qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features), requires_grad=False)
     calls: list[int] = []
@@ -116,7 +122,7 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
     report = model.kernel_report()
     assert report["weights"] == "quantized (Q8_0)"
     assert int(report["weight_bytes"]) == model.weight_bytes()
-    assert report["linear 64x256:Q8_0"].startswith("int16@1")  # the tied LM head
+    assert report["linear 64x256:Q8_0"].startswith("int16")  # the tied LM head (or int16x8)
     metrics = Metrics()
     metrics.set_kernels(report)
     text = generate_latest(metrics.registry).decode()
@@ -133,3 +139,26 @@ def test_auto_keeps_the_blocks_only_where_the_expanded_weights_would_not_fit(
     assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # it fits
     monkeypatch.setattr(loader, "available_memory", lambda: 3 * expanded)  # 2x packs > half
     assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
+
+
+def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from qworker.model import kernel_choice
+
+    path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_1, seed=3)
+    model = load_model(path, weights="quantized")
+    dense = load_model(path, weights="float32")
+
+    def measured(layer: QuantLinear, rows: int, timer: object = None) -> dict:
+        return {k: [1.0 if k == "int16x8" else 2.0] * len(kernel_choice.BUCKETS)
+                for k in layer.kernels()}
+
+    monkeypatch.setattr(kernel_choice, "measure", measured)  # x8 wins everywhere
+    model.choose_kernels(8, 1, None)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert all(m.quant.is_x8 and m.choice == ("int16x8",) * 5 for m in linears)
+    assert model.embed_tokens.quant is model.lm_head.quant  # one copy, in the x8 layout
+    assert model.weight_bytes() <= path.stat().st_size
+    tokens = [5, 9, 1, 33, 60, 2, 17]
+    want = _logits(dense, tokens)
+    assert (_logits(model, tokens) - want).abs().max() <= 5e-4 * want.abs().max()

@@ -174,9 +174,19 @@ class LlamaModel(nn.Module):
         layers = [(m, max_rows) for m in self.modules()
                   if isinstance(m, Linear | QuantLinear) and m is not self.lm_head]
         chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir)
+        self._follow_repacked_head()
         self.decode_graph.reset()
         log.info("kernels_chosen", **self.kernel_report())
         return chosen
+
+    def _follow_repacked_head(self) -> None:
+        """A tied quantized embedding reads its rows from the LM head's weight, repacked or not
+        by the choice (so the file layout is not kept beside the repacked one)."""
+        quant = getattr(self.lm_head, "quant", None)
+        if (self.config.tie_word_embeddings and isinstance(quant, QuantWeight)
+                and self.embed_tokens.quant is not None and quant is not self.embed_tokens.quant):
+            self.embed_tokens.release_to(quant_lookup(quant, self.dtype), self.device)
+            self.embed_tokens.quant = quant
 
     def release_weights(self) -> int:
         """After the kernel choice: drops each linear layer's original weight that its packs

@@ -115,6 +115,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qw_quant_gemm.restype = ctypes.c_int
     lib.qw_quant_rows.argtypes = [ctypes.c_int, _P, _P, _I, _I, _P]
     lib.qw_quant_rows.restype = ctypes.c_int
+    lib.qw_quant_rows_x8.argtypes = [ctypes.c_int, _P, _P, _I, _I, _P]
+    lib.qw_quant_rows_x8.restype = ctypes.c_int
     lib.qw_logprobs_f32.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
         getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P,
@@ -227,7 +229,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> to
     return out
 
 
-QUANT_METHODS = {"int8": 0, "dequant": 1, "int16": 2}  # qw_quant_gemm's methods
+# qw_quant_gemm's methods ("...x8": on weights in the 8-row interleaved layout)
+QUANT_METHODS = {"int8": 0, "dequant": 1, "int16": 2, "int16x8": 3, "dequantx8": 4}
 
 
 def quant_gemm(method: str, type_id: int, x: torch.Tensor, raw: torch.Tensor,
@@ -243,14 +246,16 @@ def quant_gemm(method: str, type_id: int, x: torch.Tensor, raw: torch.Tensor,
                                   out.stride(0)))
 
 
-def quant_rows(type_id: int, raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows ids of W (ggml type `type_id`, raw rows [n, row_bytes]) dequantized: float32 [t, k]."""
+def quant_rows(type_id: int, raw: torch.Tensor, ids: torch.Tensor, k: int,
+               x8: bool = False) -> torch.Tensor:
+    """Rows ids of W (ggml type `type_id`, raw rows [n, row_bytes], or their bytes in the x8
+    layout) dequantized: float32 [t, k]."""
     lib = library()
     assert lib is not None and raw.is_contiguous()
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty((ids.shape[0], k), dtype=torch.float32)
-    assert lib.qw_quant_rows(type_id, raw.data_ptr(), ids.data_ptr(), ids.shape[0], k,
-                             out.data_ptr())
+    rows = lib.qw_quant_rows_x8 if x8 else lib.qw_quant_rows
+    assert rows(type_id, raw.data_ptr(), ids.data_ptr(), ids.shape[0], k, out.data_ptr())
     return out
 
 

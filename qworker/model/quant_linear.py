@@ -13,9 +13,15 @@ The kernels ("kinds"):
   a few activation rows a weight row at a time (in L1), dotted with each; from 4 rows on, 16
   weight rows at a time into a panel of the float32 GEMM's layout (in L2), which its register
   tiles multiply with every activation row: float32's results, at near its speed for many rows;
+- "int16x8", "dequantx8": "int16" and "dequant" on the weight repacked into groups of 8 rows
+  (`quant_interleave`; Q4_0, Q4_1, Q5_0, Q8_0 whose segments are whole 16-row groups): 8 rows'
+  scales side by side, so the scale products and float accumulation are one 8-wide operation
+  for the 8 rows, and one broadcast activation pair feeds 8 rows' `_mm256_madd_epi16`;
 - "torch": gguf's reference dequantization of the whole weight, then `F.linear`. Only where no
   native build is loaded: it reads and writes 4 bytes per weight per call and cannot win.
-Which native kind runs at each token-count bucket is measured at warm-up (`kernel_choice`).
+Which native kind runs at each token-count bucket is measured at warm-up (`kernel_choice`); the
+x8 kinds are measured on a repacked copy. Where one of them wins a bucket, the weight is repacked
+in place of its file layout (one copy only), and every bucket runs the x8 twin of its choice.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ from qworker.model import kernel_choice, native
 from qworker.model.embedding import RowLookup
 from qworker.model.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight, Segment
 
+X8_TWINS = {"int16": "int16x8", "dequant": "dequantx8"}  # file layout kind -> its x8 kind
+
 
 class QuantLinear(nn.Module):
     choice: tuple[str, ...] | None = None
     released = False  # nothing to release: the blocks are the only copy
+    _trial: QuantWeight | None = None  # an x8 copy, only while the kernels are measured
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -53,12 +62,13 @@ class QuantLinear(nn.Module):
     def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float().contiguous()
+        weight = self._weight_for(kind)
         if kind == "torch" or x.shape[0] == 0:
-            out = F.linear(x, self.quant.dequantize())
+            out = F.linear(x, weight.dequantize())
         else:
             out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
             row = 0
-            for seg in self.quant.segments:
+            for seg in weight.segments:
                 done = native.quant_gemm(kind, seg.type_id, x, seg.raw,
                                          out[:, row : row + seg.rows])
                 assert done, f"{kind} does not serve {seg.name}"
@@ -72,15 +82,30 @@ class QuantLinear(nn.Module):
             return self.choice[kernel_choice.bucket(rows)]
         return self.kernels()[0]
 
+    def _weight_for(self, kind: str) -> QuantWeight:
+        """The weight in the layout `kind` reads (an x8 kind measured before the choice: a
+        repacked copy, kept until set_choice)."""
+        if kind == "torch" or kind.endswith("x8") == self.quant.is_x8:
+            return self.quant
+        assert kind.endswith("x8") and self.quant.x8_serves, f"{kind} on this layout"
+        if self._trial is None:
+            self._trial = self.quant.to_x8()
+        return self._trial
+
     def kernels(self) -> tuple[str, ...]:
         """The kernels the measured choice picks among (the first where nothing is chosen)."""
         if native.library() is None:
             return ("torch",)
-        return ("int16", "dequant") if self._integer_dot(INT16_DOT_TYPES) else ("dequant",)
+        if self.quant.is_x8:
+            return tuple(X8_TWINS.values())
+        base = ("int16", "dequant") if self._integer_dot(INT16_DOT_TYPES) else ("dequant",)
+        return (*base, *X8_TWINS.values()) if self.quant.x8_serves else base
 
     def runnable(self) -> tuple[str, ...]:
         """kernels() and those that run only where forced (int8)."""
-        return (*self.kernels(), "int8") if self._integer_dot(INT8_DOT_TYPES) else self.kernels()
+        if self.quant.is_x8 or not self._integer_dot(INT8_DOT_TYPES):
+            return self.kernels()
+        return (*self.kernels(), "int8")
 
     def _integer_dot(self, types: frozenset[str]) -> bool:
         return (native.library() is not None and self.in_features % 32 == 0
@@ -90,6 +115,13 @@ class QuantLinear(nn.Module):
         return set(self.choice) if self.choice is not None else {self.kernels()[0]}
 
     def set_choice(self, choice: tuple[str, ...]) -> None:
+        """Takes the choice; where an x8 kind is in it, the weight is repacked (once) and every
+        bucket runs its kind's x8 twin."""
+        if any(kind.endswith("x8") for kind in choice) and not self.quant.is_x8:
+            self.quant = self._trial if self._trial is not None else self.quant.to_x8()
+        self._trial = None
+        if self.quant.is_x8:
+            choice = tuple(X8_TWINS.get(kind, kind) for kind in choice)
         assert all(kind in self.runnable() for kind in choice), choice
         self.choice = choice
 
@@ -108,8 +140,9 @@ def quant_lookup(weight: QuantWeight, dtype: torch.dtype) -> RowLookup:
 
     def lookup(ids: torch.Tensor) -> torch.Tensor:
         if native.library() is not None:
-            rows = native.quant_rows(seg.type_id, seg.raw, ids.reshape(-1), k)
+            rows = native.quant_rows(seg.type_id, seg.raw, ids.reshape(-1), k, x8=seg.x8)
         else:
+            assert not seg.x8, "the x8 layout is only made where the native kernels run"
             picked = Segment(seg.type_id, seg.raw[ids.reshape(-1)].contiguous())
             rows = QuantWeight((picked,), k).dequantize()
         return rows.to(dtype).reshape(*ids.shape, k)

@@ -1,7 +1,8 @@
 """A weight kept in its GGUF block format: each output row is its blocks, as the file stores
-them (no repacking), so the resident bytes are the file's. A fused projection (q/k/v, gate/up)
-whose parts have different formats (Q4_K_M files mix Q4_K and Q6_K) is a list of segments, each
-a run of rows of one format.
+them, or (Q4_0, Q4_1, Q5_0, Q8_0, where the kernel choice takes it) the same bytes repacked
+once into groups of 8 rows (`quant_interleave`), so the resident bytes are the file's. A fused
+projection (q/k/v, gate/up) whose parts have different formats (Q4_K_M files mix Q4_K and Q6_K)
+is a list of segments, each a run of rows of one format.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from qworker.model import quant_interleave as interleave
 
 # ggml type id -> (name, values per block, bytes per block)
 FORMATS: dict[int, tuple[str, int, int]] = {
@@ -25,6 +28,7 @@ INT16_DOT_TYPES = INT8_DOT_TYPES | {"Q4_K", "Q6_K"}  # the int16 dot serves
 class Segment:
     type_id: int
     raw: torch.Tensor  # uint8 [rows, row_bytes], contiguous
+    x8: bool = False  # raw's bytes in the 8-row interleaved layout (quant_interleave)
 
     @property
     def name(self) -> str:
@@ -63,10 +67,27 @@ class QuantWeight:
     def type_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(seg.name for seg in self.segments))
 
+    @property
+    def x8_serves(self) -> bool:
+        """Every segment can take (or has) the 8-row interleaved layout."""
+        return all(interleave.serves(seg.type_id, seg.rows, self.in_features)
+                   for seg in self.segments)
+
+    @property
+    def is_x8(self) -> bool:
+        return all(seg.x8 for seg in self.segments)
+
+    def to_x8(self) -> QuantWeight:
+        """The same weight with its bytes repacked into the x8 layout (a new copy)."""
+        assert self.x8_serves and not any(seg.x8 for seg in self.segments)
+        return QuantWeight(tuple(Segment(seg.type_id, interleave.to_x8(seg.type_id, seg.raw),
+                                         x8=True) for seg in self.segments), self.in_features)
+
     def map_rows(self, fn: object) -> QuantWeight:
         """The same weight with each segment's raw rows passed through fn (a row permutation)."""
         assert callable(fn) and len(self.segments) == 1
         seg = self.segments[0]
+        assert not seg.x8, "rows of an interleaved weight are not rows of raw"
         return QuantWeight((Segment(seg.type_id, fn(seg.raw).contiguous()),), self.in_features)
 
     @staticmethod
@@ -75,6 +96,7 @@ class QuantWeight:
         assert len({p.in_features for p in parts}) == 1
         merged: list[Segment] = []
         for seg in (s for p in parts for s in p.segments):
+            assert not seg.x8, "interleaved once loaded, never concatenated"
             if merged and merged[-1].type_id == seg.type_id:
                 merged[-1] = Segment(seg.type_id, torch.cat([merged[-1].raw, seg.raw]))
             else:
@@ -88,7 +110,8 @@ class QuantWeight:
         out = []
         for seg in self.segments:
             kind = gguf.GGMLQuantizationType(seg.type_id)
+            raw = interleave.from_x8(seg.type_id, seg.raw) if seg.x8 else seg.raw
             out.append(torch.from_numpy(np.ascontiguousarray(
-                gguf.quants.dequantize(seg.raw.numpy(), kind), dtype=np.float32)))
+                gguf.quants.dequantize(raw.numpy(), kind), dtype=np.float32)))
         full = torch.cat(out).reshape(self.shape)
         return full if rows is None else full[rows]

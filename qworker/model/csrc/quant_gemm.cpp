@@ -7,7 +7,7 @@
 #include "quant_gemm.h"
 
 // method 0: integer dot on 8-bit activations; 1: rows dequantized to float32; 2: integer dot on
-// 16-bit activations. Returns 0, computing nothing, where the method does not serve this type or
+// 16-bit activations; 3 and 4: 2 and 1 on weights in the x8 layout (quant_x8.h). Returns 0, computing nothing, where the method does not serve this type or
 // shape.
 extern "C" int qw_quant_gemm(int type, int method, const void* x, int64_t m, int64_t k,
                              const void* w, int64_t n, void* out, int64_t ldo) {
@@ -30,5 +30,16 @@ extern "C" int qw_quant_rows(int type, const void* w, const int64_t* ids, int64_
   for (int64_t i = 0; i < count; ++i)
     dequant_row(type, static_cast<const uint8_t*>(w) + ids[i] * row_bytes, k,
                 static_cast<float*>(out) + i * k);
+  return 1;
+}
+
+// the same for a weight in the x8 layout (quant_x8.h)
+extern "C" int qw_quant_rows_x8(int type, const void* w, const int64_t* ids, int64_t count,
+                                int64_t k, void* out) {
+  using namespace qw::quant;
+  if (!x8_serves(type) || k % 32) return 0;
+  for (int64_t i = 0; i < count; ++i)
+    x8_dequant_row(type, static_cast<const uint8_t*>(w), ids[i], k,
+                   static_cast<float*>(out) + i * k);
   return 1;
 }
