@@ -34,6 +34,7 @@ class ChoiceFrames:
         assert mark, "the text chunk lost its text"
         self._head = "\n" + head
         self._tail = tail
+        self._chat = shape.kind == "chat"
         self._offset = 0  # characters of the choice's token texts so far (completions' logprobs)
 
     def event_id(self, entry_id: str) -> str:
@@ -42,7 +43,7 @@ class ChoiceFrames:
     def text(self, entry_id: str, i: int, text: str) -> str | None:
         """The frame of token `i`'s new text; None when there is nothing to send (its text is
         held back, and it is not a chat choice's first chunk, which names the role)."""
-        if i == 0 and self.shape.kind == "chat":
+        if i == 0 and self._chat:
             return frame(shaping.text_chunk(self.shape, self.index, text, True),
                          self.event_id(entry_id))
         if not text:

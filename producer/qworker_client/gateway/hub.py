@@ -50,10 +50,12 @@ Item = tuple[str, Entries] | BaseException
 class Mailbox:
     """A follower's items, put by the hub's reads, taken all at once by the follower."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_loop", "_waiter")
 
     def __init__(self) -> None:
+        """Made in the loop that takes from it."""
         self._items: list[Item] = []
+        self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
 
     def put_nowait(self, item: Item) -> None:
@@ -65,7 +67,7 @@ class Mailbox:
     async def take(self) -> list[Item]:
         """Every item put since the last take, waiting for one if there is none."""
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:

@@ -69,29 +69,32 @@ class OutputReader:
         state = self.open.get(job_id)
         if state is None:
             return []
-        batch = [(job_id, entry_id, event) for entry_id, fields in entries
-                 if (event := _take(state, entry_id, fields)) is not None]
+        batch: Batch = []
+        for entry_id, fields in entries:
+            token = (plain_token_listed(fields) if state.done is None and state.error is None
+                     else None)
+            if token is None:  # another event, a token written otherwise, or past the end
+                if (event := _other(state, entry_id, fields)) is not None:
+                    batch.append((job_id, entry_id, event))
+                continue
+            state.last_id = entry_id
+            if token.i >= state.next_index:  # else an index passed on before (a rollback)
+                state.next_index = token.i + 1
+                batch.append((job_id, entry_id, token))
         if state.finished:
             del self.open[job_id]
             self.hub.drop([job_id], mailbox)
         return batch
 
 
-def _take(state: OutputState, entry_id: str, listed: Sequence[str]) -> Event | None:
-    """`OutputState.apply` of an entry's fields (field, value, ...), with a plain token entry
-    taken without pydantic."""
-    token = None if state.finished else plain_token_listed(listed)
-    if token is None:
-        event = _apply(state, entry_id, dict(zip(listed[::2], listed[1::2], strict=True)))
-        if isinstance(event, TokenEvent):
-            entry = token_logprob(event)
-            return Text(event.i, event.text, None if entry is None else [entry])
-        return event
-    state.last_id = entry_id
-    if token.i < state.next_index:
-        return None  # an index passed on before (the stream rolled back)
-    state.next_index = token.i + 1
-    return token
+def _other(state: OutputState, entry_id: str, listed: Sequence[str]) -> Event | None:
+    """`OutputState.apply` of an entry's fields (field, value, ...) that is not a plain token
+    entry of a job still running (those `_batch` takes without pydantic)."""
+    event = _apply(state, entry_id, dict(zip(listed[::2], listed[1::2], strict=True)))
+    if isinstance(event, TokenEvent):
+        entry = token_logprob(event)
+        return Text(event.i, event.text, None if entry is None else [entry])
+    return event
 
 
 def _apply(state: OutputState, entry_id: str, fields: Mapping[str, str]

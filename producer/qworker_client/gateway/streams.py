@@ -66,6 +66,12 @@ async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
                 choice = choices[batch[0][0]]
                 _, last_entry, last_event = batch[-1]
                 last = choice, last_entry
+                if len(batch) == 1 and type(last_event) is Text and last_event.logprobs is None:
+                    metrics.count_tokens(1)  # what most reads bring a stream: one token
+                    part = choice.text(last_entry, last_event.i, last_event.text)
+                    if part is not None:
+                        parts.append(part)
+                    continue
                 # its tokens: all but an end, always last
                 metrics.count_tokens(len(batch) - (not isinstance(last_event, Text)))
                 if _frames_of(coalesced(batch) if follow.coalesce else batch, choice, usage,

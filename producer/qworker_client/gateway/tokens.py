@@ -52,7 +52,13 @@ def plain_token_listed(fields: Sequence[object]) -> Text | None:
     if (len(fields) != 8 or fields[1] != "token" or fields[0] != "type" or fields[2] != "i"
             or fields[4] != "token_id" or fields[6] != "text"):
         return None
-    return _token(fields[3], fields[5], fields[7])
+    i, token_id, text = fields[3], fields[5], fields[7]
+    # `_token`'s checks, inline: this runs for every token the gateway streams
+    if (type(i) is str and type(token_id) is str and type(text) is str
+            and len(i) <= _MAX_DIGITS and len(token_id) <= _MAX_DIGITS
+            and i.isdigit() and token_id.isdigit() and i.isascii() and token_id.isascii()):
+        return Text(int(i), text)
+    return None
 
 
 def _token(i: object, token_id: object, text: object) -> Text | None:
