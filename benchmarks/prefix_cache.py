@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--v1-requests", type=int, default=64, help="0: no workload v1 run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--max-batched-tokens", type=int,
+                        default=EngineConfig.max_batched_tokens, help="prefill tokens per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--caching", choices=("both", "on", "off"), default="both",
                         help="run cache on and off (ratios), or only one of them")
@@ -167,9 +169,10 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, "cpu")
     model = load_model(path, dtype=dtype)
     tokenizer = Tokenizer.load(path)
-    config = EngineConfig(kv_cache_gb=args.kv_cache_gb)
+    config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_batched_tokens=args.max_batched_tokens)
     dtype_name = str(dtype).removeprefix("torch.")
-    common = {"dtype": dtype_name, "threads": args.threads, **machine_info()}
+    common = {"dtype": dtype_name, "threads": args.threads,
+              "max_batched_tokens": args.max_batched_tokens, **machine_info()}
     vocab = int(model.embed_tokens.weight.shape[0])
     shared = shared_prefix_workload(args.seed, vocab, args.requests, args.prefix_len,
                                     (args.suffix_min, args.suffix_max), args.output_len)
