@@ -132,3 +132,126 @@ def test_a_measured_model_chooses_for_every_linear_layer(tmp_path: Path) -> None
         assert chosen and all(layer.choice is not None for layer in linears)
     for layer in linears:
         assert layer.choice is None or set(layer.choice) <= set(layer.kernels())
+
+
+def test_a_kernel_s_time_is_its_least_round_and_its_spread_the_low_quartile_over_it() -> None:
+    t = kernel_choice.Seconds([3.0, 1.0, 2.0, 1.5, 9.0, 8.0, 7.0, 6.0])
+    assert t == 1.0 and t.spread == 1.0  # sorted: 1, 1.5, 2, ...: the quartile is the 3rd of 8
+    assert t.halves == (2.0, 1.0)  # rounds 0, 2, 4, 6 and 1, 3, 5, 7
+
+
+def test_a_winner_not_faster_in_both_halves_of_the_rounds_is_undecided() -> None:
+    # a's rounds all took two scheduler slices (8 ms), b's only in the even rounds: spreads 0,
+    # a 21% gap, but in the even half b is no faster
+    a = kernel_choice.Seconds([8e-3] * 8)
+    b = kernel_choice.Seconds([8e-3, 6.6e-3] * 4)
+    assert a.spread == b.spread == 0.0
+    assert kernel_choice.undecided({"a": [a], "b": [b]}) == [0]
+    steady = kernel_choice.Seconds([6.6e-3, 6.7e-3] * 4)  # faster in every round
+    assert kernel_choice.undecided({"a": [a], "b": [steady]}) == []
+
+
+def test_the_kernels_take_turns_round_by_round() -> None:
+    layer = _layers(("onednn", "plain"), count=1)[0]
+    order: list[str] = []
+
+    def timer(kind: str, rows: int, run: object) -> float:
+        order.append(kind)
+        return 1.0
+
+    kernel_choice.measure(layer, 1, timer)
+    assert order == ["onednn", "plain"] * kernel_choice.ROUNDS
+
+
+def _busy(quiet: dict[str, float], slowed_every: dict[str, int]) -> kernel_choice.Timer:
+    """A timer of a shared machine: a kernel's call takes 4x its quiet time but every
+    `slowed_every[kind]`-th round."""
+    seen: dict[str, int] = {}
+
+    def timer(kind: str, rows: int, run: object) -> float:
+        seen[kind] = seen.get(kind, 0) + 1
+        return quiet[kind] * (1 if seen[kind] % slowed_every[kind] == 0 else 4)
+    return timer
+
+
+def test_interference_does_not_make_the_slower_kernel_win() -> None:
+    layer = _layers(("native", "onednn"), count=1)[0]
+    # native 2x faster quiet, but most of its rounds are slowed: its median is onednn's
+    timer = _busy({"native": 1e-3, "onednn": 2e-3}, {"native": 5, "onednn": 2})
+    timings = kernel_choice.measure(layer, 1, timer)
+    assert fastest(timings)[0] == "native"
+    assert timings["native"][0] == 1e-3 and timings["onednn"][0] == 2e-3
+
+
+@pytest.mark.parametrize(("native_every", "onednn_every", "noisy"), [
+    (1, 1, False),  # quiet: a 5% gap is told
+    (5, 1, True),  # most of native's rounds 4x: its spread is far above the 5% gap
+])
+def test_buckets_too_noisy_to_tell_the_two_fastest_apart(
+        native_every: int, onednn_every: int, noisy: bool) -> None:
+    layer = _layers(("native", "onednn"), count=1)[0]
+    timer = _busy({"native": 1.05e-3, "onednn": 1e-3},
+                  {"native": native_every, "onednn": onednn_every})
+    timings = kernel_choice.measure(layer, 8, timer)
+    assert kernel_choice.undecided(timings) == ([0, 1] if noisy else [])  # 1 and 8 rows
+
+
+def test_a_wide_gap_is_told_even_on_a_busy_machine() -> None:
+    quiet = kernel_choice.Seconds([1.0, 1.0, 4.0, 4.0, 4.0, 4.0, 4.0])  # spread 0
+    busy = kernel_choice.Seconds([1.0, 3.0, 3.0, 4.0, 4.0, 4.0, 4.0])  # spread 2
+    assert kernel_choice.undecided({"a": [busy], "b": [kernel_choice.Seconds([3.5])]}) == []
+    assert kernel_choice.undecided({"a": [quiet], "b": [kernel_choice.Seconds([1.05])]}) == []
+    assert kernel_choice.undecided({"a": [busy], "b": [kernel_choice.Seconds([1.05])]}) == [0]
+
+
+def test_a_noisy_choice_serves_this_process_but_is_not_cached(tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    noisy = _busy({"native": 1.05e-3, "onednn": 1e-3}, {"native": 5, "onednn": 1})
+    layers = _layers(("native", "onednn"), count=2)
+    with capture_logs() as logs:
+        chosen = kernel_choice.choose([(layer, 8) for layer in layers], tmp_path, noisy)
+    assert all(layer.choice == chosen["48x32:float32"] for layer in layers)
+    assert not list(tmp_path.glob("kernels-*.json"))
+    [warning] = [e for e in logs if e["event"] == "kernel_choice_too_noisy_not_cached"]
+    assert warning["rows_by_shape"] == {"48x32:float32": [1, 8]}
+    quiet = _busy({"native": 1e-3, "onednn": 2e-3}, {"native": 1, "onednn": 1})
+    later = _layers(("native", "onednn"), count=2)  # a later start, quieter: measured and kept
+    assert kernel_choice.choose([(layer, 8) for layer in later], tmp_path, quiet)[
+        "48x32:float32"] == ("native",) * len(BUCKETS)
+    assert len(list(tmp_path.glob("kernels-*.json"))) == 1
+
+
+def _timings(one_row: dict[str, float]) -> dict[str, list[float | None]]:
+    return {kind: [t, t, t, t, t] for kind, t in one_row.items()}
+
+
+@pytest.mark.parametrize(("slower", "kept"), [(0.9, "native"), (1.1, "onednn")])
+def test_at_one_row_the_graph_s_kernels_are_kept_where_they_cost_little_more(
+        slower: float, kept: str) -> None:
+    onednn = 1 / (1 + slower * kernel_choice.GRAPH_MARGIN)  # native this much slower
+    timings = {"a": _timings({"native": 1.0, "onednn": onednn}),
+               "b": _timings({"int16": 1.0, "torch": 2.0})}  # int16: a quantized layer's
+    chosen = {key: fastest(t) for key, t in timings.items()}
+    assert chosen["a"] == ("onednn",) * len(BUCKETS)
+    kept_choice = kernel_choice.keep_graph_kernels(chosen, timings, {"a": 1, "b": 0})
+    assert kept_choice["a"] == (kept,) + ("onednn",) * 4  # only the one-row bucket
+    assert kept_choice["b"] == chosen["b"]
+
+
+def test_the_graph_margin_is_the_model_s_not_each_shape_s() -> None:
+    # a small shape 40% slower on native, a large one 2% slower: the model's matmuls 5% slower
+    timings = {"small": _timings({"native": 1.4, "onednn": 1.0}),
+               "large": _timings({"native": 10.2, "onednn": 10.0})}
+    chosen = {key: fastest(t) for key, t in timings.items()}
+    kept = kernel_choice.keep_graph_kernels(chosen, timings, {"small": 1, "large": 30})
+    assert kept["small"][0] == kept["large"][0] == "native"
+    alone = kernel_choice.keep_graph_kernels(chosen, timings, {"small": 30, "large": 1})
+    assert alone == chosen
+
+
+def test_a_shape_the_graph_cannot_run_leaves_the_choice_as_measured() -> None:
+    timings = {"a": _timings({"native": 1.05, "onednn": 1.0}),
+               "b": _timings({"onednn": 1.0, "plain": 2.0})}
+    chosen = {key: fastest(t) for key, t in timings.items()}
+    assert kernel_choice.keep_graph_kernels(chosen, timings, {"a": 1, "b": 1}) == chosen

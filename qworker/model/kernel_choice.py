@@ -4,8 +4,11 @@ At warm-up every distinct (output, input, dtype) shape of the model is timed wit
 this CPU can run for it (the native GEMM of the loaded level, oneDNN through torch with the weight
 prepacked) at a few token counts (`BUCKETS`); each layer then runs, for a step of m rows, the
 fastest kernel of m's bucket. The choice is cached on disk, keyed by CPU, flags, threads, torch,
-native build and shapes, so a restart does not measure again. `QWORKER_KERNELS` set to a family
-skips the measurement: that family wherever it serves.
+native build and shapes, so a restart does not measure again; but not a choice measured too
+noisily to tell the kernels apart (a busy machine): that one serves this process only, and a later
+start measures again. At one row the decode graph's kernels are kept where they cost the model
+little more than the fastest (`GRAPH_MARGIN`). `QWORKER_KERNELS` set to a family skips the
+measurement: that family wherever it serves.
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ _EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
 ROUNDS = 7  # at least; then more, up to MAX_ROUNDS, until each kernel ran MEASURE_S in all:
 MEASURE_S, MAX_ROUNDS = 0.02, 200  # a call of 0.1 ms is timed 200 times, one of 10 ms 7 times
 Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -> s of one call
+# A kernel's rounds whose low quartile is this far above their best are noisy; two kernels whose
+# best times are this close are as good as each other.
+QUIET_SPREAD = 0.10
+GRAPH_KINDS = frozenset({"native", *native.QUANT_METHODS})  # the kernels the decode graph runs
+# The decode graph saves ~45% of a one-row step's matmul time: SmolLM2-135M float32, one thread,
+# AMD EPYC Zen 1 at a load of 4-4.7 (benchmarks.single_stream, native forced: 62.4 / 85.2 ms a
+# token against 84.2 / 110.5 layer by layer, two runs; benchmarks.kernels' matmuls 48.7 ms). Kept
+# at about half that, for the noise of those figures: a choice that turns the graph off at one
+# row must make the matmuls more than 25% faster.
+GRAPH_MARGIN = 0.25
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +72,68 @@ def fastest(timings: Mapping[str, Sequence[float | None]]) -> tuple[str, ...]:
     return tuple(chosen)
 
 
+class Seconds(float):
+    """A kernel's time of one call, the least of its rounds; their `spread`, the low quartile
+    over the least, less 1 (0 where most rounds agree; a busy machine's spread widely); and
+    `halves`, the least of the odd and of the even rounds."""
+
+    spread: float
+    halves: tuple[float, float]
+
+    def __new__(cls, rounds: Sequence[float]) -> Seconds:
+        assert rounds
+        ordered = sorted(rounds)
+        self = super().__new__(cls, ordered[0])
+        self.spread = ordered[len(ordered) // 4] / ordered[0] - 1 if ordered[0] > 0 else 0.0
+        self.halves = (min(rounds[0::2]), min(rounds[1::2] or rounds))
+        return self
+
+
+def undecided(timings: Mapping[str, Sequence[float | None]]) -> list[int]:
+    """The buckets measured too noisily to tell the two fastest kernels apart: their best times
+    differ by less than their rounds' spread, that spread above QUIET_SPREAD; or by more than
+    QUIET_SPREAD, but the faster is not faster in both halves of the rounds (where every round
+    was slowed alike, by a neighbour holding a core for whole scheduler slices, the spread is 0
+    and the least of the rounds is chance). Plain floats, as tests give, are exact."""
+    out = []
+    for b, column in enumerate(zip(*timings.values(), strict=True)):
+        times = sorted(t for t in column if t is not None)
+        if len(times) < 2:
+            continue
+        first, second = times[:2]
+        gap = second / first - 1 if first > 0 else 0.0
+        spread = max(getattr(t, "spread", 0.0) for t in (first, second))
+        halves = zip(getattr(first, "halves", (first, first)),
+                     getattr(second, "halves", (second, second)), strict=True)
+        flips = gap > QUIET_SPREAD and any(f >= s for f, s in halves)
+        if spread > max(QUIET_SPREAD, gap) or flips:
+            out.append(b)
+    return out
+
+
+def keep_graph_kernels(chosen: Mapping[str, tuple[str, ...]],
+                       timings: Mapping[str, Mapping[str, Sequence[float | None]]],
+                       counts: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
+    """At one row, every shape on its fastest kernel that the decode graph runs, where that costs
+    the model's matmuls (each shape's time by its layer count) at most GRAPH_MARGIN more than
+    the fastest kernels: the graph runs only where every layer chose one of its kernels, and it
+    saves more than that. Where some shape has no such kernel the graph never runs: the choice
+    stays as measured."""
+    picks: dict[str, str] = {}
+    graph_total = fastest_total = 0.0
+    for key, kinds in chosen.items():
+        one_row = {kind: t[0] for kind, t in timings[key].items() if t[0] is not None}
+        graph = [kind for kind in one_row if kind in GRAPH_KINDS]
+        if not graph:
+            return dict(chosen)
+        picks[key] = min(graph, key=one_row.__getitem__)
+        graph_total += counts[key] * one_row[picks[key]]
+        fastest_total += counts[key] * one_row[kinds[0]]
+    if graph_total > (1 + GRAPH_MARGIN) * fastest_total:
+        return dict(chosen)
+    return {key: (picks[key], *kinds[1:]) for key, kinds in chosen.items()}
+
+
 def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
     started = time.perf_counter()
     run()
@@ -67,8 +142,8 @@ def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
 
 def measure(layer: Layer, max_rows: int,
             timer: Timer = one_call) -> dict[str, list[float | None]]:
-    """Seconds per call of each kernel the layer can run, at every bucket up to max_rows: the
-    best of ROUNDS calls, the kernels taking turns (a busy neighbour slows them alike)."""
+    """Seconds per call (`Seconds`) of each kernel the layer can run, at every bucket up to
+    max_rows."""
     generator = torch.Generator().manual_seed(0)
     kinds = layer.kernels()
     out: dict[str, list[float | None]] = {kind: [] for kind in kinds}
@@ -88,19 +163,20 @@ def measure(layer: Layer, max_rows: int,
     return out
 
 
-def _rounds(runs: Mapping[str, Callable[[], object]], rows: int, timer: Timer) -> dict[str, float]:
-    """The best time of each kernel. Short calls get more rounds: on a shared machine a call
-    whose threads were all scheduled at once is rare, and the best of 7 misleads."""
-    best = dict.fromkeys(runs, float("inf"))
-    spent = dict.fromkeys(runs, 0.0)
+def _rounds(runs: Mapping[str, Callable[[], object]], rows: int,
+            timer: Timer) -> dict[str, Seconds]:
+    """Each kernel's rounds, the kernels taking turns in each so that a busy neighbour slows
+    them alike. Kept is the least time, as timeit and benchmark tools do: interference only ever
+    adds time, so the least is the best this CPU achieves (on 2 vCPUs shared, an OpenMP call is
+    slowed whenever one of its threads is not scheduled: most rounds of a busy machine). Short
+    calls get more rounds: a round with all threads scheduled at once is rare there."""
+    times: dict[str, list[float]] = {kind: [] for kind in runs}
     for done in range(MAX_ROUNDS):
-        if done >= ROUNDS and min(spent.values()) >= MEASURE_S:
+        if done >= ROUNDS and min(sum(t) for t in times.values()) >= MEASURE_S:
             break
         for kind, run in runs.items():
-            seconds = timer(kind, rows, run)
-            best[kind] = min(best[kind], seconds)
-            spent[kind] += seconds
-    return best
+            times[kind].append(timer(kind, rows, run))
+    return {kind: Seconds(t) for kind, t in times.items()}
 
 
 def shape_key(layer: Layer) -> str:
@@ -122,9 +198,15 @@ def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
     chosen = _read(path)
     if chosen is None or set(chosen) != set(by_shape) or any(
             not set(chosen[key]) <= set(group[0].kernels()) for key, group in by_shape.items()):
-        chosen = {key: fastest(measure(group[0], rows_of[key], timer))
-                  for key, group in by_shape.items()}
-        _write(path, chosen)
+        timings = {key: measure(group[0], rows_of[key], timer) for key, group in by_shape.items()}
+        chosen = keep_graph_kernels({key: fastest(t) for key, t in timings.items()}, timings,
+                                    {key: len(group) for key, group in by_shape.items()})
+        noisy = {key: [BUCKETS[b] for b in buckets] for key, t in timings.items()
+                 if (buckets := undecided(t))}
+        if noisy:  # one file holds every shape: none is kept; a later, quieter start measures
+            log.warning("kernel_choice_too_noisy_not_cached", rows_by_shape=noisy)
+        else:
+            _write(path, chosen)
     for key, group in by_shape.items():
         for layer in group:
             layer.set_choice(chosen[key])
