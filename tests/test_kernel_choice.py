@@ -122,9 +122,14 @@ def test_each_chosen_kernel_computes_the_layer(dtype: torch.dtype) -> None:
         assert layer.kind_for(9) == kind
 
 
-def test_a_measured_model_chooses_for_every_linear_layer(tmp_path: Path) -> None:
+def test_a_measured_model_chooses_for_every_linear_layer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.engine_fixtures import tiny_model
 
+    # two rounds a bucket: on a loaded 2-vCPU machine every timed call took a 4 ms scheduler
+    # slice or two, and the default ~25 rounds made this test 4 s of measuring
+    monkeypatch.setattr(kernel_choice, "ROUNDS", 2)
+    monkeypatch.setattr(kernel_choice, "MEASURE_S", 0.0)
     model = tiny_model(128, dtype=torch.float32, seed=1)
     chosen = model.choose_kernels(64, 8, tmp_path)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
