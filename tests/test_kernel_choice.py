@@ -15,6 +15,13 @@ from qworker.model.kernel_choice import BUCKETS, bucket, fastest
 from qworker.model.linear import Linear
 
 NATIVE_HERE = native.library() is not None
+MACHINE_LOAD = kernel_choice.machine_load  # the real one, before the fixture replaces it
+
+
+@pytest.fixture(autouse=True)
+def _quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine's load as choose() reads it: none, unless a test says (a shared one's is)."""
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.0)
 
 
 def test_rows_go_to_the_nearest_bucket_on_a_log_scale() -> None:
@@ -260,3 +267,25 @@ def test_a_shape_the_graph_cannot_run_leaves_the_choice_as_measured() -> None:
                "b": _timings({"onednn": 1.0, "plain": 2.0})}
     chosen = {key: fastest(t) for key, t in timings.items()}
     assert kernel_choice.keep_graph_kernels(chosen, timings, {"a": 1, "b": 1}) == chosen
+
+
+def test_on_a_busy_machine_no_choice_is_cached(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from structlog.testing import capture_logs
+
+    # 4 ms slices in every round: the timings agree, only the load tells
+    timer = _busy({"native": 1e-3, "onednn": 2e-3}, {"native": 1, "onednn": 1})
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # 3 runnable on 2 CPUs
+    layers = _layers(("native", "onednn"), count=1)
+    with capture_logs() as logs:
+        assert kernel_choice.choose([(layers[0], 8)], tmp_path, timer) == {
+            "48x32:float32": ("native",) * len(BUCKETS)}
+    assert not list(tmp_path.glob("kernels-*.json"))
+    [warning] = [e for e in logs if e["event"] == "kernel_choice_too_noisy_not_cached"]
+    assert warning["rows_by_shape"] == {} and warning["load_per_cpu"] == 1.5
+
+
+def test_the_load_is_the_machine_s_per_cpu() -> None:
+    import os
+
+    assert abs(MACHINE_LOAD() - os.getloadavg()[0] / (os.cpu_count() or 1)) < 0.5

@@ -17,6 +17,7 @@ import bisect
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,10 @@ Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -
 # A kernel's rounds whose low quartile is this far above their best are noisy; two kernels whose
 # best times are this close are as good as each other.
 QUIET_SPREAD = 0.10
+# Over this many runnable threads a CPU (the 1-minute load, before measuring), the machine is busy:
+# its rounds are rarely whole. At a load of 3-4 on 2 vCPUs every call of ~0.1 ms took one or two
+# 4 ms scheduler slices, the same in every round, so neither spread nor halves saw the noise.
+BUSY_LOAD = 1.0
 GRAPH_KINDS = frozenset({"native", *native.QUANT_METHODS})  # the kernels the decode graph runs
 # The decode graph saves ~45% of a one-row step's matmul time: SmolLM2-135M float32, one thread,
 # AMD EPYC Zen 1 at a load of 4-4.7 (benchmarks.single_stream, native forced: 62.4 / 85.2 ms a
@@ -134,6 +139,14 @@ def keep_graph_kernels(chosen: Mapping[str, tuple[str, ...]],
     return {key: (picks[key], *kinds[1:]) for key, kinds in chosen.items()}
 
 
+def machine_load() -> float:
+    """The 1-minute load average per CPU of the machine (0 where unknown)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
 def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
     started = time.perf_counter()
     run()
@@ -198,13 +211,15 @@ def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
     chosen = _read(path)
     if chosen is None or set(chosen) != set(by_shape) or any(
             not set(chosen[key]) <= set(group[0].kernels()) for key, group in by_shape.items()):
+        load = machine_load()
         timings = {key: measure(group[0], rows_of[key], timer) for key, group in by_shape.items()}
         chosen = keep_graph_kernels({key: fastest(t) for key, t in timings.items()}, timings,
                                     {key: len(group) for key, group in by_shape.items()})
         noisy = {key: [BUCKETS[b] for b in buckets] for key, t in timings.items()
                  if (buckets := undecided(t))}
-        if noisy:  # one file holds every shape: none is kept; a later, quieter start measures
-            log.warning("kernel_choice_too_noisy_not_cached", rows_by_shape=noisy)
+        if noisy or load > BUSY_LOAD:  # one file holds every shape: none is kept
+            log.warning("kernel_choice_too_noisy_not_cached", rows_by_shape=noisy,
+                        load_per_cpu=round(load, 2))  # a later, quieter start measures again
         else:
             _write(path, chosen)
     for key, group in by_shape.items():
