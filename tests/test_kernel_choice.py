@@ -20,8 +20,10 @@ MACHINE_LOAD = kernel_choice.machine_load  # the real one, before the fixture re
 
 @pytest.fixture(autouse=True)
 def _quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The machine's load as choose() reads it: none, unless a test says (a shared one's is)."""
+    """The machine's load as choose() reads it: none, unless a test says (a shared one's is);
+    and no choice left unsaved by an earlier test (each test is a fresh process)."""
     monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(kernel_choice, "_unsaved", {})
 
 
 def test_rows_go_to_the_nearest_bucket_on_a_log_scale() -> None:
@@ -227,6 +229,13 @@ def test_a_noisy_choice_serves_this_process_but_is_not_cached(tmp_path: Path) ->
     assert not list(tmp_path.glob("kernels-*.json"))
     [warning] = [e for e in logs if e["event"] == "kernel_choice_too_noisy_not_cached"]
     assert warning["rows_by_shape"] == {"48x32:float32": [1, 8]}
+
+    def unused(kind: str, rows: int, run: object) -> float:
+        raise AssertionError("measured again in the same process")
+
+    again = _layers(("native", "onednn"), count=2)  # another engine of this process
+    assert kernel_choice.choose([(layer, 8) for layer in again], tmp_path, unused) == chosen
+    kernel_choice._unsaved.clear()  # a new process
     quiet = _busy({"native": 1e-3, "onednn": 2e-3}, {"native": 1, "onednn": 1})
     later = _layers(("native", "onednn"), count=2)  # a later start, quieter: measured and kept
     assert kernel_choice.choose([(layer, 8) for layer in later], tmp_path, quiet)[

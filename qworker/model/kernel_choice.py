@@ -208,7 +208,7 @@ def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
             by_shape.setdefault(key, []).append(layer)
             rows_of[key] = max(rows_of.get(key, 0), rows)
     path = _cache_path(cache_dir, rows_of)
-    chosen = _read(path)
+    chosen = _read(path) or (_unsaved.get(path) if path is not None else None)
     if chosen is None or set(chosen) != set(by_shape) or any(
             not set(chosen[key]) <= set(group[0].kernels()) for key, group in by_shape.items()):
         load = machine_load()
@@ -220,12 +220,18 @@ def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
         if noisy or load > BUSY_LOAD:  # one file holds every shape: none is kept
             log.warning("kernel_choice_too_noisy_not_cached", rows_by_shape=noisy,
                         load_per_cpu=round(load, 2))  # a later, quieter start measures again
+            if path is not None:
+                _unsaved[path] = chosen  # this process's later engines do not measure again
         else:
             _write(path, chosen)
     for key, group in by_shape.items():
         for layer in group:
             layer.set_choice(chosen[key])
     return chosen
+
+
+# choices measured too noisily to be written, by the cache file they would have gone to
+_unsaved: dict[Path, dict[str, tuple[str, ...]]] = {}
 
 
 def _cache_path(cache_dir: Path | None, rows_of: Mapping[str, int]) -> Path | None:
