@@ -197,31 +197,31 @@ def test_interference_does_not_make_the_slower_kernel_win() -> None:
     assert timings["native"][0] == 1e-3 and timings["onednn"][0] == 2e-3
 
 
-@pytest.mark.parametrize(("native_every", "onednn_every", "noisy"), [
-    (1, 1, False),  # quiet: a 5% gap is told
-    (5, 1, True),  # most of native's rounds 4x: its spread is far above the 5% gap
+@pytest.mark.parametrize(("native_every", "onednn_every"), [
+    (1, 1),  # quiet
+    (5, 1),  # most of native's rounds 4x: its spread is far above the 5% gap
 ])
-def test_buckets_too_noisy_to_tell_the_two_fastest_apart(
-        native_every: int, onednn_every: int, noisy: bool) -> None:
+def test_kernels_this_close_are_as_good_as_each_other_however_noisy(
+        native_every: int, onednn_every: int) -> None:
     layer = _layers(("native", "onednn"), count=1)[0]
     timer = _busy({"native": 1.05e-3, "onednn": 1e-3},
                   {"native": native_every, "onednn": onednn_every})
     timings = kernel_choice.measure(layer, 8, timer)
-    assert kernel_choice.undecided(timings) == ([0, 1] if noisy else [])  # 1 and 8 rows
+    assert fastest(timings) == ("onednn",) * len(BUCKETS)
+    assert kernel_choice.undecided(timings) == []
 
 
 def test_a_wide_gap_is_told_even_on_a_busy_machine() -> None:
-    quiet = kernel_choice.Seconds([1.0, 1.0, 4.0, 4.0, 4.0, 4.0, 4.0])  # spread 0
     busy = kernel_choice.Seconds([1.0, 3.0, 3.0, 4.0, 4.0, 4.0, 4.0])  # spread 2
     assert kernel_choice.undecided({"a": [busy], "b": [kernel_choice.Seconds([3.5])]}) == []
-    assert kernel_choice.undecided({"a": [quiet], "b": [kernel_choice.Seconds([1.05])]}) == []
-    assert kernel_choice.undecided({"a": [busy], "b": [kernel_choice.Seconds([1.05])]}) == [0]
+    assert kernel_choice.undecided({"a": [busy], "b": [kernel_choice.Seconds([1.05])]}) == []
 
 
 def test_a_noisy_choice_serves_this_process_but_is_not_cached(tmp_path: Path) -> None:
     from structlog.testing import capture_logs
 
-    noisy = _busy({"native": 1.05e-3, "onednn": 1e-3}, {"native": 5, "onednn": 1})
+    # native's odd rounds 4x: 1.3x faster than onednn in one half, slower in the other
+    noisy = _busy({"native": 1e-3, "onednn": 1.3e-3}, {"native": 2, "onednn": 1})
     layers = _layers(("native", "onednn"), count=2)
     with capture_logs() as logs:
         chosen = kernel_choice.choose([(layer, 8) for layer in layers], tmp_path, noisy)

@@ -40,8 +40,8 @@ _EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
 ROUNDS = 7  # at least; then more, up to MAX_ROUNDS, until each kernel ran MEASURE_S in all:
 MEASURE_S, MAX_ROUNDS = 0.02, 200  # a call of 0.1 ms is timed 200 times, one of 10 ms 7 times
 Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -> s of one call
-# A kernel's rounds whose low quartile is this far above their best are noisy; two kernels whose
-# best times are this close are as good as each other.
+# Two kernels whose best times are this close are as good as each other: whichever is kept, and
+# however noisy their rounds, the choice costs at most this much.
 QUIET_SPREAD = 0.10
 # Over this many runnable threads a CPU (the 1-minute load, before measuring), the machine is busy:
 # its rounds are rarely whole. At a load of 3-4 on 2 vCPUs every call of ~0.1 ms took one or two
@@ -96,10 +96,13 @@ class Seconds(float):
 
 def undecided(timings: Mapping[str, Sequence[float | None]]) -> list[int]:
     """The buckets measured too noisily to tell the two fastest kernels apart: their best times
-    differ by less than their rounds' spread, that spread above QUIET_SPREAD; or by more than
-    QUIET_SPREAD, but the faster is not faster in both halves of the rounds (where every round
-    was slowed alike, by a neighbour holding a core for whole scheduler slices, the spread is 0
-    and the least of the rounds is chance). Plain floats, as tests give, are exact."""
+    differ by more than QUIET_SPREAD, but the faster is not faster in both halves of the rounds
+    (where every round was slowed alike, by a neighbour holding a core for whole scheduler
+    slices, the spread is 0 and the least of the rounds is chance). Closer kernels are as good
+    as each other, so a wide spread alone decides nothing: interference only adds time, and the
+    least of the rounds already discounts it (on this 2-vCPU VM, with nothing else running, most
+    shapes' rounds spread over 10%, and flagging them left no choice ever cached). Plain floats,
+    as tests give, are exact."""
     out = []
     for b, column in enumerate(zip(*timings.values(), strict=True)):
         times = sorted(t for t in column if t is not None)
@@ -107,11 +110,9 @@ def undecided(timings: Mapping[str, Sequence[float | None]]) -> list[int]:
             continue
         first, second = times[:2]
         gap = second / first - 1 if first > 0 else 0.0
-        spread = max(getattr(t, "spread", 0.0) for t in (first, second))
         halves = zip(getattr(first, "halves", (first, first)),
                      getattr(second, "halves", (second, second)), strict=True)
-        flips = gap > QUIET_SPREAD and any(f >= s for f, s in halves)
-        if spread > max(QUIET_SPREAD, gap) or flips:
+        if gap > QUIET_SPREAD and any(f >= s for f, s in halves):
             out.append(b)
     return out
 
