@@ -58,8 +58,11 @@ def write_model(path: Path, kind: gguf.GGMLQuantizationType, layers: int) -> Non
     writer.add_head_count(s["heads"])
     writer.add_head_count_kv(s["kv_heads"])
     writer.add_layer_norm_rms_eps(1e-5)
+    # a placeholder byte-level BPE vocabulary, as llama.cpp loads one: its newline token ("Ċ")
+    # and at least one merge
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(s["vocab"])])
+    writer.add_token_list(["Ċ", *(f"t{i}" for i in range(1, s["vocab"]))])
+    writer.add_token_merges(["t 1"])
     matrices = {"token_embd.weight": (s["vocab"], s["hidden"]),
                 "output.weight": (s["vocab"], s["hidden"])}
     for i in range(layers):
