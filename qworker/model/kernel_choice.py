@@ -45,7 +45,7 @@ Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -
 QUIET_SPREAD = 0.10
 # Over this many runnable threads a CPU (the 1-minute load, before measuring), the machine is busy:
 # its rounds are rarely whole. At a load of 3-4 on 2 vCPUs every call of ~0.1 ms took one or two
-# 4 ms scheduler slices, the same in every round, so neither spread nor halves saw the noise.
+# 4 ms scheduler slices, the same in every round: the halves agreed and could not see the noise.
 BUSY_LOAD = 1.0
 GRAPH_KINDS = frozenset({"native", *native.QUANT_METHODS})  # the kernels the decode graph runs
 # The decode graph saves ~45% of a one-row step's matmul time: SmolLM2-135M float32, one thread,
@@ -78,18 +78,14 @@ def fastest(timings: Mapping[str, Sequence[float | None]]) -> tuple[str, ...]:
 
 
 class Seconds(float):
-    """A kernel's time of one call, the least of its rounds; their `spread`, the low quartile
-    over the least, less 1 (0 where most rounds agree; a busy machine's spread widely); and
-    `halves`, the least of the odd and of the even rounds."""
+    """A kernel's time of one call, the least of its rounds; and `halves`, the least of the odd
+    and of the even rounds."""
 
-    spread: float
     halves: tuple[float, float]
 
     def __new__(cls, rounds: Sequence[float]) -> Seconds:
         assert rounds
-        ordered = sorted(rounds)
-        self = super().__new__(cls, ordered[0])
-        self.spread = ordered[len(ordered) // 4] / ordered[0] - 1 if ordered[0] > 0 else 0.0
+        self = super().__new__(cls, min(rounds))
         self.halves = (min(rounds[0::2]), min(rounds[1::2] or rounds))
         return self
 
@@ -98,7 +94,7 @@ def undecided(timings: Mapping[str, Sequence[float | None]]) -> list[int]:
     """The buckets measured too noisily to tell the two fastest kernels apart: their best times
     differ by more than QUIET_SPREAD, but the faster is not faster in both halves of the rounds
     (where every round was slowed alike, by a neighbour holding a core for whole scheduler
-    slices, the spread is 0 and the least of the rounds is chance). Closer kernels are as good
+    slices, the rounds agree and their least is chance). Closer kernels are as good
     as each other, so a wide spread alone decides nothing: interference only adds time, and the
     least of the rounds already discounts it (on this 2-vCPU VM, with nothing else running, most
     shapes' rounds spread over 10%, and flagging them left no choice ever cached). Plain floats,

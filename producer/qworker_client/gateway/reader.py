@@ -71,8 +71,7 @@ class OutputReader:
             return []
         batch: Batch = []
         for entry_id, fields in entries:
-            token = (plain_token_listed(fields) if state.done is None and state.error is None
-                     else None)
+            token = None if state.finished else plain_token_listed(fields)
             if token is None:  # another event, a token written otherwise, or past the end
                 if (event := _other(state, entry_id, fields)) is not None:
                     batch.append((job_id, entry_id, event))
