@@ -39,10 +39,11 @@ compiler:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq g++ >/dev/null; }
 
-# the kernel build and the type check side by side (about a minute each on 2 cores), then the suite
+# the kernel build and the type check side by side (about a minute each on 2 cores), then the suite,
+# two test files at a time (loadfile keeps each file's module fixtures in one process)
 test: $(STAMP) redis compiler
 	$(MAKE) --no-print-directory -j2 kernels typecheck
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 typecheck: $(STAMP)
 	$(BIN)/ruff check .

@@ -258,7 +258,9 @@ def _write(path: Path | None, chosen: Mapping[str, tuple[str, ...]]) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({k: list(v) for k, v in chosen.items()}, indent=1) + "\n")
+        partial = path.with_name(f".{path.name}.{os.getpid()}")  # renamed: readers see all or none
+        partial.write_text(json.dumps({k: list(v) for k, v in chosen.items()}, indent=1) + "\n")
+        os.replace(partial, path)
     except OSError as exc:  # a read-only home: measured again at the next start
         log.warning("kernel_choice_not_cached", path=str(path), reason=str(exc))
 

@@ -64,8 +64,11 @@ def cpu_model() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    line = next((line for line in text.splitlines() if line.startswith("model name")), "")
-    return line.partition(":")[2].strip()
+    first_cpu = (line.partition(":") for line in text.split("\n\n")[0].splitlines())
+    fields = {key.strip(): value.strip() for key, _, value in first_cpu}
+    # a VM often shows only "AMD EPYC": the family and model tell Zen 1 from Zen 4 or Zen 5
+    name, family, model = (fields.get(k, "?") for k in ("model name", "cpu family", "model"))
+    return f"{name} (family {family}, model {model})"
 
 
 def runnable_levels(flags: frozenset[str] | None = None) -> list[Level]:
