@@ -94,3 +94,23 @@ def test_an_error_of_the_work_is_the_callers() -> None:
 
     with pytest.raises(ValueError, match="bad job"):
         asyncio.run(run())
+
+
+def test_a_disconnect_once_the_response_is_complete_is_no_abort() -> None:
+    """The last piece of a stream goes from the hub's read: uvicorn says "disconnect" before the
+    stream's own task has woken to finish."""
+    async def run() -> tuple[object, int]:
+        client = Client()
+        sent = False
+
+        async def work() -> str:
+            nonlocal sent
+            sent = True
+            client.gone.set()
+            await asyncio.sleep(0.01)  # still finishing when the watcher hears it
+            return "done"
+
+        value = await until_disconnect(client.receive, work, client.abort, lambda: sent)
+        return value, client.aborts
+
+    assert asyncio.run(run()) == ("done", 0)

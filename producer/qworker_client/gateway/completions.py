@@ -13,6 +13,7 @@ from starlette.types import ASGIApp
 from qworker_client.gateway import streams
 from qworker_client.gateway.disconnect import EventStream, until_disconnect
 from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.live import LiveStream
 from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.shaping import Shape
@@ -39,7 +40,7 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     reader = OutputReader(gateway.hub, dict.fromkeys(job_ids, START_ID))
     follow = _follow(gateway, req, shape)
     if req.stream:
-        return EventStream(streams.frames(reader, follow, gateway.metrics), abort, headers)
+        return EventStream(LiveStream(reader, follow, gateway.metrics), abort, headers)
     result = await until_disconnect(request.receive, lambda: streams.body(reader, follow), abort)
     if result is None:
         return Response(status_code=CLIENT_CLOSED)

@@ -4,12 +4,13 @@ the request detached them), while they wait in the queue as much as while they s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio
 from starlette.types import Receive, Scope, Send
 
+from qworker_client.gateway.live import LiveStream
 from qworker_client.gateway.sse import DONE, HEADERS, MEDIA_TYPE
 
 T = TypeVar("T")
@@ -21,15 +22,18 @@ RAW_SEND = "qworker.raw_send"
 
 
 async def until_disconnect(receive: Receive, work: Callable[[], Coroutine[Any, Any, T]],
-                           on_abort: Abort) -> T | None:
+                           on_abort: Abort, complete: Callable[[], bool] = lambda: False
+                           ) -> T | None:
     """`work()`'s value, or None (after `on_abort()`) when the client disconnected first.
+    `complete()`: whether the response has gone whole (uvicorn says "disconnect" once it has,
+    which is then no client going, even while `work` is still finishing).
 
     `work` runs in a task of its own, awaited, which a watcher task (waiting for the disconnect)
-    cancels; a cancel of the caller's task cancels it too. Not in the caller's task: a stream's
-    work wakes once per read of its jobs, and each wake-up resumed every coroutine the task
-    holds, in the request's task the server's, each middleware's and the router's (about 20),
-    in its own only the stream's few (a tenth of the gateway's CPU per chunk). anyio's task group
-    would do this too, with its cancel scopes: about 5% of the gateway's CPU."""
+    cancels; a cancel of the caller's task cancels it too. Not in the caller's task: the work
+    of a response sent whole wakes once per read of its jobs, and each wake-up resumed every
+    coroutine the task holds, in the request's task the server's, each middleware's and the
+    router's (about 20), in its own only the work's few. anyio's task group would do this too,
+    with its cancel scopes: about 5% of the gateway's CPU when streams ran this way."""
     loop = asyncio.get_running_loop()
     worker = loop.create_task(work())
     gone = False
@@ -38,7 +42,7 @@ async def until_disconnect(receive: Receive, work: Callable[[], Coroutine[Any, A
         nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not worker.done():  # uvicorn says "disconnect" once the response is complete, too
+        if not worker.done() and not complete():
             gone = True
             worker.cancel()
 
@@ -63,13 +67,13 @@ def _cancelling() -> bool:
 
 
 class EventStream:
-    """An ASGI response sending server-sent events from `frames` (the piece that ends with
-    `[DONE]` ends the body, in the same write); `on_abort` runs when the client left before the
-    last frame (or sending failed)."""
+    """An ASGI response sending server-sent events: the frames of `stream` as the reads bring
+    them, or (no stream) only `[DONE]`; `on_abort` runs when the client left before the last
+    frame (or sending failed)."""
 
-    def __init__(self, frames: AsyncGenerator[str, None], on_abort: Abort,
+    def __init__(self, stream: LiveStream | None, on_abort: Abort,
                  headers: dict[str, str] | None = None) -> None:
-        self.frames = frames
+        self.stream = stream
         self.on_abort = on_abort
         self.headers = {**HEADERS, **(headers or {}), "content-type": MEDIA_TYPE}
 
@@ -77,22 +81,20 @@ class EventStream:
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw})
         body_send: Send = scope.get(RAW_SEND, send)
-        try:
-            await until_disconnect(receive, lambda: self._send_all(body_send), self.on_abort)
-        finally:  # its own cleanup (the hub's followers, the metrics) runs now, not at GC
-            with anyio.CancelScope(shield=True):
-                await self.frames.aclose()
+        if self.stream is None:
+            await body_send({"type": "http.response.body", "body": DONE.encode(),
+                             "more_body": False})
+            return
+        stream = self.stream
+        # the last piece goes from the hub's read, before this stream's task has seen it
+        await until_disconnect(receive, lambda: self._send_all(body_send), self.on_abort,
+                               lambda: stream.complete)
 
     async def _send_all(self, send: Send) -> bool:
+        assert self.stream is not None
         try:
-            async for text in self.frames:
-                end = text.endswith(DONE)  # the last frame: the body ends with its piece
-                await send({"type": "http.response.body", "body": text.encode(),
-                            "more_body": not end})
-                if end:
-                    return True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the connection broke under the send
+            await self.stream.send(send)
+        except OSError:  # the connection broke under a send
             await self.on_abort()
             return False
         return True

@@ -4,8 +4,6 @@ job when the client goes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
@@ -14,9 +12,9 @@ from qworker_client.gateway import meta, streams
 from qworker_client.gateway.completions import JOB_ID_HEADER
 from qworker_client.gateway.disconnect import EventStream
 from qworker_client.gateway.errors import APIError, bad_request
+from qworker_client.gateway.live import LiveStream
 from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.service import Gateway
-from qworker_client.gateway.sse import DONE
 from qworker_client.protocol import ID_PATTERN, TERMINAL_TYPES, is_valid_id
 from qworker_client.result import START_ID
 from qworker_client.status import job_status_async
@@ -46,9 +44,9 @@ async def resume(gateway: Gateway, request: Request) -> ASGIApp:
                             coalesce=gateway.config.stream_interval_ms > 0)
     headers = {JOB_ID_HEADER: job_id}
     if await _ended_at_or_before(gateway, job_id, after):
-        return EventStream(_only_done(), _keep, headers)
+        return EventStream(None, _keep, headers)  # only [DONE]
     reader = OutputReader(gateway.hub, {job_id: after})
-    return EventStream(streams.frames(reader, follow, gateway.metrics), _keep, headers)
+    return EventStream(LiveStream(reader, follow, gateway.metrics), _keep, headers)
 
 
 def _after(last_event_id: str | None) -> str:
@@ -73,10 +71,6 @@ async def _ended_at_or_before(gateway: Gateway, job_id: str, after: str) -> bool
         return False
     end, seen = _parse(str(last[0][0])), _parse(after)
     return end is not None and seen is not None and end <= seen
-
-
-async def _only_done() -> AsyncGenerator[str, None]:
-    yield DONE
 
 
 async def _keep(*_: object) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from qworker_client.gateway.hub import Entries, Hub, Mailbox
+from qworker_client.gateway.hub import Entries, Follower, Hub, Mailbox
 from qworker_client.gateway.tokens import Text, plain_token_listed
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
@@ -26,7 +26,7 @@ class OutputReader:
         self.hub = hub
         self.after = dict(after)
         self.open = {job_id: OutputState(job_id, last) for job_id, last in after.items()}
-        self._mailbox: Mailbox | None = None  # from the first take
+        self._follower: Follower | None = None  # from the first take, or `push`
 
     async def events(self) -> AsyncIterator[tuple[str, str, Event]]:
         """(job id, entry id, event) for every event to pass on, until every job has ended."""
@@ -46,26 +46,35 @@ class OutputReader:
     async def take(self) -> list[Batch]:
         """The batches of the next read that brings any (one per job, none empty); [] once
         every job has ended. `close` when done with it."""
-        if self._mailbox is None:
-            self._mailbox = Mailbox()
-            self.hub.follow(self.after, self._mailbox)
+        if self._follower is None:
+            self._follower = Mailbox()
+            self.hub.follow(self.after, self._follower)
+        assert isinstance(self._follower, Mailbox), "the reader pushes"
         batches: list[Batch] = []
         while self.open and not batches:
-            for item in await self._mailbox.take():
+            for item in await self._follower.take():
                 if isinstance(item, BaseException):
                     raise item
-                batch = self._batch(*item, self._mailbox)
+                batch = self.batch(*item)
                 if batch:
                     batches.append(batch)
         return batches
 
+    def push(self, follower: Follower) -> None:
+        """Instead of `take`: the hub's reads hand each job's new entries to `follower` as they
+        come (its `put_nowait`, in the read loop), which passes them to `batch`."""
+        assert self._follower is None, "the reader is already following"
+        self._follower = follower
+        self.hub.follow(self.after, follower)
+
     def close(self) -> None:
         """Stop following the jobs."""
-        if self._mailbox is not None:
-            self.hub.drop(list(self.after), self._mailbox)
+        if self._follower is not None:
+            self.hub.drop(list(self.after), self._follower)
 
-    def _batch(self, job_id: str, entries: Entries, mailbox: Mailbox) -> Batch:
-        """The events to pass on of one job's new entries (none once it has ended)."""
+    def batch(self, job_id: str, entries: Entries) -> Batch:
+        """The events to pass on of one job's new entries that a read brought (none once it has
+        ended)."""
         state = self.open.get(job_id)
         if state is None:
             return []
@@ -82,13 +91,14 @@ class OutputReader:
                 batch.append((job_id, entry_id, token))
         if state.finished:
             del self.open[job_id]
-            self.hub.drop([job_id], mailbox)
+            assert self._follower is not None
+            self.hub.drop([job_id], self._follower)
         return batch
 
 
 def _other(state: OutputState, entry_id: str, listed: Sequence[str]) -> Event | None:
     """`OutputState.apply` of an entry's fields (field, value, ...) that is not a plain token
-    entry of a job still running (those `_batch` takes without pydantic)."""
+    entry of a job still running (those `batch` takes without pydantic)."""
     event = _apply(state, entry_id, dict(zip(listed[::2], listed[1::2], strict=True)))
     if isinstance(event, TokenEvent):
         entry = token_logprob(event)

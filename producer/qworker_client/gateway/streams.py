@@ -11,7 +11,7 @@ out as one chunk (their texts joined, the id of the last one's entry), as vLLM's
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,47 +49,38 @@ class _Usage:
         self.completion += done.completion_tokens
 
 
-async def frames(reader: OutputReader, follow: Follow, metrics: Metrics
-                 ) -> AsyncGenerator[str, None]:
-    """The SSE frames of the jobs' events, then the usage chunk if asked, then `[DONE]`: the
-    frames of one read go out as one piece, the last read's with the usage chunk and `[DONE]`
-    (one write for the whole end of a stream)."""
-    usage, ended = _Usage(), False
-    last: tuple[ChoiceFrames, str] | None = None  # the choice and entry id of the last event
-    choices = {job_id: ChoiceFrames(follow.shape, index, follow.tagged)
-               for job_id, index in follow.index.items()}
-    metrics.open_streams += 1
-    try:
-        while not ended and (batches := await reader.take()):
-            parts: list[str] = []
-            for batch in batches:
-                choice = choices[batch[0][0]]
-                _, last_entry, last_event = batch[-1]
-                last = choice, last_entry
-                if len(batch) == 1 and type(last_event) is Text and last_event.logprobs is None:
-                    metrics.count_tokens(1)  # what most reads bring a stream: one token
-                    part = choice.text(last_entry, last_event.i, last_event.text)
-                    if part is not None:
-                        parts.append(part)
-                    continue
-                # its tokens: all but an end, always last
-                metrics.count_tokens(len(batch) - (not isinstance(last_event, Text)))
-                if _frames_of(coalesced(batch) if follow.coalesce else batch, choice, usage,
-                              follow, parts):
-                    yield "".join(parts)
-                    await follow.cancel(list(reader.open))
-                    yield DONE
-                    return
-            if not reader.open:  # every job has ended
-                parts += _ending(follow, usage, last)
-                ended = True
-            if parts:
-                yield "".join(parts)
-        if not ended:
-            yield "".join(_ending(follow, usage, last))
-    finally:
-        reader.close()
-        metrics.open_streams -= 1
+class Framer:
+    """The SSE frames of a response's events, one read of a job at a time (`add`), then the end
+    of the stream (`ending`)."""
+
+    def __init__(self, follow: Follow, metrics: Metrics) -> None:
+        self.follow = follow
+        self.metrics = metrics
+        self.usage = _Usage()
+        self.last: tuple[ChoiceFrames, str] | None = None  # the choice and entry id last framed
+        self.choices = {job_id: ChoiceFrames(follow.shape, index, follow.tagged)
+                        for job_id, index in follow.index.items()}
+
+    def add(self, batch: Batch, parts: list[str]) -> bool:
+        """Append the frames of one job's events of a read (never none) to `parts`; True when
+        the job failed (its error frame is the last)."""
+        choice = self.choices[batch[0][0]]
+        _, last_entry, last_event = batch[-1]
+        self.last = choice, last_entry
+        if len(batch) == 1 and type(last_event) is Text and last_event.logprobs is None:
+            self.metrics.count_tokens(1)  # what most reads bring a stream: one token
+            part = choice.text(last_entry, last_event.i, last_event.text)
+            if part is not None:
+                parts.append(part)
+            return False
+        # its tokens: all but an end, always last
+        self.metrics.count_tokens(len(batch) - (not isinstance(last_event, Text)))
+        return _frames_of(coalesced(batch) if self.follow.coalesce else batch, choice,
+                          self.usage, self.follow, parts)
+
+    def ending(self) -> list[str]:
+        """Once every job has ended: the usage chunk if asked, and `[DONE]`."""
+        return _ending(self.follow, self.usage, self.last)
 
 
 def _ending(follow: Follow, usage: _Usage, last: tuple[ChoiceFrames, str] | None) -> list[str]:
