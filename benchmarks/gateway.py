@@ -11,11 +11,11 @@ time; 256 sequences each), one `qworker gateway` process, then N asyncio clients
 after another and counting the tokens streamed (the usage chunk's completion tokens) and the
 chunks that carry text (several tokens each with a stream interval). Each client first sends
 one short stream, not counted (the steady state: the gateway's Redis pool and the clients'
-connections already open), unless `--no-warmup`. Prints one JSON line:
-streamed tokens/s
-over the run, the gateway's CPU seconds and its CPU per streamed token (µs), the CPU of the
-workers, of Redis and of the clients, the machine's CPU over the run, time to first chunk
-p50/p99, and the machine (`benchmarks.machine`).
+connections already open), unless `--no-warmup`. Prints one JSON line: streamed tokens/s over
+the run, the gateway's CPU seconds and its CPU per streamed token (µs), how often it read the
+output streams (XREAD calls, from Redis' command stats) and the chunks a read brought, the CPU
+of the workers, of Redis and of the clients, the machine's CPU over the run, time to first
+chunk p50/p99, and the machine (`benchmarks.machine`).
 
 The clients share the machine with the gateway, the workers and Redis: on a small machine the
 tokens/s figure is a floor of what one gateway sustains, and its CPU per token is the figure to
@@ -78,6 +78,7 @@ def spawn(*args: str) -> subprocess.Popen[bytes]:
 class Fleet:
     gateway: subprocess.Popen[bytes]
     workers: list[subprocess.Popen[bytes]]
+    redis: redis.Redis
     redis_pid: int
 
     def cpu(self) -> dict[str, float]:
@@ -85,6 +86,12 @@ class Fleet:
         return {"gateway": cpu_seconds(self.gateway.pid),
                 "workers": sum(cpu_seconds(w.pid) for w in self.workers),
                 "redis": cpu_seconds(self.redis_pid)}
+
+    def reads(self) -> int:
+        """XREAD calls so far: the gateway's reads of the output streams (workers take jobs
+        with XREADGROUP; nothing else here sends XREAD)."""
+        stats: dict[str, Any] = self.redis.info("commandstats")
+        return int(stats.get("cmdstat_xread", {}).get("calls", 0))
 
 
 def spawn_workers(url: str, kind: str, workers: int, step_ms: float, rate: float
@@ -107,8 +114,8 @@ def fleet(url: str, sims: list[subprocess.Popen[bytes]], port: int,
                     "--log-level", "warning", *interval)
     try:
         wait_ready(url, len(sims), port)
-        redis_pid = int(redis.Redis.from_url(url).info("server")["process_id"])
-        yield Fleet(gateway, sims, redis_pid)
+        client = redis.Redis.from_url(url)
+        yield Fleet(gateway, sims, client, int(client.info("server")["process_id"]))
     finally:
         for proc in [*sims, gateway]:
             proc.terminate()
@@ -203,7 +210,7 @@ def main() -> None:
 
         def start() -> None:
             at.update(cpu=procs.cpu(), mine=time.process_time(),
-                      machine=machine_cpu_seconds(), t=time.monotonic())
+                      machine=machine_cpu_seconds(), reads=procs.reads(), t=time.monotonic())
 
         asyncio.run(clients(port, args.clients, args.requests, args.max_tokens, tally,
                             not args.no_warmup, start))
@@ -211,6 +218,7 @@ def main() -> None:
         cpu = {k: v - at["cpu"][k] for k, v in procs.cpu().items()}
         mine = time.process_time() - at["mine"]
         machine = machine_cpu_seconds() - at["machine"]
+        reads = procs.reads() - at["reads"]
     firsts = sorted(tally.first_chunk_s) or [0.0]
     tokens = max(tally.tokens, 1)
     print(json.dumps({
@@ -231,6 +239,9 @@ def main() -> None:
         "gateway_tokens_per_cpu_s": round(tokens / max(cpu["gateway"], 1e-9)),
         # what a token costs depends on how many share a chunk (a read of the stream): per chunk
         "gateway_cpu_us_per_chunk": round(cpu["gateway"] / max(tally.text_chunks, 1) * 1e6, 1),
+        # how often the gateway read the output streams, and how many chunks a read brought
+        "reads_per_s": round(reads / wall, 1),
+        "chunks_per_read": round(tally.text_chunks / max(reads, 1), 1),
         "workers_cpu_s": round(cpu["workers"], 3), "redis_cpu_s": round(cpu["redis"], 3),
         "clients_cpu_s": round(mine, 3),
         "machine_cpu_s": round(machine, 3), "machine_cpus": os.cpu_count(),
