@@ -160,25 +160,90 @@ void weigh_tile(const float* weights, const T* values, int64_t n, int64_t d, int
   }
 }
 
+#if defined(__AVX512BF16__)
+inline __mmask16 first_lanes(int64_t m) {
+  return m >= 16 ? __mmask16(0xFFFF) : m <= 0 ? __mmask16(0) : __mmask16((1u << m) - 1);
+}
+
+// bfloat16 values, two tokens per dot product: the rows of tokens j and j+1 interleaved (one
+// unpack per half) meet their two weights rounded to bfloat16, as torch's CPU flash attention
+// rounds its probabilities before P.V. The sums build up in the unpacks' order (lane L of `lo`:
+// dims 8L..8L+3, of `hi`: 8L+4..8L+7) and are put back in dimension order once, at the end.
+template <int R>
+void weigh_tile_bf16(const float* weights, const bf16* values, int64_t n, int64_t d,
+                     int64_t stride, float* acc) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t k = 0; k < d; k += 32) {
+    __m512 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+      const int64_t m = std::min<int64_t>(32, n - j0);
+      alignas(64) uint16_t rounded[R][32];  // this run's weights in bfloat16, zero past m
+      for (int r = 0; r < R; ++r) {
+        const float* w = weights + r * stride + j0;
+        const __m512 w0 = _mm512_maskz_loadu_ps(first_lanes(m), w);
+        const __m512 w1 = _mm512_maskz_loadu_ps(first_lanes(m - 16), w + 16);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rounded[r]), (__m256i)_mm512_cvtneps_pbh(w0));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rounded[r] + 16),
+                           (__m256i)_mm512_cvtneps_pbh(w1));
+      }
+      for (int64_t j = 0; j < m; j += 2) {
+        const bf16* v = values + (j0 + j) * d + k;
+        const __m512i a = _mm512_loadu_si512(v);
+        const __m512i b = j + 1 < m ? _mm512_loadu_si512(v + d) : _mm512_setzero_si512();
+        const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, rounded[r] + j, sizeof pair);
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+          lo[r] = _mm512_dpbf16_ps(lo[r], low, p);
+          hi[r] = _mm512_dpbf16_ps(hi[r], high, p);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* out = acc + r * d + k;
+      _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out),
+                                          _mm512_permutex2var_ps(lo[r], first, hi[r])));
+      _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_loadu_ps(out + 16),
+                                               _mm512_permutex2var_ps(lo[r], second, hi[r])));
+    }
+  }
+}
+#endif
+
+// tile(std::integral_constant<int, R>, r) for tiles of R <= 8 rows from row r, covering `rows`
+template <typename Tile>
+void in_row_tiles(int64_t rows, Tile&& tile) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) tile(std::integral_constant<int, 8>{}, r);
+  switch (rows - r) {
+    case 7: return tile(std::integral_constant<int, 7>{}, r);
+    case 6: return tile(std::integral_constant<int, 6>{}, r);
+    case 5: return tile(std::integral_constant<int, 5>{}, r);
+    case 4: return tile(std::integral_constant<int, 4>{}, r);
+    case 3: return tile(std::integral_constant<int, 3>{}, r);
+    case 2: return tile(std::integral_constant<int, 2>{}, r);
+    case 1: return tile(std::integral_constant<int, 1>{}, r);
+    default: return;
+  }
+}
+
 template <typename T>
 void weigh(const float* weights, const T* values, int64_t n, int64_t d, int64_t rows,
            int64_t stride, float* acc) {
   if (!vectorised(d)) return weigh_scalar(weights, values, n, d, rows, stride, acc);
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8)
-    weigh_tile<8>(weights + r * stride, values, n, d, stride, acc + r * d);
-  const float* w = weights + r * stride;
-  float* a = acc + r * d;
-  switch (rows - r) {
-    case 7: return weigh_tile<7>(w, values, n, d, stride, a);
-    case 6: return weigh_tile<6>(w, values, n, d, stride, a);
-    case 5: return weigh_tile<5>(w, values, n, d, stride, a);
-    case 4: return weigh_tile<4>(w, values, n, d, stride, a);
-    case 3: return weigh_tile<3>(w, values, n, d, stride, a);
-    case 2: return weigh_tile<2>(w, values, n, d, stride, a);
-    case 1: return weigh_tile<1>(w, values, n, d, stride, a);
-    default: return;
-  }
+  in_row_tiles(rows, [&](auto tile, int64_t r) {
+    constexpr int R = decltype(tile)::value;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>)
+      return weigh_tile_bf16<R>(weights + r * stride, values, n, d, stride, acc + r * d);
+#endif
+    weigh_tile<R>(weights + r * stride, values, n, d, stride, acc + r * d);
+  });
 }
 #endif
 
