@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from qworker.model import native
+from qworker.model import native_build as nb
 from qworker.model.linear import Linear, onednn_packs, packing_available
 
 
@@ -30,7 +31,8 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, kind: str, tol: floa
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=tol,
                                    rtol=tol)
-    assert layer.pack()[0] == kind
+    amx = dtype == torch.bfloat16 and native.amx_ready()  # the unmeasured default: AMX first
+    assert layer.pack()[0] == ("amx" if amx else kind)
 
 
 def test_an_in_place_weight_change_is_seen() -> None:
@@ -58,6 +60,38 @@ def test_gemm_matches_f_linear(dtype: torch.dtype, tol: float, width: int, rows:
     want = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(native.gemm(x, packed, bias).double(), want, atol=5 * tol,
                                rtol=tol)
+
+
+def _skip_without_amx() -> None:
+    if not native.amx_ready():
+        pytest.skip(f"no AMX GEMM here ({native.status().level} build on {nb.cpu_model()}): "
+                    "needs amx_bf16 and the amx level; absent hardware")
+
+
+# one 16-row slice, two, a partial one after whole ones; one block of columns, an odd count
+@pytest.mark.parametrize("width", [32, 64, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 31, 32, 33, 70, 300])
+@pytest.mark.parametrize("outputs", [16, 48, 80, 960])
+def test_amx_gemm_matches_f_linear(width: int, rows: int, outputs: int) -> None:
+    _skip_without_amx()
+    gen = torch.Generator().manual_seed(width + rows + outputs)
+    x = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(outputs, width, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(outputs, generator=gen).to(torch.bfloat16)
+    packed = native.gemm_pack(weight)
+    assert packed is not None and native.amx_serves(weight)
+    want = F.linear(x.double(), weight.double(), bias.double())
+    got = native.gemm(x, packed, bias, amx=True).double()
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=1e-2)  # products exact, sums in float
+    torch.testing.assert_close(native.gemm(x, packed, None, amx=True).double(),
+                               want - bias.double(), atol=5e-2, rtol=1e-2)
+
+
+def test_amx_declines_a_depth_off_its_tile() -> None:
+    _skip_without_amx()
+    assert not native.amx_serves(torch.zeros(16, 48, dtype=torch.bfloat16))  # 48 % 32
+    assert not native.amx_serves(torch.zeros(16, 64, dtype=torch.float32))  # bfloat16 only
+    assert native.amx_serves(torch.zeros(16, 64, dtype=torch.bfloat16))
 
 
 def test_pair_pack_declines_what_the_kernel_does_not_take() -> None:

@@ -19,11 +19,14 @@ class DecodeQuantSegment(ctypes.Structure):
 
 
 class DecodeProj(ctypes.Structure):
-    """One projection's weight (C `Proj`): a `gemm_pack` (pack), or quantized segments (pack
-    null; float32 activations only)."""
+    """One projection's weight (C `Proj`): a `gemm_pack` (pack) and the GEMM that reads it
+    (kernel: `GEMM_KERNELS`), or quantized segments (pack null; float32 activations only)."""
 
     _fields_ = [("pack", _P), ("segments", ctypes.POINTER(DecodeQuantSegment)),
-                ("num_segments", _I)]
+                ("num_segments", _I), ("kernel", _I)]
+
+
+GEMM_KERNELS = {"native": 0, "amx": 1}  # C kVectorGemm, kAmxGemm
 
 
 class DecodeLayer(ctypes.Structure):

@@ -21,6 +21,7 @@ import torch
 from qworker.model import kernel_choice, native
 from qworker.model.config import ModelConfig
 from qworker.model.decode_abi import (
+    GEMM_KERNELS,
     DecodeDims,
     DecodeLayer,
     DecodeProj,
@@ -151,11 +152,12 @@ def _projection(lin: Linear | QuantLinear, rows: int, dtype: torch.dtype,
             for seg in segments])
         keep.extend([array, *(seg.raw for seg in segments)])
         return DecodeProj(pack=None, segments=array, num_segments=len(segments))
-    pack = lin.packed("native") if kind == "native" else None
+    pack = lin.packed(kind) if kind in GEMM_KERNELS else None
     if pack is None:
         return None
     keep.append(pack)
-    return DecodeProj(pack=pack.data_ptr(), segments=None, num_segments=0)
+    return DecodeProj(pack=pack.data_ptr(), segments=None, num_segments=0,
+                      kernel=GEMM_KERNELS[kind])
 
 
 def _pointing_at(parts: dict[str, torch.Tensor | None], **projs: DecodeProj | None) -> DecodeLayer:

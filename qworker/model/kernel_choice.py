@@ -47,7 +47,7 @@ QUIET_SPREAD = 0.10
 # its rounds are rarely whole. At a load of 3-4 on 2 vCPUs every call of ~0.1 ms took one or two
 # 4 ms scheduler slices, the same in every round: the halves agreed and could not see the noise.
 BUSY_LOAD = 1.0
-GRAPH_KINDS = frozenset({"native", *native.QUANT_METHODS})  # the kernels the decode graph runs
+GRAPH_KINDS = frozenset({*native.PACKED_KINDS, *native.QUANT_METHODS})  # the decode graph's
 # The decode graph saves ~45% of a one-row step's matmul time: SmolLM2-135M float32, one thread,
 # AMD EPYC Zen 1 at a load of 4-4.7 (benchmarks.single_stream, native forced: 62.4 / 85.2 ms a
 # token against 84.2 / 110.5 layer by layer, two runs; benchmarks.kernels' matmuls 48.7 ms). Kept

@@ -4,6 +4,7 @@ A pack is a copy, made on first use and redone whenever the weight changes in pl
 The kernels ("kinds") a layer can run:
 - "native": the native GEMM of the loaded instruction-set level (`native.gemm`), bfloat16 and
   float32, widths in blocks of 16;
+- "amx": the native GEMM on AMX tiles (bfloat16, depth in steps of 32), from the same pack;
 - "onednn": oneDNN through torch with the weight prepacked once (`F.linear` reorders it on every
   call: up to 2x slower at decode batch sizes); on AMX CPUs this is oneDNN's AMX path;
 - "plain": `F.linear` (CUDA, float64, and what neither of the others takes).
@@ -64,9 +65,9 @@ class Linear(nn.Linear):
 
     def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed(kind)
-        if kind == "native" and x.shape[0] > 0:
+        if kind in native.PACKED_KINDS and x.shape[0] > 0:
             assert packed is not None
-            return native.gemm(x, packed, self.bias)
+            return native.gemm(x, packed, self.bias, amx=kind == "amx")
         if kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         assert not self.released, "a released layer has no weight for F.linear"
@@ -82,9 +83,11 @@ class Linear(nn.Linear):
         weight = self.weight
         if weight.device.type != "cpu":
             return ("plain",)
-        kinds = ["native"] if native.gemm_serves(weight) else []
-        if not (kinds and native.status().forced):
-            kinds.append("onednn" if onednn_packs(weight.dtype) else "plain")
+        native_kinds = (("amx", native.amx_serves), ("native", native.gemm_serves))
+        kinds = [kind for kind, serves in native_kinds if serves(weight)]
+        if kinds and native.status().forced:  # that family's best kernel, unmeasured
+            return (kinds[0],)
+        kinds.append("onednn" if onednn_packs(weight.dtype) else "plain")
         return tuple(kinds)
 
     def set_choice(self, choice: tuple[str, ...]) -> None:
@@ -92,7 +95,7 @@ class Linear(nn.Linear):
         assert not self.released or set(choice) <= self.kinds_run(), "released: no weight to pack"
         self.choice = choice
         if self._packs is not None:  # packs no bucket runs go
-            for kind in set(self._packs[1]) - set(choice):
+            for kind in set(self._packs[1]) - {_pack_of(kind) for kind in choice}:
                 del self._packs[1][kind]
 
     def kinds_run(self) -> set[str]:
@@ -105,7 +108,7 @@ class Linear(nn.Linear):
         kinds = self.kinds_run()
         if self.released or "plain" in kinds:
             return self.released
-        packs = {kind: self.packed(kind) for kind in kinds}
+        packs = {_pack_of(kind): self.packed(kind) for kind in kinds}
         assert all(pack is not None for pack in packs.values())
         weight = self.weight
         stand_in = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
@@ -120,6 +123,7 @@ class Linear(nn.Linear):
         return kind, self.packed(kind)
 
     def packed(self, kind: str) -> torch.Tensor | None:
+        kind = _pack_of(kind)
         version = self.weight._version
         if self._packs is None or self._packs[0] != version:
             self._packs = (version, {})
@@ -136,3 +140,8 @@ class Linear(nn.Linear):
         if kind == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         return None
+
+
+def _pack_of(kind: str) -> str:
+    """The kind whose pack `kind` reads (the AMX GEMM reads the native pack)."""
+    return "native" if kind == "amx" else kind

@@ -197,7 +197,8 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and (module is not self.lm_head or not tied):
                 module.release_weight()
-        if tied and self.lm_head.kinds_run() == {"native"} and self.lm_head.release_weight():
+        head = self.lm_head
+        if tied and head.kinds_run() <= native.PACKED_KINDS and head.release_weight():
             pack = self.lm_head.packed("native")
             assert pack is not None
             self.embed_tokens.release_to(lambda ids: native.gemm_rows(pack, ids))

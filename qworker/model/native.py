@@ -4,7 +4,7 @@ the build for the best instruction-set level this CPU runs (`native_build.py`).
 The library comes from the install-time build in the package (`make install`, the wheel, the
 image), else from the qworker home, built there on first use with the system's C++ compiler. It
 needs no Python or torch headers, and links OpenMP, which resolves to the runtime torch already
-loaded, so both share one thread pool. `QWORKER_KERNELS=torch|avx2|avx512` forces a family
+loaded, so both share one thread pool. `QWORKER_KERNELS=torch|avx2|avx512|amx` forces a family
 (`QWORKER_NATIVE=0` is `torch`). Without a library, callers get None and use their torch path,
 and `status()` says why: the worker reports it at start and in its metrics.
 """
@@ -54,9 +54,6 @@ def kernel_family() -> str:
     family = os.environ.get("QWORKER_KERNELS", "auto").strip().lower() or "auto"
     if os.environ.get("QWORKER_NATIVE", "1") == "0":
         family = "torch"
-    if family == "amx":
-        raise ValueError("QWORKER_KERNELS=amx: there are no native AMX kernels yet; oneDNN's AMX "
-                         "path is the torch family (QWORKER_KERNELS=torch)")
     if family not in KERNEL_FAMILIES:
         raise ValueError(f"QWORKER_KERNELS={family!r}: choose one of {', '.join(KERNEL_FAMILIES)}")
     return family
@@ -108,9 +105,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name, argtypes in SIGNATURES.items():
         for suffix in SUFFIXES.values():
             getattr(lib, f"{name}_{suffix}").argtypes = argtypes
-    for name in ("qw_gemm_f32", "qw_gemm_bf16"):
+    for name in ("qw_gemm_f32", "qw_gemm_bf16", "qw_gemm_amx_bf16"):
         getattr(lib, name).argtypes = [_P] * 4 + [_I] * 3
         getattr(lib, name).restype = ctypes.c_int
+    lib.qw_amx_ready.restype = ctypes.c_int
     lib.qw_quant_gemm.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P, _I]
     lib.qw_quant_gemm.restype = ctypes.c_int
     lib.qw_quant_rows.argtypes = [ctypes.c_int, _P, _P, _I, _I, _P]
@@ -189,6 +187,21 @@ def prefill_attention(
 
 
 GEMM_DTYPES = {torch.float32: ("qw_gemm_f32", 1, 1), torch.bfloat16: ("qw_gemm_bf16", 2, 2)}
+PACKED_KINDS = frozenset({"native", "amx"})  # the kinds that read a `gemm_pack`
+AMX_DEPTH = 32  # the k of one tile multiply: the AMX GEMM takes k in whole steps of it
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """Whether the loaded build has the AMX tiles' GEMM and this process may use the tiles."""
+    lib = library()
+    return lib is not None and bool(lib.qw_amx_ready())
+
+
+def amx_serves(weight: torch.Tensor) -> bool:
+    """Whether `gemm(..., amx=True)` takes this [n, k] weight here (bfloat16 only)."""
+    return (weight.dtype == torch.bfloat16 and gemm_serves(weight)
+            and weight.shape[1] % AMX_DEPTH == 0 and amx_ready())
 
 
 def gemm_serves(weight: torch.Tensor) -> bool:
@@ -215,14 +228,17 @@ def gemm_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return rows.reshape(ids.shape[0], -1)
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, k] @ W.T + bias, W given as `gemm_pack(W)` (only where that gave a pack)."""
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+         amx: bool = False) -> torch.Tensor:
+    """x [m, k] @ W.T + bias, W given as `gemm_pack(W)` (only where that gave a pack); on the AMX
+    tiles where `amx` (only where `amx_serves(W)`)."""
     lib = library()
     assert lib is not None and x.dtype == packed.dtype and x.shape[0] > 0
     x = x.contiguous()
     n, k = packed.shape[0] * 16, packed.shape[1] * packed.shape[3]
     out = torch.empty((x.shape[0], n), dtype=x.dtype)
-    done = getattr(lib, GEMM_DTYPES[x.dtype][0])(
+    name = "qw_gemm_amx_bf16" if amx else GEMM_DTYPES[x.dtype][0]
+    done = getattr(lib, name)(
         x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
         out.data_ptr(), x.shape[0], n, k)
     assert done, "gemm_pack gave a pack the kernel does not take"

@@ -38,16 +38,17 @@ class Level:
 
 _AVX2 = ("-march=x86-64-v2", "-mavx", "-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+_AVX512_NEEDS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
 # best first; every level's kernels are a superset of the next one's
 LEVELS = (
-    Level("avx512_bf16", (*_AVX512, "-mavx512bf16"),
-          frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-                     "avx512_bf16"})),
-    Level("avx512", _AVX512,
-          frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"})),
+    Level("amx", (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+          _AVX512_NEEDS | {"avx512_bf16", "amx_tile", "amx_bf16"}),
+    Level("avx512_bf16", (*_AVX512, "-mavx512bf16"), _AVX512_NEEDS | {"avx512_bf16"}),
+    Level("avx512", _AVX512, _AVX512_NEEDS),
     Level("avx2", _AVX2, frozenset({"avx2", "fma", "f16c"})),
 )
-FAMILIES = {"avx2": ("avx2",), "avx512": ("avx512_bf16", "avx512")}  # QWORKER_KERNELS names
+# QWORKER_KERNELS names: amx is the AVX512-BF16 kernels with the AMX tiles' GEMM beside them
+FAMILIES = {"avx2": ("avx2",), "avx512": ("avx512_bf16", "avx512"), "amx": ("amx",)}
 
 
 def cpu_flags() -> frozenset[str]:

@@ -12,6 +12,7 @@
 #include "attention.h"
 #include "fused_ops.h"
 #include "gemm.h"
+#include "gemm_amx.h"
 #include "quant_gemm.h"
 
 namespace {
@@ -30,7 +31,19 @@ struct Proj {
   const void* pack;
   const QuantSegment* segments;
   int64_t num_segments;
+  int64_t kernel;  // of a pack: kVectorGemm (gemm.h) or kAmxGemm (gemm_amx.h)
 };
+
+constexpr int64_t kVectorGemm = 0, kAmxGemm = 1;
+
+template <typename T>
+bool amx_serves(int64_t m, int64_t n, int64_t k) {
+#if defined(QW_GEMM_AMX)
+  if constexpr (std::is_same_v<T, qw::bf16>) return qw::amx::serves(m, n, k);
+#endif
+  (void)m, (void)n, (void)k;
+  return false;
+}
 
 // one layer's tensors
 struct Layer {
@@ -60,7 +73,9 @@ struct Head {
 
 template <typename T>
 bool proj_serves(const Proj& p, int64_t m, int64_t n, int64_t k) {
-  if (p.pack != nullptr) return qw::gemm_serves<T>(m, n, k);
+  if (p.pack != nullptr)
+    return p.kernel == kAmxGemm ? amx_serves<T>(m, n, k)
+                                : p.kernel == kVectorGemm && qw::gemm_serves<T>(m, n, k);
   if (!std::is_same_v<T, float> || p.num_segments < 1) return false;
   int64_t rows = 0;
   for (int64_t s = 0; s < p.num_segments; ++s) {
@@ -80,6 +95,14 @@ template <typename T>
 void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_t n, int64_t k,
              qw::quant::ActBlock* shared) {
   if (p.pack != nullptr) {
+#if defined(QW_GEMM_AMX)
+    if constexpr (std::is_same_v<T, qw::bf16>) {
+      if (p.kernel == kAmxGemm) {
+        qw::amx::gemm(x, static_cast<const T*>(p.pack), bias, out, m, n, k);
+        return;
+      }
+    }
+#endif
     qw::gemm(x, static_cast<const T*>(p.pack), bias, out, m, n, k);
     return;
   }
@@ -183,7 +206,7 @@ const AbiEntry kAbi[] = {
     QW_SIZE(QuantSegment), QW_FIELD(QuantSegment, blocks), QW_FIELD(QuantSegment, type),
     QW_FIELD(QuantSegment, method), QW_FIELD(QuantSegment, rows),
     QW_SIZE(Proj), QW_FIELD(Proj, pack), QW_FIELD(Proj, segments),
-    QW_FIELD(Proj, num_segments),
+    QW_FIELD(Proj, num_segments), QW_FIELD(Proj, kernel),
     QW_SIZE(Layer), QW_FIELD(Layer, input_norm), QW_FIELD(Layer, qkv),
     QW_FIELD(Layer, qkv_bias), QW_FIELD(Layer, o), QW_FIELD(Layer, post_norm),
     QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
