@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from qworker.model import native
+from qworker.model import native_build as nb
 from qworker.model.attention import DecodePlan, _decode, write_kv
 from qworker.model.batch import DecodeGroup
 from qworker.model.llama import RMSNorm
@@ -43,6 +44,8 @@ def _torch_plan(group: DecodeGroup, cache: torch.Tensor) -> DecodePlan:
     (4, 4, 64, 8),    # no grouping, small blocks
     (6, 2, 48, 32),   # a head size the vector path does not take
     (9, 3, 64, 128),  # the CPU's default block: runs of 16 rows, then the rest
+    (16, 1, 64, 48),  # AMX: a whole tile of query heads; 32-token runs across blocks
+    (8, 2, 128, 32),  # AMX: four 32-dimension slices of keys
 ])
 def test_kernel_matches_the_torch_path(dtype: torch.dtype, heads: int, kv_heads: int,
                                        head_dim: int, block_size: int) -> None:
@@ -63,6 +66,18 @@ def test_kernel_matches_the_torch_path(dtype: torch.dtype, heads: int, kv_heads:
 
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_amx_attention_serves_the_shapes_above_where_amx_is() -> None:
+    if not native.amx_ready():
+        pytest.skip(f"no AMX here ({native.status().level} build on {nb.cpu_model()}): the "
+                    "bfloat16 cases above ran the vector kernels; absent hardware")
+    for group, head_dim, block_size in ((3, 64, 16), (4, 128, 16), (3, 64, 128), (16, 64, 48),
+                                        (4, 128, 32)):
+        assert native.amx_attention_serves(group, head_dim, block_size)
+    assert not native.amx_attention_serves(1, 64, 8)  # blocks of 8: the vector kernels
+    assert not native.amx_attention_serves(3, 48, 32)  # a head size off the tiles
+    assert not native.amx_attention_serves(17, 64, 16)  # more heads than a tile's columns
 
 
 def test_only_cpu_caches_of_known_dtypes_are_served() -> None:

@@ -232,8 +232,13 @@ class LlamaModel(nn.Module):
         attention path, and each linear shape's kernel per token bucket."""
         status = native.status()
         on_cpu = self.device.type == "cpu"
+        c = self.config
+        attention = "native" if native.serves(self.norm.weight) else "torch"
+        if attention == "native" and self.dtype == torch.bfloat16 and native.amx_attention_serves(
+                c.num_heads // c.num_kv_heads, c.head_dim, 16):
+            attention = "native, decodes on AMX tiles (blocks of whole 16s)"
         report = {"native": (status.level or f"missing: {status.reason}") if on_cpu else "cuda",
-                  "attention": "native" if native.serves(self.norm.weight) else "torch",
+                  "attention": attention,
                   "weights": self.weights_kept(), "weight_bytes": str(self.weight_bytes())}
         shapes: dict[str, Linear | QuantLinear] = {}
         for module in self.modules():

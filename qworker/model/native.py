@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [_P] * 4 + [_I] * 3
         getattr(lib, name).restype = ctypes.c_int
     lib.qw_amx_ready.restype = ctypes.c_int
+    lib.qw_amx_attention_serves.argtypes = [_I, _I, _I]
+    lib.qw_amx_attention_serves.restype = ctypes.c_int
     lib.qw_quant_gemm.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I, _I, _P, _I, _P, _I]
     lib.qw_quant_gemm.restype = ctypes.c_int
     lib.qw_quant_rows.argtypes = [ctypes.c_int, _P, _P, _I, _I, _P]
@@ -196,6 +198,13 @@ def amx_ready() -> bool:
     """Whether the loaded build has the AMX tiles' GEMM and this process may use the tiles."""
     lib = library()
     return lib is not None and bool(lib.qw_amx_ready())
+
+
+def amx_attention_serves(group: int, head_dim: int, block_size: int) -> bool:
+    """Whether a bfloat16 decode with `group` query heads a KV head runs on AMX tiles here
+    (csrc/attention_amx.h); elsewhere the vector kernels of the loaded level run it."""
+    lib = library()
+    return lib is not None and bool(lib.qw_amx_attention_serves(group, head_dim, block_size))
 
 
 def amx_serves(weight: torch.Tensor) -> bool:

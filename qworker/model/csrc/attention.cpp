@@ -36,3 +36,13 @@ QW_EXPORT(qw_decode_attention_bf16, qw::bf16)
 QW_EXPORT_PREFILL(qw_prefill_attention_f32, float)
 QW_EXPORT_PREFILL(qw_prefill_attention_f64, double)
 QW_EXPORT_PREFILL(qw_prefill_attention_bf16, qw::bf16)
+
+// whether a bfloat16 decode of this shape runs on AMX tiles here (attention_amx.h)
+extern "C" int qw_amx_attention_serves(int64_t group, int64_t head_dim, int64_t block_size) {
+#if defined(QW_ATTENTION_AMX)
+  return qw::amx::attention_serves(group, head_dim, block_size) && qw::amx::tiles_ready();
+#else
+  (void)group, (void)head_dim, (void)block_size;
+  return 0;
+#endif
+}

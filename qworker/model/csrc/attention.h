@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "common.h"
 #include "flash_prefill.h"
 
@@ -552,7 +553,27 @@ void attend(const T* q, int64_t q_stride, int64_t count, int64_t len0, const int
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                       const int64_t* lens, T* out, const Shape& s, double scale) {
-  const int64_t group_width = s.heads / s.kv_heads * s.head_dim;
+  const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
+#if defined(QW_ATTENTION_AMX)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (amx::attention_serves(group, s.head_dim, s.block_size) && amx::tiles_ready()) {
+      amx::AttentionScratch buf;
+      amx::configure();
+#pragma omp for collapse(2) schedule(dynamic)
+      for (int64_t seq = 0; seq < s.num_seqs; ++seq)
+        for (int64_t h = 0; h < s.kv_heads; ++h) {
+          const int64_t* table = tables + seq * s.max_blocks;
+          const amx::Rows keys{k_cache, table, h, s.num_blocks, s.block_size, s.head_dim};
+          const amx::Rows values{v_cache, table, h, s.num_blocks, s.block_size, s.head_dim};
+          amx::attend_decode(q + seq * s.q_stride + h * group_width, lens[seq], keys, values,
+                             group, float(scale), buf,
+                             out + seq * s.heads * s.head_dim + h * group_width);
+        }
+      _tile_release();
+      return;
+    }
+  }
+#endif
   Scratch<T> buf;
 #pragma omp for collapse(2) schedule(dynamic)
   for (int64_t seq = 0; seq < s.num_seqs; ++seq)

@@ -51,8 +51,7 @@ extern "C" int qw_gemm_amx_bf16(const void* x, const void* wp, const void* bias,
 // whether this build has the AMX GEMM and the OS lets this process use the tiles (asked once)
 extern "C" int qw_amx_ready() {
 #if defined(QW_GEMM_AMX)
-  static const bool ready = qw::amx::request_tiles();
-  return ready ? 1 : 0;
+  return qw::amx::tiles_ready() ? 1 : 0;
 #else
   return 0;
 #endif

@@ -12,43 +12,19 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "common.h"
 #include "gemm.h"
 
 namespace qw::amx {
 
-constexpr int64_t kRows = 16, kCols = 16, kDepth = 32;  // one tile multiply: 16 x 16, k of 32
 constexpr int64_t kChunkBytes = 256 << 10;  // of W per column chunk
-
-// Linux hands out the tile registers' state only to a process that asks (once; for every thread)
-inline bool request_tiles() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// every tile 16 rows of 64 bytes: 16 floats (C) or 32 bfloat16 (A, B)
-inline void configure() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kRows;
-  }
-  _tile_loadconfig(&config);
-}
 
 inline bool serves(int64_t m, int64_t n, int64_t k) {
   return m >= 1 && n % kCols == 0 && k % kDepth == 0;
@@ -56,14 +32,23 @@ inline bool serves(int64_t m, int64_t n, int64_t k) {
 
 // MT x NT tiles of 16 x 16: rows a[0..MT) (16 each, a_stride bytes apart), blocks b[0..NT) of W;
 // the sums land in c, [MT * 16][NT * 16] floats
+// the 1 KiB of W that tile load p of a block reads, fetched into L2 ahead of its use
+inline void prefetch_tile(const bf16* block, int64_t p) {
+  const char* at = reinterpret_cast<const char*>(block + p * kCols);
+  for (int line = 0; line < 16; ++line) _mm_prefetch(at + 64 * line, _MM_HINT_T1);
+}
+
+// next: the blocks of W that the following call reads (null: none), fetched meanwhile
 template <int MT, int NT>
 void tile_product(const bf16* const* a, int64_t a_stride, const bf16* const* b, int64_t k,
-                  float* c) {
+                  const bf16* const* next, float* c) {
   _tile_zero(0);
   if constexpr (NT > 1) _tile_zero(1);
   if constexpr (MT > 1) _tile_zero(2);
   if constexpr (MT > 1 && NT > 1) _tile_zero(3);
   for (int64_t p = 0; p < k; p += kDepth) {
+    if (next[0] != nullptr) prefetch_tile(next[0], p);
+    if (next[1] != nullptr) prefetch_tile(next[1], p);
     _tile_loadd(4, a[0] + p, a_stride);
     if constexpr (MT > 1) _tile_loadd(5, a[1] + p, a_stride);
     _tile_loadd(6, b[0] + p * kCols, 64);
@@ -92,25 +77,29 @@ void write_out(const float* c, int64_t rows, const bf16* bias, bf16* out, int64_
   }
 }
 
-// rows [m0, m0 + rows) (rows <= 32) of the column blocks [nb0, nb1)
+// rows [m0, m0 + rows) (rows <= 32) of the column blocks [nb0, nb1); the blocks up to fetch_end
+// (this thread's) are fetched one pair ahead
 inline void row_group(const bf16* x, const bf16* padded, int64_t m0, int64_t rows, const bf16* wp,
-                      const bf16* bias, bf16* out, int64_t n, int64_t k, int64_t nb0, int64_t nb1) {
+                      const bf16* bias, bf16* out, int64_t n, int64_t k, int64_t nb0, int64_t nb1,
+                      int64_t fetch_end) {
   const int64_t full = rows / kRows;  // 16-row slices read in place; a partial one from `padded`
   const bf16* a[2];
   for (int64_t s = 0; s < 2; ++s) a[s] = s < full ? x + (m0 + s * kRows) * k : padded;
   const int64_t a_stride = k * sizeof(bf16);
   alignas(64) float c[2 * kRows * 2 * kCols];
   const bool two_slices = rows > kRows;
+  auto block = [&](int64_t nb) { return nb < fetch_end ? wp + nb * k * kCols : nullptr; };
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
-    const bf16* b[2] = {wp + nb * k * kCols, wp + (nb + 1) * k * kCols};
+    const bf16* b[2] = {block(nb), block(nb + 1)};
+    const bf16* next[2] = {block(nb + 2), block(nb + 3)};
     bf16* dst = out + m0 * n;
     if (nb + 1 < nb1) {
-      if (two_slices) tile_product<2, 2>(a, a_stride, b, k, c);
-      else tile_product<1, 2>(a, a_stride, b, k, c);
+      if (two_slices) tile_product<2, 2>(a, a_stride, b, k, next, c);
+      else tile_product<1, 2>(a, a_stride, b, k, next, c);
       write_out<2>(c, rows, bias, dst, n, nb);
     } else {
-      if (two_slices) tile_product<2, 1>(a, a_stride, b, k, c);
-      else tile_product<1, 1>(a, a_stride, b, k, c);
+      if (two_slices) tile_product<2, 1>(a, a_stride, b, k, next, c);
+      else tile_product<1, 1>(a, a_stride, b, k, next, c);
       write_out<1>(c, rows, bias, dst, n, nb);
     }
   }
@@ -136,7 +125,7 @@ inline void gemm(const bf16* x, const bf16* wp, const bf16* bias, bf16* out, int
     for (int64_t c0 = first; c0 < end; c0 += chunk)
       for (int64_t m0 = 0; m0 < m; m0 += 2 * kRows)
         row_group(x, padded.data(), m0, std::min(2 * kRows, m - m0), wp, bias, out, n, k, c0,
-                  std::min(end, c0 + chunk));
+                  std::min(end, c0 + chunk), end);
     _tile_release();
   }
 }
