@@ -562,11 +562,9 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
 #pragma omp for collapse(2) schedule(dynamic)
       for (int64_t seq = 0; seq < s.num_seqs; ++seq)
         for (int64_t h = 0; h < s.kv_heads; ++h) {
-          const int64_t* table = tables + seq * s.max_blocks;
-          const amx::Rows keys{k_cache, table, h, s.num_blocks, s.block_size, s.head_dim};
-          const amx::Rows values{v_cache, table, h, s.num_blocks, s.block_size, s.head_dim};
-          amx::attend_decode(q + seq * s.q_stride + h * group_width, lens[seq], keys, values,
-                             group, float(scale), buf,
+          amx::attend_decode(q + seq * s.q_stride + h * group_width, lens[seq],
+                             tables + seq * s.max_blocks, h, k_cache, v_cache, s.num_blocks,
+                             s.block_size, group, s.head_dim, float(scale), buf,
                              out + seq * s.heads * s.head_dim + h * group_width);
         }
       _tile_release();

@@ -1,14 +1,16 @@
 // A decode's attention on AMX tiles (bfloat16): one sequence's query heads of one KV head (up to
-// 16), its keys and values read in place from the paged cache.
-// - Scores: keys are the A operand as they lie (16 tokens x 32 dimensions a tile, rows a head_dim
-//   apart), the queries the B operand, transposed into dimension pairs once per task, a head a
-//   column; a C tile is 16 tokens x the heads. Two chunks of 16 tokens go at a time.
+// 16), its keys and values read in place from the paged cache, 16 tokens (a run that never
+// crosses a block) to a tile.
+// - Scores: 16 keys as they lie are the A operand (rows a head_dim apart), the queries the B
+//   operand, transposed into dimension pairs once per task, a head a column; a C tile is 16
+//   tokens x the heads, gathered per head from windows of tokens still in L1.
 // - Softmax per head, as attention.h does it (probabilities normalised, then rounded to bfloat16,
 //   as torch's CPU flash attention rounds them before P.V).
-// - P.V: the probabilities are the A operand (the heads x 32 tokens); a B tile is 16 pairs of
-//   tokens x 16 dimensions, made by interleaving the value rows of tokens 2i and 2i + 1 (one
-//   unpack per 32 dimensions, which puts the dimensions in the unpack's lane order; the sums are
-//   put back in dimension order once, at the end). Tokens past the context are zeros.
+// - P.V with the values as they lie, too: 16 value rows are a B tile whose k-pairs are (token,
+//   dimension 2c or 2c + 1) and whose columns are the pairs c. Multiplied by the probabilities
+//   widened to (p, 0) pairs it sums the even dimensions, by (0, p) pairs the odd ones, so no
+//   value is ever moved before the tile unit reads it. A last run past the context is copied
+//   into zeros first (a block's stale rows never meet a zero probability).
 #pragma once
 
 #include "amx_tiles.h"
@@ -29,61 +31,66 @@
 namespace qw::amx {
 
 constexpr int64_t kWindow = 256;  // tokens scored before their scores are transposed
-constexpr int64_t kAhead = 64;    // tokens ahead whose keys and values are fetched early
+constexpr int64_t kAhead = 4;     // runs of 16 ahead whose keys and values are fetched early
 
 inline bool attention_serves(int64_t group, int64_t head_dim, int64_t block_size) {
   return group <= kCols && (head_dim == 64 || head_dim == 128) && block_size % kRows == 0;
 }
 
 struct AttentionScratch {  // one thread's buffers, reused across its tasks
-  std::vector<float> scores_t;  // [tokens, 16]: a C tile's rows, a token each
+  std::vector<int64_t> runs;    // the cache offset of each run of 16 tokens (keys and values)
+  std::vector<float> scores_t;  // [window, 16]: C tiles' rows, a token each
   std::vector<float> scores;    // [group, tokens]
-  std::vector<bf16> probs;      // [16, tokens]: the A tiles of P.V (rows past the group unused)
+  // (p, 0) and (0, p) bfloat16 pairs, [runs x group + 16 spare][16]: run r's A tile is the 16 rows
+  // from r x group, its own group of heads first, then rows of later runs (sums never read)
+  std::vector<uint32_t> even, odd;
   alignas(64) bf16 queries[4][kRows][2 * kCols];  // B tiles: 32 dimensions of every head each
-  alignas(64) bf16 values[4][kRows][2 * kCols];   // B tiles: 32 tokens x 16 dimensions each
+  alignas(64) bf16 tail[kRows][128];              // the last run of values, zero past the context
   alignas(64) float sums[4][kRows][kCols];
 };
 
-// the cache row of token t of one KV head
-struct Rows {
-  const bf16* cache;
-  const int64_t* table;
-  int64_t kv_head, num_blocks, block_size, head_dim;
-  const bf16* at(int64_t t) const {
-    return cache + ((kv_head * num_blocks + table[t / block_size]) * block_size + t % block_size) *
-                       head_dim;
-  }
-};
+inline __mmask16 first_lanes(int64_t m) {
+  return m >= 16 ? __mmask16(0xFFFF) : m <= 0 ? __mmask16(0) : __mmask16((1u << m) - 1);
+}
 
-// the cache lines of up to 32 rows from token t (t a multiple of 16; rows past len are left)
-inline void prefetch_rows(const Rows& rows, int64_t t, int64_t len) {
-  const int64_t lines = rows.head_dim * int64_t(sizeof(bf16)) / 64;
-  for (int64_t chunk = t; chunk < std::min(len, t + 2 * kRows); chunk += kRows) {
-    const char* p = reinterpret_cast<const char*>(rows.at(chunk));
-    for (int64_t i = 0; i < std::min<int64_t>(kRows, len - chunk) * lines; ++i)
-      _mm_prefetch(p + 64 * i, _MM_HINT_T0);
+// the cache offset (elements) of every run of 16 tokens of [0, len), one division per block
+inline void list_runs(const int64_t* table, int64_t kv_head, int64_t num_blocks,
+                      int64_t block_size, int64_t head_dim, int64_t len,
+                      std::vector<int64_t>& runs) {
+  runs.clear();
+  for (int64_t t = 0; t < len;) {
+    const int64_t block = t / block_size, stop = std::min(len, (block + 1) * block_size);
+    const int64_t first = (kv_head * num_blocks + table[block]) * block_size;
+    for (; t < stop; t += kRows) runs.push_back((first + t % block_size) * head_dim);
   }
 }
 
-// scores_t [end - begin rounded up to 16][16] = keys [begin, end) . queries^T, S slices of 32
-// dimensions (begin a multiple of 32)
+inline void prefetch_run(const bf16* rows, int64_t head_dim) {
+  const char* p = reinterpret_cast<const char*>(rows);
+  for (int64_t i = 0; i < kRows * head_dim * int64_t(sizeof(bf16)); i += 64)
+    _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// scores_t [16 runs' tokens][16] = keys . queries^T for runs [first, last), S slices of 32
+// dimensions (the queries in tiles 3..3+S)
 template <int S>
-void key_scores(const Rows& keys, int64_t begin, int64_t len, float* scores_t) {
+void key_scores(const bf16* keys, const int64_t* runs, int64_t first, int64_t last,
+                int64_t all_runs, int64_t head_dim, float* scores_t) {
   static_assert(S == 2 || S == 4);
-  const int64_t stride = keys.head_dim * sizeof(bf16);
-  scores_t -= begin * kCols;
-  for (int64_t t = begin; t < len; t += 2 * kRows) {
-    const bool two = t + kRows < len;  // chunks of 16 never cross a block (block_size % 16 == 0)
-    const bf16* first = keys.at(t);
-    const bf16* second = two ? keys.at(t + kRows) : first;
-    if (t + kAhead < len) prefetch_rows(keys, t + kAhead, len);
+  const int64_t stride = head_dim * sizeof(bf16);
+  for (int64_t r = first; r < last; r += 2) {
+    const bool two = r + 1 < last;
+    const bf16* a = keys + runs[r];
+    const bf16* b = keys + runs[two ? r + 1 : r];
+    for (int64_t ahead = r + kAhead; ahead < std::min(all_runs, r + kAhead + 2); ++ahead)
+      prefetch_run(keys + runs[ahead], head_dim);
     _tile_zero(0);
     _tile_zero(1);
-#define QW_SLICE(s, b)                                   \
-  _tile_loadd(2, first + (s) * kDepth, stride);          \
-  _tile_dpbf16ps(0, 2, b);                               \
-  _tile_loadd(7, second + (s) * kDepth, stride);         \
-  _tile_dpbf16ps(1, 7, b);
+#define QW_SLICE(s, q)                       \
+  _tile_loadd(2, a + (s) * kDepth, stride);  \
+  _tile_dpbf16ps(0, 2, q);                   \
+  _tile_loadd(7, b + (s) * kDepth, stride);  \
+  _tile_dpbf16ps(1, 7, q);
     QW_SLICE(0, 3)
     QW_SLICE(1, 4)
     if constexpr (S == 4) {
@@ -91,13 +98,10 @@ void key_scores(const Rows& keys, int64_t begin, int64_t len, float* scores_t) {
       QW_SLICE(3, 6)
     }
 #undef QW_SLICE
-    _tile_stored(0, scores_t + t * kCols, kCols * sizeof(float));
-    if (two) _tile_stored(1, scores_t + (t + kRows) * kCols, kCols * sizeof(float));
+    float* at = scores_t + (r - first) * kRows * kCols;
+    _tile_stored(0, at, kCols * sizeof(float));
+    if (two) _tile_stored(1, at + kRows * kCols, kCols * sizeof(float));
   }
-}
-
-inline __mmask16 first_lanes(int64_t m) {
-  return m >= 16 ? __mmask16(0xFFFF) : m <= 0 ? __mmask16(0) : __mmask16((1u << m) - 1);
 }
 
 // tokens [begin, end) of row g of scores = column g of scores_t (those tokens), scaled
@@ -114,10 +118,10 @@ inline void transpose_scores(const float* scores_t, int64_t begin, int64_t end, 
                                      _mm512_set1_ps(scale)));
 }
 
-// softmax of each row of scores over the first len, rounded to bfloat16 into probs (zeros up to
-// padded)
+// softmax of each row of scores over the first len, rounded to bfloat16 and widened to the
+// (p, 0) and (0, p) pairs of even and odd (zeros up to padded), row g of run r at r x group + g
 inline void softmax_rows(int64_t len, int64_t padded, int64_t group, float* scores,
-                         bf16* probs) {
+                         uint32_t* even, uint32_t* odd) {
   for (int64_t g = 0; g < group; ++g) {
     float* sr = scores + g * padded;
     __m512 tops = _mm512_set1_ps(-INFINITY);
@@ -128,95 +132,85 @@ inline void softmax_rows(int64_t len, int64_t padded, int64_t group, float* scor
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) total += (sr[t] = std::exp(sr[t] - top));
     const __m512 inv = _mm512_set1_ps(1.0f / total);
-    bf16* pr = probs + g * padded;
     for (int64_t t = 0; t < padded; t += kCols) {
       const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(len - t), sr + t), inv);
-      const __m256bh rounded = _mm512_cvtneps_pbh(p);  // to nearest even
-      std::memcpy(pr + t, &rounded, sizeof rounded);
+      const __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));  // to nearest even
+      const int64_t row = (t / kRows * group + g) * kCols;
+      _mm512_storeu_si512(even + row, bits);
+      _mm512_storeu_si512(odd + row, _mm512_slli_epi32(bits, 16));
     }
   }
 }
 
-// 16 pairs of tokens from t (zeros past len) x 64 dimensions from k0, as four B tiles
-inline void value_pairs(const Rows& values, int64_t t, int64_t len, int64_t k0,
-                        bf16 (*tiles)[kRows][2 * kCols]) {
-  int64_t block = t / values.block_size, offset = t % values.block_size;
-  const bf16* base = values.at(t) - offset * values.head_dim;
-  const __m512i zero = _mm512_setzero_si512();
-  __m512i row[2][2];  // [token of the pair][32 dimensions]
-  for (int64_t i = 0; i < 2 * kRows; ++i, ++offset) {
-    if (t + i >= len) {  // past the context (and maybe past the table's last block)
-      row[i % 2][0] = row[i % 2][1] = zero;
-    } else {
-      if (offset == values.block_size) {
-        offset = 0;
-        ++block;
-        base = values.cache + (values.kv_head * values.num_blocks + values.table[block]) *
-                                  values.block_size * values.head_dim;
-      }
-      const bf16* v = base + offset * values.head_dim + k0;
-      row[i % 2][0] = _mm512_loadu_si512(v);
-      row[i % 2][1] = _mm512_loadu_si512(v + kDepth);
-    }
-    if (i % 2 == 1) {
-      for (int h = 0; h < 2; ++h) {
-        _mm512_store_si512(tiles[2 * h][i / 2], _mm512_unpacklo_epi16(row[0][h], row[1][h]));
-        _mm512_store_si512(tiles[2 * h + 1][i / 2], _mm512_unpackhi_epi16(row[0][h], row[1][h]));
-      }
-    }
+// out [group, head_dim] = probs . values, 64 dimensions at a time in four C tiles (even and odd
+// dimensions of two 32-dimension halves)
+inline void weigh_values(const bf16* values, const int64_t* runs, int64_t num_runs, int64_t len,
+                         int64_t padded, int64_t group, int64_t head_dim, AttentionScratch& buf,
+                         bf16* out) {
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const int64_t stride = head_dim * sizeof(bf16), p_stride = kCols * sizeof(uint32_t);
+  const int64_t whole = len / kRows;  // runs read in place; a partial last one from buf.tail
+  if (whole < num_runs) {
+    std::memset(buf.tail, 0, sizeof buf.tail);
+    for (int64_t i = 0; i < len - whole * kRows; ++i)
+      std::memcpy(buf.tail[i], values + runs[whole] + i * head_dim, stride);
   }
-}
-
-// out [group, head_dim] = probs . values, 64 dimensions at a time in four C tiles
-inline void weigh_values(const Rows& values, int64_t len, int64_t padded, int64_t group,
-                         const bf16* probs, AttentionScratch& buf, bf16* out) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const int64_t d = values.head_dim;
-  for (int64_t k0 = 0; k0 < d; k0 += 2 * kDepth) {
+  for (int64_t k0 = 0; k0 < head_dim; k0 += 2 * kDepth) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t t = 0; t < padded; t += kDepth) {
-      if (k0 == 0 && t + kAhead < len) prefetch_rows(values, t + kAhead, len);
-      value_pairs(values, t, len, k0, buf.values);
-      _tile_loadd(4, probs + t, padded * sizeof(bf16));
-      _tile_loadd(5, buf.values[0], 64);
-      _tile_loadd(6, buf.values[1], 64);
-      _tile_loadd(7, buf.values[2], 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(1, 4, 6);
+    for (int64_t r = 0; r < num_runs; ++r) {
+      const bool in_place = r < whole;
+      const bf16* v = (in_place ? values + runs[r] : &buf.tail[0][0]) + k0;
+      const int64_t v_stride = in_place ? stride : int64_t(sizeof buf.tail[0]);
+      if (k0 == 0 && r + kAhead < num_runs) prefetch_run(values + runs[r + kAhead], head_dim);
+      _tile_loadd(4, buf.even.data() + r * group * kCols, p_stride);
+      _tile_loadd(5, buf.odd.data() + r * group * kCols, p_stride);
+      _tile_loadd(6, v, v_stride);
+      _tile_loadd(7, v + kDepth, v_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
       _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, buf.values[3], 64);
-      _tile_dpbf16ps(3, 4, 5);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, buf.sums[0], 64);
-    _tile_stored(1, buf.sums[1], 64);
-    _tile_stored(2, buf.sums[2], 64);
-    _tile_stored(3, buf.sums[3], 64);
+    for (int t = 0; t < 4; ++t) {
+      switch (t) {  // tile numbers are immediates
+        case 0: _tile_stored(0, buf.sums[0], 64); break;
+        case 1: _tile_stored(1, buf.sums[1], 64); break;
+        case 2: _tile_stored(2, buf.sums[2], 64); break;
+        default: _tile_stored(3, buf.sums[3], 64); break;
+      }
+    }
     for (int64_t g = 0; g < group; ++g)
-      for (int h = 0; h < 2; ++h) {  // the unpacks' lanes back in dimension order
-        const __m512 lo = _mm512_load_ps(buf.sums[2 * h][g]);
-        const __m512 hi = _mm512_load_ps(buf.sums[2 * h + 1][g]);
-        bf16* dst = out + g * d + k0 + h * kDepth;
-        const __m256bh a = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi));
-        const __m256bh b = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi));
+      for (int h = 0; h < 2; ++h) {  // even and odd dimensions back in order
+        const __m512 e = _mm512_load_ps(buf.sums[2 * h][g]);
+        const __m512 o = _mm512_load_ps(buf.sums[2 * h + 1][g]);
+        bf16* dst = out + g * head_dim + k0 + h * kDepth;
+        const __m256bh a = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, low, o));
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, high, o));
         std::memcpy(dst, &a, sizeof a);
         std::memcpy(dst + kCols, &b, sizeof b);
       }
   }
 }
 
-// q: [group, head_dim] of one sequence's decode token; out likewise. The tiles must be configured
+// q: [group, head_dim] of one sequence's decode token, attending to its first len cached tokens
+// (block table `table`, KV head kv_head); out likewise. The tiles must be configured
 // (configure()) on this thread.
-inline void attend_decode(const bf16* q, int64_t len, const Rows& keys, const Rows& values,
-                          int64_t group, float scale, AttentionScratch& buf, bf16* out) {
-  const int64_t d = keys.head_dim, padded = (len + kDepth - 1) / kDepth * kDepth;
+inline void attend_decode(const bf16* q, int64_t len, const int64_t* table, int64_t kv_head,
+                          const bf16* k_cache, const bf16* v_cache, int64_t num_blocks,
+                          int64_t block_size, int64_t group, int64_t head_dim, float scale,
+                          AttentionScratch& buf, bf16* out) {
+  const int64_t d = head_dim, padded = (len + kRows - 1) / kRows * kRows;
+  list_runs(table, kv_head, num_blocks, block_size, d, len, buf.runs);
+  const int64_t num_runs = static_cast<int64_t>(buf.runs.size());
   buf.scores_t.resize(std::min(padded, kWindow) * kCols);
   buf.scores.resize(group * padded);
-  buf.probs.resize(kRows * padded);
+  buf.even.resize((num_runs * group + kRows) * kCols);
+  buf.odd.resize((num_runs * group + kRows) * kCols);
   std::memset(buf.queries, 0, sizeof buf.queries);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < d; ++i)
@@ -227,14 +221,16 @@ inline void attend_decode(const bf16* q, int64_t len, const Rows& keys, const Ro
     _tile_loadd(5, buf.queries[2], 64);
     _tile_loadd(6, buf.queries[3], 64);
   }
-  for (int64_t t = 0; t < len; t += kWindow) {  // a window's C tiles are still in L1 when read
-    const int64_t end = std::min(len, t + kWindow);
-    if (d == 128) key_scores<4>(keys, t, end, buf.scores_t.data());
-    else key_scores<2>(keys, t, end, buf.scores_t.data());
-    transpose_scores(buf.scores_t.data(), t, end, padded, group, scale, buf.scores.data());
+  constexpr int64_t window_runs = kWindow / kRows;  // a window's C tiles are still in L1
+  for (int64_t r = 0; r < num_runs; r += window_runs) {
+    const int64_t last = std::min(num_runs, r + window_runs);
+    if (d == 128) key_scores<4>(k_cache, buf.runs.data(), r, last, num_runs, d, buf.scores_t.data());
+    else key_scores<2>(k_cache, buf.runs.data(), r, last, num_runs, d, buf.scores_t.data());
+    transpose_scores(buf.scores_t.data(), r * kRows, std::min(len, last * kRows), padded, group,
+                     scale, buf.scores.data());
   }
-  softmax_rows(len, padded, group, buf.scores.data(), buf.probs.data());
-  weigh_values(values, len, padded, group, buf.probs.data(), buf, out);
+  softmax_rows(len, padded, group, buf.scores.data(), buf.even.data(), buf.odd.data());
+  weigh_values(v_cache, buf.runs.data(), num_runs, len, padded, group, d, buf, out);
 }
 
 }  // namespace qw::amx
