@@ -102,6 +102,13 @@ def parse_qworker(argv: list[str], env: dict[str, str], monkeypatch: pytest.Monk
             raise AssertionError(f"qworker {shlex.join(argv)} does not parse") from exc
 
 
+def test_the_image_preloads_an_allocator_it_installs() -> None:
+    preload = dockerfile_env()["LD_PRELOAD"]
+    runs = " ".join(dockerfile("RUN"))
+    assert "libtcmalloc-minimal4" in runs and "ln -s" in runs and preload in runs, (
+        f"LD_PRELOAD={preload} is not a file the image makes")
+
+
 def qworker_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith("QWORKER_")}
 

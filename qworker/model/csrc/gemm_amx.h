@@ -30,8 +30,6 @@ inline bool serves(int64_t m, int64_t n, int64_t k) {
   return m >= 1 && n % kCols == 0 && k % kDepth == 0;
 }
 
-// MT x NT tiles of 16 x 16: rows a[0..MT) (16 each, a_stride bytes apart), blocks b[0..NT) of W;
-// the sums land in c, [MT * 16][NT * 16] floats
 // the 1 KiB of W that tile load p of a block reads, fetched ahead of its use
 inline void prefetch_tile(const bf16* block, int64_t p) {
   const char* at = reinterpret_cast<const char*>(block + p * kCols);
@@ -52,7 +50,9 @@ void prefetch_ahead(const bf16* const* b, const bf16* const* next, int64_t p, in
   }
 }
 
-// next: the blocks of W that the following call reads (null: none)
+// MT x NT tiles of 16 x 16: rows a[0..MT) (16 each, a_stride bytes apart), blocks b[0..NT) of W;
+// the sums land in c, [MT * 16][NT * 16] floats. next: the blocks the following call reads
+// (null: none)
 template <int MT, int NT>
 void tile_product(const bf16* const* a, int64_t a_stride, const bf16* const* b, int64_t k,
                   const bf16* const* next, float* c) {
