@@ -562,10 +562,10 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
 #pragma omp for collapse(2) schedule(dynamic)
       for (int64_t seq = 0; seq < s.num_seqs; ++seq)
         for (int64_t h = 0; h < s.kv_heads; ++h) {
-          amx::attend_decode(q + seq * s.q_stride + h * group_width, lens[seq],
-                             tables + seq * s.max_blocks, h, k_cache, v_cache, s.num_blocks,
-                             s.block_size, group, s.head_dim, float(scale), buf,
-                             out + seq * s.heads * s.head_dim + h * group_width);
+          amx::attend(q + seq * s.q_stride + h * group_width, 0, {1, group, lens[seq]},
+                      tables + seq * s.max_blocks, h, k_cache, v_cache, s.num_blocks,
+                      s.block_size, s.head_dim, float(scale), buf,
+                      out + seq * s.heads * s.head_dim + h * group_width, 0);
         }
       _tile_release();
       return;
@@ -607,6 +607,27 @@ template <typename T>
 void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                        T* out, const Shape& s, int64_t cached, int64_t count, double scale) {
   const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
+#if defined(QW_ATTENTION_AMX)
+  if constexpr (std::is_same_v<T, bf16>) {  // tiles of as many tokens as 16 rows hold
+    if (amx::attention_serves(group, s.head_dim, s.block_size) && amx::tiles_ready()) {
+      const int64_t tile = amx::kRows / group, tiles = (count + tile - 1) / tile;
+      const int64_t out_stride = s.heads * s.head_dim;
+      amx::AttentionScratch buf;
+      amx::configure();
+#pragma omp for collapse(2) schedule(dynamic)
+      for (int64_t k = 0; k < tiles; ++k)
+        for (int64_t h = 0; h < s.kv_heads; ++h) {
+          const int64_t first = k * tile;
+          amx::attend(q + first * s.q_stride + h * group_width, s.q_stride,
+                      {std::min(tile, count - first), group, cached + first + 1}, table, h,
+                      k_cache, v_cache, s.num_blocks, s.block_size, s.head_dim, float(scale),
+                      buf, out + first * out_stride + h * group_width, out_stride);
+        }
+      _tile_release();
+      return;
+    }
+  }
+#endif
 #if defined(QW_FLASH_PREFILL)
   if constexpr (!std::is_same_v<T, double>) {
     if (flash_serves(s.head_dim, group)) return flash_prefill(q, k_cache, v_cache, table, out, s,

@@ -1,5 +1,6 @@
-// A decode's attention on AMX tiles (bfloat16): one sequence's query heads of one KV head (up to
-// 16), its keys and values read in place from the paged cache, 16 tokens (a run that never
+// Attention on AMX tiles (bfloat16): up to 16 query rows of one sequence through one KV head (a
+// decode's group of heads, or a few prefill tokens' groups, each row seeing its own causal
+// length), keys and values read in place from the paged cache, 16 tokens (a run that never
 // crosses a block) to a tile.
 // - Scores: 16 keys as they lie are the A operand (rows a head_dim apart), the queries the B
 //   operand, transposed into dimension pairs once per task, a head a column; a C tile is 16
@@ -37,12 +38,20 @@ inline bool attention_serves(int64_t group, int64_t head_dim, int64_t block_size
   return group <= kCols && (head_dim == 64 || head_dim == 128) && block_size % kRows == 0;
 }
 
+// the query rows of one task: `count` tokens of `group` heads, the first token seeing len0 keys
+struct QueryRows {
+  int64_t count, group, len0;
+  int64_t rows() const { return count * group; }
+  int64_t len() const { return len0 + count - 1; }      // keys the last token sees
+  int64_t visible(int64_t r) const { return len0 + r / group; }
+};
+
 struct AttentionScratch {  // one thread's buffers, reused across its tasks
   std::vector<int64_t> runs;    // the cache offset of each run of 16 tokens (keys and values)
   std::vector<float> scores_t;  // [window, 16]: C tiles' rows, a token each
-  std::vector<float> scores;    // [group, tokens]
-  // (p, 0) and (0, p) bfloat16 pairs, [runs x group + 16 spare][16]: run r's A tile is the 16 rows
-  // from r x group, its own group of heads first, then rows of later runs (sums never read)
+  std::vector<float> scores;    // [rows, tokens]
+  // (p, 0) and (0, p) bfloat16 pairs, [runs x rows + 16 spare][16]: run r's A tile is the 16 rows
+  // from r x rows, its own query rows first, then rows of later runs (sums never read)
   std::vector<uint32_t> even, odd;
   alignas(64) bf16 queries[4][kRows][2 * kCols];  // B tiles: 32 dimensions of every head each
   alignas(64) bf16 tail[kRows][128];              // the last run of values, zero past the context
@@ -118,11 +127,13 @@ inline void transpose_scores(const float* scores_t, int64_t begin, int64_t end, 
                                      _mm512_set1_ps(scale)));
 }
 
-// softmax of each row of scores over the first len, rounded to bfloat16 and widened to the
-// (p, 0) and (0, p) pairs of even and odd (zeros up to padded), row g of run r at r x group + g
-inline void softmax_rows(int64_t len, int64_t padded, int64_t group, float* scores,
-                         uint32_t* even, uint32_t* odd) {
+// softmax of each row of scores over the keys it sees, rounded to bfloat16 and widened to the
+// (p, 0) and (0, p) pairs of even and odd (zeros up to padded), row g of run r at r x rows + g
+inline void softmax_rows(const QueryRows& rows, int64_t padded, float* scores, uint32_t* even,
+                         uint32_t* odd) {
+  const int64_t group = rows.rows();
   for (int64_t g = 0; g < group; ++g) {
+    const int64_t len = rows.visible(g);
     float* sr = scores + g * padded;
     __m512 tops = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < len; t += kCols)
@@ -142,11 +153,12 @@ inline void softmax_rows(int64_t len, int64_t padded, int64_t group, float* scor
   }
 }
 
-// out [group, head_dim] = probs . values, 64 dimensions at a time in four C tiles (even and odd
-// dimensions of two 32-dimension halves)
-inline void weigh_values(const bf16* values, const int64_t* runs, int64_t num_runs, int64_t len,
-                         int64_t padded, int64_t group, int64_t head_dim, AttentionScratch& buf,
-                         bf16* out) {
+// out (token i's head g at out + i * out_stride + g * head_dim) = probs . values, 64 dimensions
+// at a time in four C tiles (even and odd dimensions of two 32-dimension halves)
+inline void weigh_values(const bf16* values, const int64_t* runs, int64_t num_runs,
+                         const QueryRows& rows, int64_t padded, int64_t head_dim,
+                         AttentionScratch& buf, bf16* out, int64_t out_stride) {
+  const int64_t len = rows.len(), group = rows.rows();
   const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i high =
       _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
@@ -188,7 +200,7 @@ inline void weigh_values(const bf16* values, const int64_t* runs, int64_t num_ru
       for (int h = 0; h < 2; ++h) {  // even and odd dimensions back in order
         const __m512 e = _mm512_load_ps(buf.sums[2 * h][g]);
         const __m512 o = _mm512_load_ps(buf.sums[2 * h + 1][g]);
-        bf16* dst = out + g * head_dim + k0 + h * kDepth;
+        bf16* dst = out + g / rows.group * out_stride + g % rows.group * head_dim + k0 + h * kDepth;
         const __m256bh a = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, low, o));
         const __m256bh b = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(e, high, o));
         std::memcpy(dst, &a, sizeof a);
@@ -197,14 +209,15 @@ inline void weigh_values(const bf16* values, const int64_t* runs, int64_t num_ru
   }
 }
 
-// q: [group, head_dim] of one sequence's decode token, attending to its first len cached tokens
-// (block table `table`, KV head kv_head); out likewise. The tiles must be configured
-// (configure()) on this thread.
-inline void attend_decode(const bf16* q, int64_t len, const int64_t* table, int64_t kv_head,
-                          const bf16* k_cache, const bf16* v_cache, int64_t num_blocks,
-                          int64_t block_size, int64_t group, int64_t head_dim, float scale,
-                          AttentionScratch& buf, bf16* out) {
-  const int64_t d = head_dim, padded = (len + kRows - 1) / kRows * kRows;
+// q: token i's `group` heads of head_dim at q + i * q_stride, attending causally to the cache
+// (block table `table`, KV head kv_head); out likewise, at out + i * out_stride. The tiles must
+// be configured (configure()) on this thread.
+inline void attend(const bf16* q, int64_t q_stride, const QueryRows& rows, const int64_t* table,
+                   int64_t kv_head, const bf16* k_cache, const bf16* v_cache, int64_t num_blocks,
+                   int64_t block_size, int64_t head_dim, float scale, AttentionScratch& buf,
+                   bf16* out, int64_t out_stride) {
+  const int64_t d = head_dim, len = rows.len(), group = rows.rows();
+  const int64_t padded = (len + kRows - 1) / kRows * kRows;
   list_runs(table, kv_head, num_blocks, block_size, d, len, buf.runs);
   const int64_t num_runs = static_cast<int64_t>(buf.runs.size());
   buf.scores_t.resize(std::min(padded, kWindow) * kCols);
@@ -214,7 +227,8 @@ inline void attend_decode(const bf16* q, int64_t len, const int64_t* table, int6
   std::memset(buf.queries, 0, sizeof buf.queries);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < d; ++i)
-      buf.queries[i / kDepth][i % kDepth / 2][2 * g + i % 2] = q[g * d + i];
+      buf.queries[i / kDepth][i % kDepth / 2][2 * g + i % 2] =
+          q[g / rows.group * q_stride + g % rows.group * d + i];
   _tile_loadd(3, buf.queries[0], 64);
   _tile_loadd(4, buf.queries[1], 64);
   if (d == 128) {
@@ -229,8 +243,8 @@ inline void attend_decode(const bf16* q, int64_t len, const int64_t* table, int6
     transpose_scores(buf.scores_t.data(), r * kRows, std::min(len, last * kRows), padded, group,
                      scale, buf.scores.data());
   }
-  softmax_rows(len, padded, group, buf.scores.data(), buf.even.data(), buf.odd.data());
-  weigh_values(v_cache, buf.runs.data(), num_runs, len, padded, group, d, buf, out);
+  softmax_rows(rows, padded, buf.scores.data(), buf.even.data(), buf.odd.data());
+  weigh_values(v_cache, buf.runs.data(), num_runs, rows, padded, d, buf, out, out_stride);
 }
 
 }  // namespace qw::amx
