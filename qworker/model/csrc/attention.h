@@ -162,10 +162,6 @@ void weigh_tile(const float* weights, const T* values, int64_t n, int64_t d, int
 }
 
 #if defined(__AVX512BF16__)
-inline __mmask16 first_lanes(int64_t m) {
-  return m >= 16 ? __mmask16(0xFFFF) : m <= 0 ? __mmask16(0) : __mmask16((1u << m) - 1);
-}
-
 // bfloat16 values, two tokens per dot product: the rows of tokens j and j+1 interleaved (one
 // unpack per half) meet their two weights rounded to bfloat16, as torch's CPU flash attention
 // rounds its probabilities before P.V. The sums build up in the unpacks' order (lane L of `lo`:
@@ -496,6 +492,13 @@ struct Shape {
   int64_t num_seqs, max_blocks, heads, kv_heads, head_dim, num_blocks, block_size, q_stride;
 };
 
+#if defined(QW_ATTENTION_AMX)
+inline bool amx_serves(const Shape& s) {  // bfloat16 attention of this shape on AMX tiles here
+  return amx::attention_serves(s.heads / s.kv_heads, s.head_dim, s.block_size) &&
+         amx::tiles_ready();
+}
+#endif
+
 template <typename T>
 struct Scratch {  // one thread's buffers, reused across its tasks
   std::vector<T> raw;                     // [rows, d] the task's queries as given
@@ -556,19 +559,13 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
   const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
 #if defined(QW_ATTENTION_AMX)
   if constexpr (std::is_same_v<T, bf16>) {
-    if (amx::attention_serves(group, s.head_dim, s.block_size) && amx::tiles_ready()) {
-      amx::AttentionScratch buf;
-      amx::configure();
-#pragma omp for collapse(2) schedule(dynamic)
-      for (int64_t seq = 0; seq < s.num_seqs; ++seq)
-        for (int64_t h = 0; h < s.kv_heads; ++h) {
-          amx::attend(q + seq * s.q_stride + h * group_width, 0, {1, group, lens[seq]},
-                      tables + seq * s.max_blocks, h, k_cache, v_cache, s.num_blocks,
-                      s.block_size, s.head_dim, float(scale), buf,
-                      out + seq * s.heads * s.head_dim + h * group_width, 0);
-        }
-      _tile_release();
-      return;
+    if (amx_serves(s)) {
+      return amx::attention_tasks(s.num_seqs, s.kv_heads, [&](int64_t seq, int64_t h, auto& buf) {
+        amx::attend(q + seq * s.q_stride + h * group_width, 0, {1, group, lens[seq]},
+                    tables + seq * s.max_blocks, h, k_cache, v_cache, s.num_blocks, s.block_size,
+                    s.head_dim, float(scale), buf,
+                    out + seq * s.heads * s.head_dim + h * group_width, 0);
+      });
     }
   }
 #endif
@@ -609,22 +606,16 @@ void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int
   const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
 #if defined(QW_ATTENTION_AMX)
   if constexpr (std::is_same_v<T, bf16>) {  // tiles of as many tokens as 16 rows hold
-    if (amx::attention_serves(group, s.head_dim, s.block_size) && amx::tiles_ready()) {
-      const int64_t tile = amx::kRows / group, tiles = (count + tile - 1) / tile;
-      const int64_t out_stride = s.heads * s.head_dim;
-      amx::AttentionScratch buf;
-      amx::configure();
-#pragma omp for collapse(2) schedule(dynamic)
-      for (int64_t k = 0; k < tiles; ++k)
-        for (int64_t h = 0; h < s.kv_heads; ++h) {
-          const int64_t first = k * tile;
-          amx::attend(q + first * s.q_stride + h * group_width, s.q_stride,
-                      {std::min(tile, count - first), group, cached + first + 1}, table, h,
-                      k_cache, v_cache, s.num_blocks, s.block_size, s.head_dim, float(scale),
-                      buf, out + first * out_stride + h * group_width, out_stride);
-        }
-      _tile_release();
-      return;
+    if (amx_serves(s)) {
+      const int64_t tile = amx::kRows / group, out_stride = s.heads * s.head_dim;
+      return amx::attention_tasks((count + tile - 1) / tile, s.kv_heads,
+                                  [&](int64_t k, int64_t h, auto& buf) {
+        const int64_t first = k * tile;
+        amx::attend(q + first * s.q_stride + h * group_width, s.q_stride,
+                    {std::min(tile, count - first), group, cached + first + 1}, table, h,
+                    k_cache, v_cache, s.num_blocks, s.block_size, s.head_dim, float(scale), buf,
+                    out + first * out_stride + h * group_width, out_stride);
+      });
     }
   }
 #endif

@@ -58,10 +58,6 @@ struct AttentionScratch {  // one thread's buffers, reused across its tasks
   alignas(64) float sums[4][kRows][kCols];
 };
 
-inline __mmask16 first_lanes(int64_t m) {
-  return m >= 16 ? __mmask16(0xFFFF) : m <= 0 ? __mmask16(0) : __mmask16((1u << m) - 1);
-}
-
 // the cache offset (elements) of every run of 16 tokens of [0, len), one division per block
 inline void list_runs(const int64_t* table, int64_t kv_head, int64_t num_blocks,
                       int64_t block_size, int64_t head_dim, int64_t len,
@@ -245,6 +241,18 @@ inline void attend(const bf16* q, int64_t q_stride, const QueryRows& rows, const
   }
   softmax_rows(rows, padded, buf.scores.data(), buf.even.data(), buf.odd.data());
   weigh_values(v_cache, buf.runs.data(), num_runs, rows, padded, d, buf, out, out_stride);
+}
+
+// task(i, kv_head, scratch) for every i < count and KV head, shared among the threads of the
+// enclosing OpenMP region, each thread's tiles configured around its share
+template <typename Task>
+void attention_tasks(int64_t count, int64_t kv_heads, Task&& task) {
+  AttentionScratch buf;
+  configure();
+#pragma omp for collapse(2) schedule(dynamic)
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) task(i, h, buf);
+  _tile_release();
 }
 
 }  // namespace qw::amx

@@ -1,8 +1,13 @@
-// Element types shared by the native kernels: float, double and bfloat16 (stored as its bits).
+// Element types shared by the native kernels: float, double and bfloat16 (stored as its bits);
+// and, with AVX-512, the mask of a vector's first lanes.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace qw {
 
@@ -35,5 +40,12 @@ template <typename T> T round_to(typename Acc<T>::type x) {  // x as a T would h
   store(&out, x);
   return out;
 }
+
+#if defined(__AVX512F__)
+// the first m of 16 lanes (none for m <= 0, all for m >= 16)
+inline __mmask16 first_lanes(int64_t m) {
+  return m >= 16 ? __mmask16(0xFFFF) : m <= 0 ? __mmask16(0) : __mmask16((1u << m) - 1);
+}
+#endif
 
 }  // namespace qw
