@@ -33,6 +33,11 @@ def run_qworker(model_path: str, dtype: torch.dtype, items: list[WorkItem],
     engine = Engine(model, Tokenizer.load(model_path), config)
     engine.warm_up()  # the measured kernel choice, as Engine.from_config does
     engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
+    return {"engine": "qworker", "weights": model.weights_kept(), **run_engine(engine, items)}
+
+
+def run_engine(engine: Engine, items: list[WorkItem]) -> dict[str, object]:
+    """The workload on a warm, empty engine, every request added before the clock starts."""
     engine.runner.forward_seconds, engine.num_steps, engine.num_preemptions = 0.0, 0, 0
     for i, item in enumerate(items):
         params = SamplingParams(max_tokens=item.output_len, min_tokens=item.output_len,
@@ -48,7 +53,6 @@ def run_qworker(model_path: str, dtype: torch.dtype, items: list[WorkItem],
     useful = sum(item.output_len for item in items)
     assert produced == useful, f"generated {produced} tokens, the workload asks for {useful}"
     return {
-        "engine": "qworker", "weights": model.weights_kept(),
         "useful_out_tok_s": round(useful / wall, 1),
         "total_tok_s": round((useful + sum(len(i.prompt_ids) for i in items)) / wall, 1),
         "wall_s": round(wall, 2),
