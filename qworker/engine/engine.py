@@ -43,7 +43,8 @@ class Engine(EngineCore):
 
     def warm_up(self) -> None:
         """Chooses each linear layer's matmul by measuring them on this CPU (cached in the
-        qworker home), then runs one tiny forward, so no request pays for either."""
+        qworker home), runs one tiny forward and makes one detokenizer (its tables take the
+        tokenizer's JSON apart, 0.15 s for SmolLM2), so no request pays for any of them."""
         from qworker.model.hub import qworker_home
 
         config = self.config
@@ -51,3 +52,4 @@ class Engine(EngineCore):
                                          config.max_num_seqs, qworker_home() / "kernels")
         self.blocks.drop_cache()  # the forward writes block 0
         self.runner.warm_up()
+        self._detokenizer()
