@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import redis
@@ -130,3 +131,49 @@ def test_heartbeat_keeps_long_jobs_owned_while_the_worker_lives(redis_url: str) 
         assert a.stop() == 0
     for job_id in jobs:
         assert check_stream(client, job_id).completion_tokens == 300
+
+
+def test_a_steps_round_trip_runs_beside_the_next_step(redis_url: str) -> None:
+    """The events of one step go to Redis while the next step computes: each round trip waits
+    (up to 0.5 s) to meet a step under way, and that step waits for it. A loop that waited for
+    its round trip between steps would never have one meet a step. A job submitted meanwhile is
+    read by such a round trip (it carries the engine's room), not by a read of its own."""
+    client = redis.Redis.from_url(redis_url)
+    engine = sim_engine("sim:step_ms=5")
+    met: list[bool] = []
+    reads: list[str] = []  # job ids of the entries each round trip read
+    stepping, seen = [False], [False]
+    changed = threading.Condition()
+    real_step = engine.step
+
+    def step() -> object:
+        with changed:
+            stepping[0], seen[0] = True, False
+            changed.notify_all()
+            changed.wait_for(lambda: seen[0], timeout=0.5)
+            stepping[0] = False
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    with thread_worker(redis_url, "beside", engine) as w:
+        real_flush = w.worker.publisher.flush
+
+        def flush(*args: object) -> object:
+            with changed:
+                met.append(changed.wait_for(lambda: stepping[0], timeout=0.5))
+                seen[0] = met[-1]
+                changed.notify_all()
+            result = real_flush(*args)  # type: ignore[arg-type]
+            reads.extend(e.fields[b"id"].decode() for e in result.entries)
+            return result
+
+        w.worker.publisher.flush = flush  # type: ignore[method-assign]
+        submit(client, "side", prompt="a few steps", max_tokens=64)
+        wait_for(lambda: client.xlen(KEYS.out("side")) >= 3, what="the first job's tokens")
+        submit(client, "later", prompt="while it runs", max_tokens=4)
+        wait_terminal(client, ["side", "later"])
+        assert w.stop() == 0
+    check_stream(client, "side")
+    check_stream(client, "later")
+    assert len(met) >= 64 and met.count(False) <= 3, met  # the last ones have no next step
+    assert reads == ["later"]

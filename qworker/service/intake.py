@@ -88,6 +88,12 @@ def _s(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def capped_entries(reply: Any) -> list[Entry]:
+    """The entries of a READ script's reply (`Scripts.read`), stream by stream in its order."""
+    return [Entry(_s(stream), _s(eid), _pairs(flat))
+            for stream, items in reply or () for eid, flat in items]
+
+
 def _entries(stream: str, items: Iterable[tuple[Any, Any]] | None) -> list[Entry]:
     return [Entry(stream, _s(eid), dict(fields))
             for eid, fields in items or () if fields is not None]
@@ -155,8 +161,7 @@ class Intake:
             Scripts.load(self.client)
             reply = self.scripts.read(self.client, group=self.config.group,
                                       consumer=self.consumer, caps=caps)
-        return [Entry(_s(stream), _s(eid), _pairs(flat))
-                for stream, items in reply or () for eid, flat in items]
+        return capped_entries(reply)
 
     @staticmethod
     def _parse_read(reply: Any) -> list[Entry]:

@@ -1,5 +1,5 @@
-"""Publisher: one pipelined round trip per engine step for every job's new events, requeues and
-the cancel flags of running jobs.
+"""Publisher: one pipelined round trip per engine step for every job's new events, requeues, the
+cancel flags of running jobs and, while the engine runs, the new entries it has room for.
 
 All jobs' events go in one `append` call. When Redis answers that call with an error that may be
 one job's (a foreign key of the wrong type, an ACL on a job's keys), the jobs are appended again one
@@ -16,7 +16,8 @@ import redis
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import job_error
 from qworker.service.event_fields import event_fields
-from qworker.service.job import ActiveJob
+from qworker.service.intake import capped_entries
+from qworker.service.job import ActiveJob, Entry
 from qworker.service.scripts import JobAppend, Scripts, decode_status
 from qworker_client.protocol import Keys, band_of
 
@@ -35,6 +36,7 @@ class FlushResult:
     status: dict[str, str] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
     errors: dict[str, str] = field(default_factory=dict)  # job id -> Redis' reply, when FAILED
+    entries: list[Entry] = field(default_factory=list)  # read, when the flush was given caps
 
     def fail(self, job_id: str, error: str) -> None:
         self.status[job_id] = FAILED
@@ -50,16 +52,20 @@ class Publisher:
         self.scripts = scripts
         self.token = token
 
-    def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str]) -> FlushResult:
-        """Write every outbox, requeue what asks for it, read the cancel flags of `cancel_check`.
-        Everything written is idempotent, so after a connection error the caller just retries."""
+    def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
+              read_caps: Sequence[tuple[str, int]] = ()) -> FlushResult:
+        """Write every outbox, requeue what asks for it, read the cancel flags of `cancel_check`
+        and the new entries `read_caps` allow (`Intake.caps`). Everything written is idempotent,
+        so after a connection error the caller just retries (entries read by a round trip whose
+        reply is lost stay pending to this consumer, for a reclaim)."""
         try:
-            return self._flush(jobs, cancel_check)
+            return self._flush(jobs, cancel_check, read_caps)
         except redis.exceptions.NoScriptError:
             Scripts.load(self.client)  # Redis restarted (or flushed its script cache)
-            return self._flush(jobs, cancel_check)
+            return self._flush(jobs, cancel_check, read_caps)
 
-    def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str]) -> FlushResult:
+    def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
+               read_caps: Sequence[tuple[str, int]]) -> FlushResult:
         pipe = self.client.pipeline(transaction=False)
         appending = [job for job in jobs if job.outbox]
         requeueing = [job for job in jobs if job.requeue]
@@ -69,8 +75,11 @@ class Publisher:
             self._requeue(pipe, job)
         if cancel_check:
             pipe.mget([self.keys.cancel(job_id) for job_id in cancel_check])
+        if read_caps:
+            self.scripts.read(pipe, group=self.config.group, consumer=self.config.name,
+                              caps=read_caps)
         result = FlushResult()
-        if not appending and not requeueing and not cancel_check:
+        if not appending and not requeueing and not cancel_check and not read_caps:
             return result
         replies = iter(pipe.execute(raise_on_error=False))
         if appending:
@@ -87,6 +96,11 @@ class Publisher:
                 raise flags  # the worker's own phase: not one job's
             pairs = zip(cancel_check, flags, strict=True)
             result.cancelled = {job_id for job_id, flag in pairs if flag is not None}
+        if read_caps:
+            read = next(replies)
+            if isinstance(read, Exception):
+                raise read  # the worker's own phase, as the cancel flags
+            result.entries = capped_entries(read)
         return result
 
     def _append_statuses(self, jobs: Sequence[ActiveJob], reply: list[Any] | Exception,

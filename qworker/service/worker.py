@@ -1,7 +1,11 @@
-"""The worker loop: engine.step -> publish (one round trip) -> reclaim + intake.
+"""The worker loop: engine.step -> settle the last round trip -> intake -> the next round trip.
 
-The engine and the in-flight table are touched only by the loop's thread. The heartbeat runs in
-a thread of its own (see heartbeat.py), fed a snapshot of the in-flight entries each turn.
+A turn's Redis round trip (every outbox, requeues, the cancel flags of running jobs and, while the
+engine runs, the new entries it has room for) runs on a thread of its own beside the next engine
+step, and is settled after it (at once when the engine has nothing to run): the engine does not
+wait on Redis. That thread sees copies of the outboxes only; the engine and the in-flight table
+are touched only by the loop's thread. The heartbeat runs in a thread of its own (see
+heartbeat.py), fed a snapshot of the in-flight entries each turn.
 `request_stop()` (from a signal handler or another thread) starts a drain; a second call requeues
 at once. Redis errors (connection lost, restart, failover) back off and retry while the engine
 keeps stepping: events wait in each job's outbox, nothing else is lost since every job stays
@@ -22,7 +26,8 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import redis
@@ -53,7 +58,7 @@ from qworker.service.logprobs import token_text, wire_logprobs
 from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics
 from qworker.service.on_done import OnDone
-from qworker.service.publisher import Publisher
+from qworker.service.publisher import FlushResult, Publisher
 from qworker.service.scripts import Scripts, alone_key
 from qworker_client.protocol import (
     INTERNAL,
@@ -111,6 +116,14 @@ class Backoff:
         self.delay, self.until = 0.0, 0.0
 
 
+@dataclass
+class Flight:
+    """A round trip under way: how many events of each outbox it writes, and its reply to come."""
+
+    sent: dict[str, int]
+    reply: Future[FlushResult]
+
+
 def default_seed(job_id: str) -> int:
     """A job without a seed still samples reproducibly, so a resumed run continues exactly."""
     return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") >> 1
@@ -164,6 +177,8 @@ class Worker:
         self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
         self._token_text = token_text(engine.tokenizer)  # for jobs with logprobs_text
         self.active: dict[str, ActiveJob] = {}
+        self._redis_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{config.name}-redis")
+        self._flight: Flight | None = None  # the round trip running beside the engine step
         self._alone: str | None = None  # the job our alone key names (see _move_alone)
         self.draining = False
         self.requeue_now = False
@@ -225,6 +240,7 @@ class Worker:
         try:
             while not self._finished():
                 self.iterate()
+            self._guard(self._land)  # a deadline ended the drain with a round trip still out
         except CannotWork as exc:
             self.log.error("cannot work with this Redis, exiting", error=str(exc),
                            exit_code=EXIT_CODE, jobs_left_pending=len(self.active))
@@ -235,6 +251,7 @@ class Worker:
         return 0
 
     def _leave(self) -> None:
+        self._redis_thread.shutdown(wait=False, cancel_futures=True)
         try:
             self._move_alone(None)  # a job left pending is not charged for a clean exit
         except redis.RedisError as exc:  # it expires by itself
@@ -275,9 +292,12 @@ class Worker:
             return
         if not self._ready and not self._guard(self._setup):
             return
-        if not self._guard(self._publish) or self._backlog():
+        # the round trip launched last turn ran beside this step: settle it, then take new work
+        if not self._guard(self._land) or not self._guard(self._housekeeping):
             return
-        self._guard(self._housekeeping)
+        self._launch()
+        if not self.engine.has_unfinished():  # no step to run beside it: settle it now
+            self._guard(self._land)
 
     def _setup(self) -> None:
         self.intake.ensure_group()
@@ -406,31 +426,57 @@ class Worker:
 
     # ------------------------------------------------------------------ publishing
 
-    def _backlog(self) -> bool:
-        return any(job.outbox or job.requeue for job in self.active.values())
-
-    def _publish(self) -> None:
-        jobs = [job for job in self.active.values() if job.outbox or job.requeue]
+    def _launch(self) -> None:
+        """Start this turn's round trip on the Redis thread, with copies of the outboxes: the
+        loop goes on adding to them while it runs."""
+        jobs = [replace(job, outbox=list(job.outbox)) for job in self.active.values()
+                if job.outbox or job.requeue]
         running = [job.job_id for job in self.active.values() if job.in_engine]
-        result = self.publisher.flush(jobs, running)
+        caps = self._read_caps()
+        if not jobs and not running and not caps:
+            return
+        reply = self._redis_thread.submit(self.publisher.flush, jobs, running, caps)
+        self._flight = Flight({job.job_id: len(job.outbox) for job in jobs}, reply)
+
+    def _read_caps(self) -> list[tuple[str, int]]:
+        """While the engine runs, new entries come with the round trip (within each band's room);
+        with nothing to run, `_housekeeping` reads them itself, blocking while idle."""
+        if self.draining or not self.engine.has_unfinished():
+            return []
+        rooms = self._rooms()
+        return self.intake.caps(rooms) if max(rooms.values()) > 0 else []
+
+    def _land(self) -> None:
+        """Settle the round trip under way, waiting for its reply if it is still out (its error,
+        if it failed, is raised here, for `_guard`: the events stay in their outboxes)."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        result = flight.reply.result()
         failed: list[Reject] = []
         for job_id, status in result.status.items():
+            job = self.active[job_id]  # only a landing removes jobs: it is still here
             if status == pub.FAILED:
-                failed.append(self._refused(self.active[job_id], result.errors[job_id]))
+                failed.append(self._refused(job, result.errors[job_id]))
             else:
-                self._settle(self.active[job_id], status)
+                self._settle(job, status, flight.sent[job_id])
         self._dead_letter(failed)
-        for job_id in result.cancelled:
+        self._cancel(result.cancelled)
+        self.metrics.running.set(len(self.active))
+        if result.entries:
+            self._admit(result.entries)
+
+    def _cancel(self, job_ids: set[str]) -> None:
+        for job_id in job_ids:
             job = self.active.get(job_id)
             if job is not None and job.in_engine:
                 self.engine.abort(job_id)
                 job.finish("cancelled", job.next_index)
                 job.log.info("cancelled", tokens=job.next_index)
-        self.metrics.running.set(len(self.active))
 
-    def _settle(self, job: ActiveJob, status: str) -> None:
+    def _settle(self, job: ActiveJob, status: str, sent: int) -> None:
         if status == pub.OK:
-            job.outbox.clear()
+            del job.outbox[:sent]  # what the engine added since goes with the next round trip
             return
         if self.on_done is not None and status in (pub.DONE, pub.TERMINAL):
             self.on_done.notify(self.client, job)
@@ -472,16 +518,16 @@ class Worker:
     # ------------------------------------------------------------------ intake
 
     def _housekeeping(self) -> None:
+        """Drop dead consumers and reclaim idle entries now and then; with nothing to run, read
+        new entries (blocking while idle). While the engine runs they come with the round trip."""
         now = time.monotonic()
         if self.draining:
             return
         if now - self._last_cleanup >= self.config.consumer_idle_ms / 1000:
             self._last_cleanup = now
             self.metrics.consumers_removed.inc(self.intake.drop_dead_consumers())
-        free = self.engine.free_slots()
-        self.metrics.free_slots.set(free)
-        # per band: how many of its jobs the engine takes now (an urgent one displaces a worse)
-        rooms = {band: self.engine.free_slots(p) for band, p in BAND_PRIORITY.items()}
+        rooms = self._rooms()
+        self.metrics.free_slots.set(self.engine.free_slots())
         if max(rooms.values()) <= 0:
             return
         entries: list[Entry] = []
@@ -490,12 +536,17 @@ class Worker:
             entries = self.intake.reclaim(rooms, own)
             self._last_reclaim = now
             self.metrics.reclaimed.inc(len(entries))
-        idle = not self.active and not self.engine.has_unfinished()
-        block = self.config.block_ms if idle and not entries else None
-        entries += self.intake.read({band: room - len(entries) for band, room in rooms.items()},
-                                    block)
+        if not self.engine.has_unfinished():
+            idle = not self.active
+            block = self.config.block_ms if idle and not entries else None
+            entries += self.intake.read(
+                {band: room - len(entries) for band, room in rooms.items()}, block)
         if entries:
             self._admit(entries)
+
+    def _rooms(self) -> dict[str, int]:
+        """Per band: how many of its jobs the engine takes now (an urgent one displaces a worse)."""
+        return {band: self.engine.free_slots(p) for band, p in BAND_PRIORITY.items()}
 
     def _admit(self, entries: list[Entry]) -> None:
         self._track(entries)  # ours now: kept owned while they are admitted
