@@ -3,16 +3,26 @@ retried write is not doubled, requeue and dead-letter happen once."""
 
 from __future__ import annotations
 
+import fakeredis
 import pytest
 import redis
 
 from qworker.service import publisher as pub
 from qworker.service.config import ServiceConfig
+from qworker.service.event_fields import event_fields
 from qworker.service.intake import Intake, Reject
 from qworker.service.job import ActiveJob
 from qworker.service.publisher import Publisher
 from qworker.service.scripts import Scripts
-from qworker_client.protocol import DoneEvent, ErrorEvent, Job, Keys, TokenEvent, parse_event
+from qworker_client.protocol import (
+    DoneEvent,
+    ErrorEvent,
+    Job,
+    Keys,
+    TokenEvent,
+    TopLogprob,
+    parse_event,
+)
 
 KEYS = Keys()
 
@@ -118,3 +128,31 @@ def test_scripts_reload_after_the_cache_is_flushed(client: redis.Redis) -> None:
     client.script_flush()
     job.add_tokens(0, [70], "F")
     assert publisher.flush([job], []).status == {"j": pub.OK}
+
+
+ODD_TEXTS = ['say "hi" \\ /', "\x00nul\ttab\r\n\x1f", "é 漢字 🙂", "\u2028\u2029", "", "\ufffd"]
+
+
+@pytest.mark.parametrize("server", ["redis-server", "fakeredis"])
+def test_events_reach_the_stream_byte_for_byte(server: str, redis_url: str) -> None:
+    """The append script gets every job's events as one JSON argument: quotes, backslashes,
+    control characters, NUL and 4-byte UTF-8 come out of it as they went in, field by field in
+    order, on redis-server and on the embedded server (`qworker up --embedded`)."""
+    c = redis.Redis.from_url(redis_url) if server == "redis-server" else fakeredis.FakeRedis()
+    c.flushdb()
+    c.xgroup_create(KEYS.jobs, "workers", id="0", mkstream=True)
+    Scripts.load(c)
+    c.xadd(KEYS.jobs, {"id": "j", "prompt": "p"})
+    intake, publisher = _take(c, "w")
+    job = _job(c, intake)
+    for i, text in enumerate(ODD_TEXTS):
+        top = [TopLogprob(token_id=7, logprob=-0.5, token=text)]
+        job.outbox.append(TokenEvent(i=i, token_id=100 + i, text=text, logprob=-0.25,
+                                     top_logprobs=top, token=text))
+    job.finish("length", len(ODD_TEXTS))
+    sent = list(job.outbox)
+    assert publisher.flush([job], []).status == {"j": pub.DONE}
+    stored = [list(fields.items()) for _, fields in c.xrange(KEYS.out("j"))]
+    assert stored == [[(k.encode(), v.encode()) for k, v in event_fields(e).items()] for e in sent]
+    tokens = [parse_event(fields) for _, fields in c.xrange(KEYS.out("j"))][:-1]
+    assert [(t.text, t.token) for t in tokens] == [(x, x) for x in ODD_TEXTS]  # type: ignore

@@ -34,6 +34,7 @@ is answered by `load` and a retry of the whole, idempotent, pipeline.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,14 +59,14 @@ end
 """
 
 # One call appends the events of every job a step touched, so readers wake once per step.
-# KEYS: per job out, owner, source stream. ARGV: token, ttl_s, group, then per job: entry id,
-# k (how many ARGV items its events take), then per event: 2n, field, value, ... (`type` and, for
-# tokens, `i` among the fields).
+# KEYS: per job out, owner, source stream. ARGV: token, ttl_s, group, then one JSON array with per
+# job [entry id, [event, ...]], each event a flat array field, value, ... (`type` and, for tokens,
+# `i` among the fields): one argument, decoded in C (cjson), not a thousand for the client to pack.
 # A prompt_logprobs event goes in only before any token.
 # Returns per job {status, last index}: status ok | done (terminal event written) | terminal
 # (already finished, entry acked) | lost (not the owner) | gap (token i > last + 1).
 APPEND = _LAST_STATE + """
-local function append_job(out, owner, src, token, ttl, group, entry, pos, stop)
+local function append_job(out, owner, src, token, ttl, group, entry, events)
   local last, terminal = last_state(out)
   if terminal then
     if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
@@ -73,15 +74,12 @@ local function append_job(out, owner, src, token, ttl, group, entry, pos, stop)
   end
   if redis.call('HGET', owner, 'worker') ~= token then return {'lost', last} end
   local appended = 0
-  while pos <= stop do
-    local n = tonumber(ARGV[pos])
-    local fields, typ, idx = {}, nil, nil
-    for j = 1, n do fields[j] = ARGV[pos + j] end
-    for j = 1, n, 2 do
+  for _, fields in ipairs(events) do
+    local typ, idx = nil, nil
+    for j = 1, #fields, 2 do
       if fields[j] == 'type' then typ = fields[j + 1] end
       if fields[j] == 'i' then idx = fields[j + 1] end
     end
-    pos = pos + n + 1
     if typ == 'token' then
       local i = tonumber(idx)
       if i > last + 1 then
@@ -112,12 +110,11 @@ local function append_job(out, owner, src, token, ttl, group, entry, pos, stop)
 end
 
 local token, ttl, group = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local results, pos = {}, 4
-for j = 1, #KEYS, 3 do
-  local entry, k = ARGV[pos], tonumber(ARGV[pos + 1])
-  results[#results + 1] = append_job(KEYS[j], KEYS[j + 1], KEYS[j + 2], token, ttl, group,
-                                     entry, pos + 2, pos + 1 + k)
-  pos = pos + 2 + k
+local jobs = cjson.decode(ARGV[4])
+local results = {}
+for j, job in ipairs(jobs) do
+  local k = 3 * j - 2
+  results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, ttl, group, job[1], job[2])
 end
 return results
 """
@@ -296,25 +293,20 @@ class Scripts:
         for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER, READ):
             client.script_load(text)
 
-    def read(self, client: redis.Redis, *, group: str, consumer: str,
+    def read(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
              caps: Sequence[tuple[str, int]]) -> Any:
-        """New entries of the (stream, cap) pairs in order, within the caps (READ)."""
+        """New entries of the (stream, cap) pairs in order, within the caps (READ); on a pipeline
+        the reply comes with the pipeline's (`intake.capped_entries` reads it)."""
         return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group, consumer,
                               *(cap for _, cap in caps))
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, ttl_s: int, group: str,
                jobs: Sequence[JobAppend]) -> None:
         """One EVALSHA appending the events of all `jobs`; its reply has one status per job."""
-        keys: list[str] = []
-        args: list[bytes | str | int] = [token, ttl_s, group]
-        for job in jobs:
-            keys += [job.out, job.owner, job.source]
-            flat_events: list[bytes | str | int] = []
-            for fields in job.events:
-                flat = _flat(fields)
-                flat_events += [len(flat), *flat]
-            args += [job.entry_id, len(flat_events), *flat_events]
-        pipe.evalsha(self.append_sha, len(keys), *keys, *args)
+        keys = [key for job in jobs for key in (job.out, job.owner, job.source)]
+        payload = [[job.entry_id, [_flat(fields) for fields in job.events]] for job in jobs]
+        pipe.evalsha(self.append_sha, len(keys), *keys, token, ttl_s, group,
+                     json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
 
     def requeue(self, pipe: redis.client.Pipeline, *, owner: str, source: str, requeue: str,
                 token: str, group: str, entry_id: str, fields: WireFields) -> None:
