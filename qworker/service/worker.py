@@ -555,11 +555,12 @@ class Worker:
         self.metrics.redis_job_errors.inc(len(refused))
         rejects += refused
         finished_before: list[Entry] = []
+        read_ms = now_ms()  # one clock for the batch: the time admission takes is not waiting
         for t in taken:
             if t.readback.terminal:
                 finished_before.append(t.entry)
                 continue
-            reject = self.intake.expired(t) or self.intake.poisoned(t) or self._start(t)
+            reject = self.intake.expired(t) or self.intake.poisoned(t) or self._start(t, read_ms)
             if reject is not None:
                 rejects.append(reject)
             self.heartbeat.progress()  # a slow admission is progress, not a stall
@@ -593,8 +594,9 @@ class Worker:
         held += [Held(e.stream, e.entry_id, e.entry_id) for e in admitting]
         self.heartbeat.track(held, info)
 
-    def _start(self, t: Taken) -> Reject | None:
-        """Put a taken job into the engine (continuing after what it already showed)."""
+    def _start(self, t: Taken, read_ms: int) -> Reject | None:
+        """Put a taken job into the engine (continuing after what it already showed); it waited
+        until `read_ms` before it reached this worker (ties in the engine go by arrival)."""
         job_id = t.job.id or t.entry.entry_id
         log = self.log.bind(job_id=job_id)
         job = ActiveJob(t.job, t.entry, log, t0_ms=t.t0_ms, started_ms=t.started_ms,
@@ -615,7 +617,7 @@ class Worker:
             # delivered before: an earlier run may have crashed its process on this job, so it
             # runs alone until it has produced a token and shares no step with others
             self.engine.add(Request(job_id, prompt, sampling_params(t.job, job_id),
-                                    queued_s=t.waited_ms(now_ms()) / 1000,  # for aging
+                                    queued_s=t.waited_ms(read_ms) / 1000,  # for aging
                                     output_token_ids=list(t.readback.token_ids),
                                     priority=t.job.priority, isolate=t.entry.deliveries > 1,
                                     cache_salt=t.job.cache_salt))
