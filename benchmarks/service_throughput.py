@@ -167,7 +167,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3,
                         help="pairs of runs, in-process then through Redis, on the same engine")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="the engine's; fewer than the cores leaves room for Redis and the "
+                             "consumer, as where they run on other machines")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     items = standard_workload(seed=0)[: args.requests]
     path = str(resolve_model(args.model))
     dtype = resolve_dtype(args.dtype, "cpu")
