@@ -4,7 +4,7 @@ by a separate consumer process; beside it, the same workload in-process in the s
     .venv/bin/python -m benchmarks.service_throughput [--dtype bfloat16]
 
 Runs `--rounds` pairs (in-process, then through Redis, on one engine) and prints one JSON line for
-the pair of the median ratio, with every pair's ratio: useful output tokens/s end to end and
+the pair of the median ratio, with every pair's ratio and figures (`*_runs`): useful output tokens/s end to end and
 in-process, Redis round trips per engine step (and commands per generated token), the CPU seconds
 redis-server and the consumer took beside the engine, and TTFT / inter-token latency p50 and p99
 as the consumer saw them.
@@ -192,7 +192,11 @@ def main() -> None:
                       "in_process_useful_out_tok_s": in_process["useful_out_tok_s"],
                       "end_to_end_useful_out_tok_s": service["useful_out_tok_s"],
                       "ratio": round(statistics.median_low(ratios), 3),  # that pair's
-                      "ratios": [round(r, 3) for r in ratios], **service, **machine_info()}),
+                      "ratios": [round(r, 3) for r in ratios],
+                      "in_process_runs": [i["useful_out_tok_s"] for i, _ in pairs],
+                      "end_to_end_runs": [s["useful_out_tok_s"] for _, s in pairs],
+                      "engine_step_s_runs": [s["engine_step_s"] for _, s in pairs],
+                      **service, **machine_info()}),
           flush=True)
 
 
