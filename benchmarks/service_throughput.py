@@ -4,10 +4,10 @@ by a separate consumer process; beside it, the same workload in-process in the s
     .venv/bin/python -m benchmarks.service_throughput [--dtype bfloat16]
 
 Runs `--rounds` pairs (in-process, then through Redis, on one engine) and prints one JSON line for
-the pair of the median ratio, with every pair's ratio and figures (`*_runs`): useful output tokens/s end to end and
-in-process, Redis round trips per engine step (and commands per generated token), the CPU seconds
-redis-server and the consumer took beside the engine, and TTFT / inter-token latency p50 and p99
-as the consumer saw them.
+the pair of the median ratio, with every pair's ratio and figures (`*_runs`): useful output tokens/s
+end to end and in-process, Redis round trips per engine step (and commands per generated token),
+the CPU seconds redis-server and the consumer took beside the engine, and TTFT / inter-token
+latency p50 and p99 as the consumer saw them.
 """
 
 from __future__ import annotations
