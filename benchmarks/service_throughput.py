@@ -160,6 +160,19 @@ def run_service(url: str, engine: Engine, items: list[WorkItem]) -> dict[str, ob
     }
 
 
+def workload_engine(model: str, dtype: str) -> Engine:
+    """The engine both halves of a pair run on, warm: `qworker serve`'s for workload v1."""
+    path = str(resolve_model(model))
+    config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True,
+                          prefix_caching=False)
+    engine = Engine(load_model(path, dtype=resolve_dtype(dtype, "cpu")), Tokenizer.load(path),
+                    config)
+    engine.warm_up()  # as Engine.from_config does for `qworker serve`
+    engine.generate([standard_workload(seed=0)[0].prompt_ids],
+                    SamplingParams(max_tokens=4, ignore_eos=True))
+    return engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -173,13 +186,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     items = standard_workload(seed=0)[: args.requests]
-    path = str(resolve_model(args.model))
-    dtype = resolve_dtype(args.dtype, "cpu")
-    config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True,
-                          prefix_caching=False)
-    engine = Engine(load_model(path, dtype=dtype), Tokenizer.load(path), config)
-    engine.warm_up()  # as Engine.from_config does for `qworker serve`
-    engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine = workload_engine(args.model, args.dtype)
+    dtype = engine.runner.model.dtype
     pairs = []
     for _ in range(args.rounds):
         in_process = run_engine(engine, items)
