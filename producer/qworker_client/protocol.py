@@ -63,6 +63,7 @@ PROMPT_TOO_LONG = "prompt_too_long"
 EXPIRED = "expired"
 INTERNAL = "internal"
 TOO_MANY_DELIVERIES = "too_many_deliveries"  # poison job: delivered more than max_deliveries times
+LOST_STATE = "lost_state"  # the job's state vanished from Redis (wiped, restarted empty, trimmed)
 
 # Fields a worker adds to a `<prefix>:dead` entry in front of the original fields. An original
 # field whose name collides with one of them is kept as `original.<name>`.
@@ -429,7 +430,7 @@ class ErrorEvent(_Event):
 
     type: Literal["error"] = "error"
     code: Annotated[str, Field(description="invalid_request | prompt_too_long | expired | "
-                                           "too_many_deliveries | internal | ...")]
+                                           "too_many_deliveries | lost_state | internal | ...")]
     message: str
 
 
@@ -629,8 +630,9 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 
 __all__ = [
     "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "EXPIRED", "ID_PATTERN", "INTERNAL",
-    "INVALID_REQUEST", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG", "PROTOCOL_VERSION",
-    "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage", "DoneEvent", "ErrorEvent",
+    "INVALID_REQUEST", "LOST_STATE", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG",
+    "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
+    "DoneEvent", "ErrorEvent",
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
     "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_event",
