@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from qworker_client import JobError, Producer
-from qworker_client.acl import ROLES, roles
+from qworker_client.acl import ROLES, main, roles
 from qworker_client.batch import run_batch
 from qworker_client.local_redis import RedisProcess
 from qworker_client.protocol import Keys
@@ -38,6 +38,15 @@ def acl_rules() -> dict[str, list[str]]:
     expected = [role.setuser(f"{name.upper()}_PASSWORD") for name, role in roles("qw").items()]
     assert lines == expected, "docs/operating.md: run `python -m qworker_client.acl`"
     return {name: shlex.split(line) for name, line in zip(ROLES, lines, strict=True)}
+
+
+def test_the_lines_follow_the_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--prefix", "fleet2"])
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in printed] == list(USERS.values())
+    assert "qw:" not in "".join(printed) and "~fleet2:jobs " in printed[2]
+    assert printed == [role.setuser(f"{name.upper()}_PASSWORD")
+                       for name, role in roles("fleet2").items()]
 
 
 @dataclass
