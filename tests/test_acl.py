@@ -90,9 +90,11 @@ def test_worker_and_producer_run_jobs_as_their_acl_users(acl_redis: AclRedis,
                                                          tmp_path: Path) -> None:
     acl_redis.admin.xgroup_create(KEYS.jobs, "workers", id="0", mkstream=True)
     acl_redis.admin.xgroup_createconsumer(KEYS.jobs, "workers", "ghost")  # a long-dead worker
+    _died_with_a_job(acl_redis.admin, "orphan")  # to reclaim
     with thread_worker(acl_redis.url("worker"), "acl-1", claim_idle_ms=300,
                        drain_timeout=0.0) as worker, \
             Producer(acl_redis.url("producer")) as prod:
+        assert prod.job("orphan").result(timeout=30).usage.completion_tokens == 3
         result = prod.submit("hello acl", id="acl-job", max_tokens=8).result(timeout=30)
         assert (result.finish_reason, result.usage.completion_tokens) == ("length", 8)
         assert not prod.submit("hello acl", id="acl-job", max_tokens=8).new
@@ -123,6 +125,14 @@ def test_worker_and_producer_run_jobs_as_their_acl_users(acl_redis: AclRedis,
     assert stats.requeue.length == 1 and stats.dead_letters == 1
     assert KEYS.jobs_of("sim", "high") in [s.key for s in stats.models]
     assert acl_redis.refused() == []
+
+
+def _died_with_a_job(admin: redis.Redis, job_id: str) -> None:
+    """A worker that took `job_id`, ran it alone and died."""
+    admin.xadd(KEYS.jobs, {"id": job_id, "prompt": "left behind", "max_tokens": "3"})
+    admin.xreadgroup("workers", "dead-1", {KEYS.jobs: ">"}, count=1)
+    admin.hset(KEYS.owner(job_id), mapping={"worker": "dead-1/tok", "t0": "1"})
+    admin.set(KEYS.alone("dead-1/tok"), job_id)
 
 
 def _consumers(admin: redis.Redis) -> set[str]:
