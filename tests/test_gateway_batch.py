@@ -142,6 +142,20 @@ def test_the_completion_window_is_kept(client: OpenAI) -> None:
                               completion_window="25h")
 
 
+def test_with_no_live_worker_lines_wait_for_the_window(redis_url: str, tmp_path: Path) -> None:
+    with gateway(redis_url, files_dir=str(tmp_path / "files")) as url, \
+            OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as sdk:
+        uploaded = sdk.files.create(file=("in.jsonl", jsonl([chat_line("w", "x")])),
+                                    purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="2s")
+        wait_for(lambda: sdk.batches.retrieve(batch.id).status == "in_progress",
+                 what="the batch to wait")
+        batch = wait_for(lambda: finished(sdk, batch.id), timeout=30, what="the window")
+        assert batch.status == "expired"
+        assert error_lines(sdk, batch.error_file_id)["w"]["error"]["code"] == "model_not_found"
+
+
 def test_without_a_files_dir_there_are_no_batches(redis_url: str) -> None:
     with gateway(redis_url) as url, OpenAI(base_url=f"{url}/v1", api_key="unused",
                                            max_retries=0) as sdk, \
