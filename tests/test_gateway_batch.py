@@ -42,7 +42,7 @@ def client(redis_url: str, tmp_path: Path) -> Iterator[OpenAI]:
 
 def finished(client: OpenAI, batch_id: str) -> object:
     batch = client.batches.retrieve(batch_id)
-    return batch if batch.status in ("completed", "cancelled", "failed") else None
+    return batch if batch.status in ("completed", "cancelled", "failed", "expired") else None
 
 
 def test_a_batch_submitted_polled_and_downloaded(client: OpenAI) -> None:
@@ -92,6 +92,68 @@ def test_a_batch_cancelled(client: OpenAI) -> None:
     out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     reasons = {line["response"]["body"]["choices"][0]["finish_reason"] for line in out}
     assert reasons <= {"cancelled"}  # nothing ran to its 2000 tokens
+
+
+def error_lines(client: OpenAI, file_id: str | None) -> dict[str | None, dict[str, object]]:
+    assert file_id is not None
+    return {json.loads(x)["custom_id"]: json.loads(x)
+            for x in client.files.content(file_id).text.splitlines()}
+
+
+def test_a_hostile_line_fails_alone(client: OpenAI) -> None:
+    deep = ('{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": '
+            + "[" * 100_000 + "]" * 100_000 + "}")
+    lines = [json.dumps(chat_line("q0", "fine", max_tokens=4)), deep,
+             json.dumps({**chat_line("ghost", "x"), "body": {"model": "nobody-serves-this",
+                                                              "messages": [{"role": "user",
+                                                                            "content": "x"}]}}),
+             json.dumps({**chat_line("types", "x"), "body": {"model": 7, "messages": "x"}}),
+             json.dumps(chat_line("q1", "fine too", max_tokens=4))]
+    uploaded = client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_for(lambda: finished(client, batch.id), timeout=60, what="the batch")
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 3)
+    out = client.files.content(batch.output_file_id).text.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in out) == ["q0", "q1"]
+    errors = error_lines(client, batch.error_file_id)
+    assert errors["ghost"]["error"]["code"] == "model_not_found"
+    assert errors[None]["error"]["message"].startswith("the line is not JSON")  # the deep one
+    assert errors["types"]["error"]["code"] == "invalid_request"
+
+
+def test_the_completion_window_is_kept(client: OpenAI) -> None:
+    lines = [chat_line(f"q{k}", f"quick {k}", max_tokens=4) for k in range(3)]
+    lines.append(chat_line("slow", "long", max_tokens=20000, ignore_eos=True))
+    uploaded = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="3s")
+    assert batch.expires_at == batch.created_at + 3
+    batch = wait_for(lambda: finished(client, batch.id), timeout=30, what="the window")
+    assert batch.status == "expired" and batch.expired_at and batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    out = client.files.content(batch.output_file_id).text.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in out) == ["q0", "q1", "q2"]
+    assert error_lines(client, batch.error_file_id)["slow"]["error"]["code"] == "batch_expired"
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                              completion_window="25h")
+
+
+def test_with_no_live_worker_lines_wait_for_the_window(redis_url: str, tmp_path: Path) -> None:
+    with gateway(redis_url, files_dir=str(tmp_path / "files")) as url, \
+            OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as sdk:
+        uploaded = sdk.files.create(file=("in.jsonl", jsonl([chat_line("w", "x")])),
+                                    purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="2s")
+        wait_for(lambda: sdk.batches.retrieve(batch.id).status == "in_progress",
+                 what="the batch to wait")
+        batch = wait_for(lambda: finished(sdk, batch.id), timeout=30, what="the window")
+        assert batch.status == "expired"
+        assert error_lines(sdk, batch.error_file_id)["w"]["error"]["code"] == "model_not_found"
 
 
 def test_without_a_files_dir_there_are_no_batches(redis_url: str) -> None:

@@ -519,7 +519,20 @@ class Keys:
     @property
     def worker_pattern(self) -> str:
         """SCAN pattern matching every live worker's key."""
-        return f"{self.prefix}:worker:*"
+        return self.worker("*")
+
+    def alone(self, token: str) -> str:
+        """The job the worker with fencing token `token` runs alone right now (see
+        docs/operating.md, "Poison jobs"; the worker's `scripts.alone_key`)."""
+        return f"{self.prefix}:alone:{token}"
+
+    def batch(self, batch_id: str) -> str:
+        """The batch runner's hash of the jobs one batch submitted (job id -> entry id)."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def gateway_job(self, job_id: str) -> str:
+        """The gateway's record of a job it submitted (JSON: its response's shape, its owner)."""
+        return f"{self.prefix}:gw:{job_id}"
 
     def jobs_of(self, model: str | None, band: str = "") -> str:
         """The stream a job goes to: `<prefix>:jobs`, or `<prefix>:jobs:{<model>}` for a job that

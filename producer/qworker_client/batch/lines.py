@@ -82,10 +82,10 @@ def parse_line(line_no: int, raw: bytes, batch_id: str) -> BatchLine | BadLine:
     if "id" in body:
         return BadLine(line_no, custom_id, INVALID_REQUEST,
                        "field 'id' is not allowed: the job id is derived from custom_id")
-    job_id = batch_job_id(batch_id, custom_id, body)
-    try:
+    try:  # whatever is wrong with a line (its types, its depth) fails that line alone
+        job_id = batch_job_id(batch_id, custom_id, body)
         _, fields = job_fields({**body, "id": job_id})
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         return BadLine(line_no, custom_id, INVALID_REQUEST, str(exc))
     return BatchLine(line_no, custom_id, job_id, fields)
 

@@ -60,7 +60,7 @@ return result
 
 
 def marker_key(keys: Keys, batch_id: str) -> str:
-    return f"{keys.prefix}:batch:{batch_id}"
+    return keys.batch(batch_id)
 
 
 class Submitter:

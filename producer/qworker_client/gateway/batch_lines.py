@@ -17,11 +17,23 @@ from qworker_client.protocol import DoneEvent
 ENDPOINTS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
-def runner_line(raw: bytes, endpoint: str) -> tuple[str, str, dict[str, Any]]:
-    """(custom_id, model, runner line) of one input line; APIError when it cannot run."""
+def runner_line(raw: bytes, endpoint: str) -> tuple[str, str, str]:
+    """(custom_id, model, runner line as JSON text) of one input line; APIError when it cannot
+    run, whatever is wrong with it (not JSON, nested past the parser's depth, wrong types, ...):
+    one line fails alone."""
+    try:
+        return _runner_line(raw, endpoint)
+    except APIError:
+        raise
+    except Exception as exc:  # whatever a hostile line sets off is that line's alone
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise APIError(400, f"the line cannot be run: {message}") from None
+
+
+def _runner_line(raw: bytes, endpoint: str) -> tuple[str, str, str]:
     try:
         line = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the line is not JSON: {exc}") from None
     custom_id = line.get("custom_id") if isinstance(line, dict) else None
     if not isinstance(custom_id, str) or not custom_id:
@@ -31,7 +43,18 @@ def runner_line(raw: bytes, endpoint: str) -> tuple[str, str, dict[str, Any]]:
                        param="url")
     request = translate(ENDPOINTS[endpoint], line.get("body"), max_n=1)
     fields = {k: v for k, v in request.choices[0].spec.items() if v is not None and k != "id"}
-    return custom_id, request.model, {"custom_id": custom_id, **fields}
+    text = json.dumps({"custom_id": custom_id, **fields}, ensure_ascii=False)
+    return custom_id, request.model, text
+
+
+def line_custom_id(raw: bytes) -> str | None:
+    """The line's `custom_id`, if it has one that can be read."""
+    try:
+        line = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    value = line.get("custom_id") if isinstance(line, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def output_line(result: dict[str, Any], kind: Kind, model: str, created: int) -> dict[str, Any]:

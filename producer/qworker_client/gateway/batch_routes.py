@@ -1,4 +1,5 @@
-"""`/v1/files` and `/v1/batches`: OpenAI's Files and Batch APIs (with `--files-dir`)."""
+"""`/v1/files` and `/v1/batches`: OpenAI's Files and Batch APIs (with `--files-dir`), each file
+and batch seen only by its owner (`owners`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from qworker_client.gateway import owners
 from qworker_client.gateway.batches import Batches
 from qworker_client.gateway.completions import read_json
 from qworker_client.gateway.errors import APIError, bad_request
@@ -28,25 +30,31 @@ async def upload(gateway: Gateway, request: Request) -> JSONResponse:
     if not isinstance(upload, UploadFile):
         raise bad_request("a `file` is required", param="file")
     content = await upload.read()
-    return JSONResponse(batches.files.create(content, upload.filename or "upload", "batch"))
+    return JSONResponse(batches.files.create(content, upload.filename or "upload", "batch",
+                                             owners.caller(request)))
 
 
 async def file_info(gateway: Gateway, request: Request) -> JSONResponse:
-    return JSONResponse(batches_of(gateway).files.get(request.path_params["file_id"]))
+    return JSONResponse(batches_of(gateway).files.get(request.path_params["file_id"],
+                                                      owners.caller(request)))
 
 
 async def file_content(gateway: Gateway, request: Request) -> Response:
-    content = batches_of(gateway).files.content(request.path_params["file_id"])
+    content = batches_of(gateway).files.content(request.path_params["file_id"],
+                                                owners.caller(request))
     return Response(content, media_type="application/jsonl")
 
 
 async def create_batch(gateway: Gateway, request: Request) -> JSONResponse:
-    return JSONResponse(batches_of(gateway).create(await read_json(request)))
+    return JSONResponse(batches_of(gateway).create(await read_json(request),
+                                                   owners.caller(request)))
 
 
 async def get_batch(gateway: Gateway, request: Request) -> JSONResponse:
-    return JSONResponse(batches_of(gateway).get(request.path_params["batch_id"]))
+    return JSONResponse(batches_of(gateway).get(request.path_params["batch_id"],
+                                                owners.caller(request)))
 
 
 async def cancel_batch(gateway: Gateway, request: Request) -> JSONResponse:
-    return JSONResponse(batches_of(gateway).cancel(request.path_params["batch_id"]))
+    return JSONResponse(batches_of(gateway).cancel(request.path_params["batch_id"],
+                                                   owners.caller(request)))

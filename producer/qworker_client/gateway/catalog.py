@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import redis
 import redis.asyncio
 
 from qworker_client.gateway.errors import APIError
 from qworker_client.protocol import Keys
-from qworker_client.stats import SCAN_COUNT
+from qworker_client.stats import SCAN_COUNT, live_workers
 
 
 class Catalog:
@@ -42,8 +44,7 @@ class Catalog:
         if not self._workers:
             raise APIError(503, "no live worker: nothing can run this request now",
                            type="server_error", code="no_live_worker")
-        raise APIError(404, f"the model `{model}` does not exist (served: "
-                       f"{', '.join(sorted(models))})", param="model", code="model_not_found")
+        raise model_not_found(model, models)
 
     async def _refresh(self) -> None:
         names = [n async for n in self.client.scan_iter(match=self.keys.worker_pattern,
@@ -52,12 +53,28 @@ class Catalog:
         infos = [_info(v) for v in values if v is not None]
         models: dict[str, int] = {}
         for info in infos:
-            model = info.get("served_model_name") or info.get("model")
+            model = served_model(info)
             started = info.get("started_ms", 0)
-            if isinstance(model, str) and model:
+            if model is not None:
                 started_s = int(started) // 1000 if isinstance(started, int) else 0
                 models[model] = min(models.get(model, started_s), started_s)
         self._models, self._workers, self._at = models, len(infos), time.monotonic()
+
+
+def served_model(info: Mapping[str, Any]) -> str | None:
+    """The model a live worker's key names: `served_model_name`, else `model`."""
+    model = info.get("served_model_name") or info.get("model")
+    return model if isinstance(model, str) and model else None
+
+
+def live_models(client: redis.Redis, keys: Keys) -> set[str]:
+    """The models the live workers serve now (for the batch runner's threads: no cache)."""
+    return {m for info in live_workers(client, keys) if (m := served_model(info)) is not None}
+
+
+def model_not_found(model: str, served: Iterable[str]) -> APIError:
+    return APIError(404, f"the model `{model}` does not exist (served: "
+                    f"{', '.join(sorted(served))})", param="model", code="model_not_found")
 
 
 def _info(raw: str | bytes) -> dict[str, Any]:

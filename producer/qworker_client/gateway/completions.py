@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from qworker_client.gateway import streams
+from qworker_client.gateway import owners, streams
 from qworker_client.gateway.disconnect import EventStream, until_disconnect
 from qworker_client.gateway.errors import bad_request
 from qworker_client.gateway.live import LiveStream
@@ -29,7 +29,7 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     await gateway.catalog.check(req.model)
     await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
     shape = Shape(kind, req.response_id, req.model, int(time.time()), req.logprobs)
-    await gateway.submit(req, shape)
+    await gateway.submit(req, shape, owners.caller(request))
     job_ids = [c.job_id for c in req.choices]
     headers = {JOB_ID_HEADER: ",".join(job_ids)}
 

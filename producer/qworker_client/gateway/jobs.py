@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from qworker_client.gateway import meta, streams
+from qworker_client.gateway import meta, owners, streams
 from qworker_client.gateway.completions import JOB_ID_HEADER
 from qworker_client.gateway.disconnect import EventStream
 from qworker_client.gateway.errors import APIError, bad_request
@@ -28,16 +28,16 @@ def _job_id(request: Request) -> str:
 
 
 async def status(gateway: Gateway, request: Request) -> JSONResponse:
-    found = await job_status_async(gateway.redis, gateway.keys, _job_id(request))
+    job_id = _job_id(request)
+    if owners.caller(request) is not None:  # with API keys, only the owner's jobs are there
+        await _own_meta(gateway, request, job_id)
+    found = await job_status_async(gateway.redis, gateway.keys, job_id)
     return JSONResponse(found.to_dict())
 
 
 async def resume(gateway: Gateway, request: Request) -> ASGIApp:
     job_id = _job_id(request)
-    job = await meta.load(gateway.redis, gateway.keys.prefix, job_id)
-    if job is None:
-        raise APIError(404, f"no stream of job {job_id} (unknown, expired, or not submitted "
-                       "through the gateway)", param="job_id", code="job_not_found")
+    job = await _own_meta(gateway, request, job_id)
     after = _after(request.headers.get("last-event-id"))
     follow = streams.Follow(shape=job.shape, index={job_id: job.index}, prompt={job_id: 0},
                             include_usage=job.include_usage, tagged=False, cancel=_keep,
@@ -47,6 +47,16 @@ async def resume(gateway: Gateway, request: Request) -> ASGIApp:
         return EventStream(None, _keep, headers)  # only [DONE]
     reader = OutputReader(gateway.hub, {job_id: after})
     return EventStream(LiveStream(reader, follow, gateway.metrics), _keep, headers)
+
+
+async def _own_meta(gateway: Gateway, request: Request, job_id: str) -> meta.JobMeta:
+    """The job's gateway record, when the caller may see the job; else 404, whether the job is
+    another key's, was queued straight into Redis (no record), or does not exist."""
+    job = await meta.load(gateway.redis, gateway.keys.prefix, job_id)
+    if job is None or not owners.may_see(job.owner, owners.caller(request)):
+        raise APIError(404, f"no job {job_id} (unknown, expired, not submitted through the "
+                       "gateway, or not this API key's)", param="job_id", code="job_not_found")
+    return job
 
 
 def _after(last_event_id: str | None) -> str:

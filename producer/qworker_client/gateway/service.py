@@ -18,6 +18,7 @@ from qworker_client.gateway.files import FileStore
 from qworker_client.gateway.hub import Hub
 from qworker_client.gateway.meta import JobMeta, meta_key
 from qworker_client.gateway.metrics import Metrics
+from qworker_client.gateway.owners import Owner
 from qworker_client.gateway.round_trip import Command, round_trip
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.translate import GatewayRequest
@@ -44,9 +45,9 @@ class Gateway:
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
 
-    async def submit(self, request: GatewayRequest, shape: Shape) -> None:
+    async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner) -> None:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
-        streams, then queue them all at once."""
+        streams and whose they are, then queue them all at once."""
         try:
             prepared = [job_fields(choice.spec) for choice in request.choices]
         except JobValidationError as exc:
@@ -55,7 +56,8 @@ class Gateway:
         except TypeError as exc:
             raise bad_request(str(exc)) from None
         metas = {meta_key(self.keys.prefix, c.job_id):
-                 JobMeta(shape, c.index, request.include_usage).to_json() for c in request.choices}
+                 JobMeta(shape, c.index, request.include_usage, owner).to_json()
+                 for c in request.choices}
         if not await self._queue_at_once(metas, prepared):
             pipe = self.redis.pipeline(transaction=False)
             for key, value in metas.items():

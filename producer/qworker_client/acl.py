@@ -1,0 +1,102 @@
+"""The Redis ACL users of docs/operating.md ("ACL users"), built from `Keys` for any prefix:
+`python -m qworker_client.acl [--prefix P]` prints them.
+
+Each role is keyless commands (the user's root permissions) and grants: commands on key patterns,
+each a Redis 7 selector `(...)`, so a command is allowed only on the keys of a grant that names
+it (a producer may XADD to the job streams and SET cancel flags, never SET a job stream). Redis
+checks the commands a script runs against the caller's ACL as well, so these patterns bound
+EVAL too: a grant of EVAL names every key a role's scripts declare, and what the scripts do
+with those keys needs grants of its own. Reads are `%R~`: read-only on those keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from qworker_client.protocol import DEFAULT_PREFIX, Keys
+
+ROLES = ("worker", "producer", "gateway", "keda")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """`commands` on the keys matching `patterns` (only reads of them when `read_only`)."""
+
+    commands: tuple[str, ...]
+    patterns: tuple[str, ...]
+    read_only: bool = False
+
+    def selector(self) -> str:
+        mark = "%R~" if self.read_only else "~"
+        words = [f"+{c}" for c in self.commands] + [mark + p for p in self.patterns]
+        return "(" + " ".join(words) + ")"
+
+
+@dataclass(frozen=True)
+class Role:
+    user: str
+    keyless: tuple[str, ...]
+    grants: tuple[Grant, ...]
+
+    def setuser(self, password: str) -> str:
+        """The `ACL SETUSER` line (a `user` line of an ACL file without its first word)."""
+        words = ["ACL", "SETUSER", self.user, "on", f">{password}", "resetkeys", "resetchannels",
+                 "-@all", *(f"+{c}" for c in self.keyless), *(g.selector() for g in self.grants)]
+        return " ".join(words)
+
+
+def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
+    """Every role's user, by role name (ROLES)."""
+    k = Keys(prefix)
+    jobs = (k.jobs, k.model_stream_patterns[0])  # new jobs: each band's and model's streams
+    work = (*jobs, k.requeue, k.model_stream_patterns[1])  # and requeued work
+    out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
+    batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
+
+    def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
+                 sets: tuple[str, ...] = ()) -> tuple[Grant, ...]:
+        return (
+            # outputs, a job's status, and what `qworker batch` looks its earlier jobs up in
+            Grant(("xread", "xrange", "xrevrange", "exists", "get", "hget", *read_commands),
+                  (out, sub, owner, *work, batch, *reads), read_only=True),
+            # the submit and cancel scripts (and the batch runner's): the keys they declare
+            Grant(("evalsha", "eval"), (*work, out, sub, cancel, batch)),
+            Grant(("xadd",), jobs),
+            Grant(("set",), (sub, cancel, *sets)),  # submit markers, cancel flags
+            Grant(("hset", "expire"), (batch,)),  # the batch runner's own hash
+        )
+
+    return {
+        "worker": Role("qworker-worker", ("ping", "hello", "client|setname", "script|load"), (
+            Grant(("xreadgroup", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
+                   "xclaim", "xack", "xdel", "xpending", "xinfo|consumers", "xinfo|groups",
+                   "xrange", "xlen", "exists"), work),
+            Grant(("xadd",), (k.requeue, k.model_stream_patterns[1], out, k.dead)),
+            Grant(("xrange", "xrevrange", "expire"), (out,)),
+            Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
+            Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
+            Grant(("exists", "mget"), (cancel,), read_only=True),
+            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker)),
+        )),
+        "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
+        "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan"), producer(
+            reads=(gateway, worker), read_commands=("mget", "xlen"), sets=(gateway,))),
+        "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
+            Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),
+                  (*work, k.dead, worker), read_only=True),
+        )),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m qworker_client.acl",
+                                     description="Print the ACL SETUSER line of each role.")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="the fleet's key prefix")
+    args = parser.parse_args(argv)
+    for name, role in roles(args.prefix).items():
+        print(role.setuser(f"{name.upper()}_PASSWORD"))
+
+
+if __name__ == "__main__":
+    main()
