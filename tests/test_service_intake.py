@@ -294,3 +294,12 @@ def test_entries_read_beside_a_step_are_held_until_the_loop_tracks_them() -> Non
     worker._track()
     assert worker.heartbeat._read == ()
     assert [h.entry_id for h in worker.heartbeat._held] == ["1-0", "1-1"]
+
+
+def test_deleted_entries_in_a_reply_are_not_jobs() -> None:
+    """A reply may name an entry deleted while pending (an XTRIM): fields nil, or parsed as none.
+    It is no job (an XADD has at least one field): skipped, not dead-lettered as invalid."""
+    from qworker.service.intake import _entries
+
+    reply = [(b"1-0", None), (b"1-1", {}), (b"1-2", {b"id": b"j", b"prompt": b"x"})]
+    assert [e.entry_id for e in _entries(KEYS.jobs, reply)] == ["1-2"]

@@ -96,8 +96,9 @@ def capped_entries(reply: Any) -> list[Entry]:
 
 
 def _entries(stream: str, items: Iterable[tuple[Any, Any]] | None) -> list[Entry]:
-    return [Entry(stream, _s(eid), dict(fields))
-            for eid, fields in items or () if fields is not None]
+    """The entries of an XREADGROUP or XCLAIM reply, but deleted ones (fields nil, or none: an
+    XADD has at least one field), which some Redis versions and clients still give."""
+    return [Entry(stream, _s(eid), dict(fields)) for eid, fields in items or () if fields]
 
 
 class Intake:
