@@ -17,6 +17,7 @@ import yaml
 
 from qworker.cli import build_parser
 from qworker.commands.serve import env_name
+from qworker.commands.up import STREAM_NODE_MAX_BYTES
 from qworker.service.metrics import Metrics
 from qworker.service.worker import EXIT_GRACE_S
 from qworker_client.local_redis import free_port
@@ -311,7 +312,8 @@ def test_probes_and_scrapes_use_the_metrics_port() -> None:
                                            "refresh_interval": "15s"}
 
 
-REDIS_SETTINGS = {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction"}
+REDIS_SETTINGS = {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction",
+                  "stream-node-max-bytes": STREAM_NODE_MAX_BYTES}
 MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 10**6, "mb": 1024**2, "g": 10**9,
                 "gb": 1024**3}
 K8S_MEMORY_UNITS = {"Mi": 1024**2, "Gi": 1024**3}

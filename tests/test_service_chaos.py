@@ -31,6 +31,7 @@ from tests.service_harness import (
     group_pending,
     sim_engine,
     spawn_worker,
+    spy,
     stop_process,
     terminal,
     thread_worker,
@@ -118,7 +119,7 @@ def test_steps_longer_than_claim_idle_with_cancels_keep_every_job_with_its_worke
     assert watch.samples > 20 and watch.doubled() == [], dict(watch.deliveries)
     for w in (a, b):
         assert w.worker.metrics.reclaimed._value.get() == 0
-        assert w.worker.metrics.lost._value.get() == 0
+        assert w.worker.metrics.fenced._value.get() == 0
     want = expected({k: v for k, v in jobs.items() if k not in cancelled})
     for job_id, event in got.items():
         assert isinstance(event, DoneEvent), (job_id, event)
@@ -315,3 +316,46 @@ def test_poison_jobs_that_kill_their_worker_are_dead_lettered_and_their_batch_ma
           f"step of {sizes[0]}, then alone) other_exits={len(exits) - len(crashes)} "
           f"reclaims_from_dead={watch.moves} double_deliveries_live={len(watch.live_moves)} "
           f"most_innocent_deliveries={most} workers_started={spawned}")
+
+
+def test_entries_read_beside_a_long_step_stay_with_their_reader(redis_url: str) -> None:
+    """A worker with room reads new entries with the round trip that runs beside its engine step,
+    and admits them when the step ends: they are its own from the moment they are read. A peer
+    that starts meanwhile, idle and reclaiming every claim-idle/2, does not take them however
+    long the step is, and no job runs on two workers (the issue's repro: 2,000-token prefills
+    of many seconds, ping-ponged between two live workers)."""
+    client = redis.Redis.from_url(redis_url)
+    first = {"first": {"prompt": "holds the engine", "max_tokens": 3}}
+    later = {f"later{k}": {"prompt": f"read beside a step {k}", "max_tokens": 2} for k in range(4)}
+    cfg = {"claim_idle_ms": 200}  # beats every 50 ms; each step takes 800 ms
+    reader_engine = sim_engine("sim:step_ms=800", max_num_seqs=16)
+    peer_engine = sim_engine("sim:step_ms=2")
+    ran_on = {"reader": spy(reader_engine), "peer": spy(peer_engine)}
+    with DeliveryWatch(redis_url) as watch, \
+            thread_worker(redis_url, "reader", reader_engine, **cfg) as reader:
+        _submit(client, first)
+        wait_for(lambda: client.xlen(KEYS.out("first")) >= 1, what="the reader's first step")
+        _submit(client, later)  # read by the round trip beside one of the next steps
+        wait_for(lambda: _pending_to(client, "reader") == 1 + len(later), what="later read")
+        # idle, it blocks in its read 100 ms at a time, so it reclaims every claim-idle/2
+        with thread_worker(redis_url, "peer", peer_engine, block_ms=100, **cfg) as peer:
+            got = wait_terminal(client, {**first, **later}, timeout=30)
+            assert peer.stop() == 0
+        assert reader.stop() == 0
+    assert peer.worker.metrics.reclaimed._value.get() == 0
+    assert ran_on == {"reader": [*first, *later], "peer": []}, ran_on
+    assert reader.worker.metrics.fenced._value.get() == 0
+    assert watch.doubled() == [], dict(watch.deliveries)
+    want = expected({**first, **later})
+    for job_id, event in got.items():
+        assert isinstance(event, DoneEvent), (job_id, event)
+        assert (check_stream(client, job_id).text, "length") == want[job_id], job_id
+    assert group_pending(client) == 0
+
+
+def _pending_to(client: redis.Redis, consumer: str) -> int:
+    try:
+        rows = client.xinfo_consumers(KEYS.jobs, "workers")
+    except redis.ResponseError:  # NOGROUP: no worker has made the group yet
+        return 0
+    return sum(int(r["pending"]) for r in rows if r["name"].decode() == consumer)

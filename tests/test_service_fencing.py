@@ -15,6 +15,7 @@ from qworker.service.job import ActiveJob
 from qworker.service.publisher import Publisher
 from qworker.service.scripts import Scripts
 from qworker_client.protocol import (
+    LOST_STATE,
     DoneEvent,
     ErrorEvent,
     Job,
@@ -73,7 +74,7 @@ def test_zombie_cannot_write_and_retries_are_not_doubled(client: redis.Redis) ->
 
     zjob.outbox.clear()
     zjob.add_tokens(2, [67], "C")
-    assert zombie.flush([zjob], []).status == {"j": pub.LOST}
+    assert zombie.flush([zjob], []).status == {"j": pub.FENCED}
     hjob.add_tokens(3, [68], "D")
     assert heir.flush([hjob], []).status == {"j": pub.GAP}  # index 2 is missing
     hjob = ActiveJob(taken.job, zjob.entry, None, 0, 0, next_index=2, text="AB")  # as retaken
@@ -98,7 +99,7 @@ def test_requeue_happens_once_and_only_for_the_owner(client: redis.Redis) -> Non
     intake.take([(entry, Job(id=job_id, prompt="p", max_tokens=3))])
     job = ActiveJob(Job(id=job_id, prompt="p"), entry, None, 0, 0, requeue=True)
     _, other = _take(client, "other")
-    assert other.flush([job], []).status == {job_id: pub.REQUEUED}  # lost: nothing written
+    assert other.flush([job], []).status == {job_id: pub.FENCED}  # nothing written
     assert client.xlen(KEYS.requeue) == 0
     assert publisher.flush([job], []).status == {job_id: pub.REQUEUED}
     assert publisher.flush([job], []).status == {job_id: pub.REQUEUED}  # a retry
@@ -156,3 +157,56 @@ def test_events_reach_the_stream_byte_for_byte(server: str, redis_url: str) -> N
     assert stored == [[(k.encode(), v.encode()) for k, v in event_fields(e).items()] for e in sent]
     tokens = [parse_event(fields) for _, fields in c.xrange(KEYS.out("j"))][:-1]
     assert [(t.text, t.token) for t in tokens] == [(x, x) for x in ODD_TEXTS]  # type: ignore
+
+
+def test_a_job_whose_owner_hash_vanished_ends_with_lost_state_once(client: redis.Redis) -> None:
+    """`fenced` and `lost_state` are told apart: another worker's token in the owner hash fences
+    us out and nothing is written; no owner hash at all (Redis forgot the job) ends the job with
+    the lost_state event, once, for the append and the requeue script alike, and never after a
+    terminal event."""
+    Scripts.load(client)
+    for job_id in ("a", "r", "t"):
+        client.xadd(KEYS.jobs, {"id": job_id, "prompt": "p"})
+    intake, publisher = _take(client, "w")
+    entries = intake.read(3, None)
+    items = [(e, Job(id=i, prompt="p")) for e, i in zip(entries, "art", strict=True)]
+    taken, _ = intake.take(items)
+    jobs = {t.job.id: ActiveJob(t.job, t.entry, None, 0, 0) for t in taken}
+    for job in jobs.values():
+        job.add_tokens(0, [65], "A")
+    assert publisher.flush(list(jobs.values()), []).status == dict.fromkeys("art", pub.OK)
+    client.hset(KEYS.owner("a"), "worker", "peer/1")
+    jobs["a"].add_tokens(1, [66], "B")
+    assert publisher.flush([jobs["a"]], []).status == {"a": pub.FENCED}
+    assert client.xlen(KEYS.out("a")) == 1
+    client.delete(KEYS.owner("a"), KEYS.owner("r"), KEYS.owner("t"))
+    jobs["r"].outbox.clear()
+    jobs["r"].requeue = True
+    client.xadd(KEYS.out("t"), {"type": "done", "finish_reason": "stop", "text": "A",
+                                "prompt_tokens": "1", "completion_tokens": "1"})
+    jobs["t"].requeue = True
+    ended = {"a": pub.LOST_STATE, "r": pub.LOST_STATE, "t": pub.TERMINAL}
+    assert publisher.flush(list(jobs.values()), []).status == ended
+    # a retry after a lost reply finds them ended: nothing more is written
+    assert publisher.flush(list(jobs.values()), []).status == dict.fromkeys("art", pub.TERMINAL)
+    for job_id in "ar":
+        last = parse_event(client.xrange(KEYS.out(job_id))[-1][1])
+        assert isinstance(last, ErrorEvent) and last.code == LOST_STATE, job_id
+        assert client.xlen(KEYS.out(job_id)) == 2 and client.ttl(KEYS.out(job_id)) > 0
+    assert isinstance(parse_event(client.xrange(KEYS.out("t"))[-1][1]), DoneEvent)
+    assert client.xlen(KEYS.requeue) == 0 and client.xpending(KEYS.jobs, "workers")["pending"] == 0
+
+
+def test_a_late_take_of_an_entry_a_peer_reclaimed_is_refused(client: redis.Redis) -> None:
+    """A worker that reads an entry and takes it late (its heartbeat did not keep it, say) finds
+    it pending to a peer that reclaimed it meanwhile: it does not become the owner, so the job
+    never runs on both."""
+    Scripts.load(client)
+    client.xadd(KEYS.jobs, {"id": "j", "prompt": "p"})
+    late, _ = _take(client, "late")
+    entry = late.read(1, None)[0]
+    client.xclaim(KEYS.jobs, "workers", "peer", 0, [entry.entry_id])
+    peer, _ = _take(client, "peer")
+    assert len(peer.take([(entry, Job(id="j", prompt="p"))])[0]) == 1
+    assert late.take([(entry, Job(id="j", prompt="p"))]) == ([], [])
+    assert client.hget(KEYS.owner("j"), "worker") == b"peer/1"

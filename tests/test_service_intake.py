@@ -14,12 +14,15 @@ from qworker.commands import serve
 from qworker.engine.config import EngineConfig
 from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
+from qworker.service.backoff import Backoff
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import CannotWork
+from qworker.service.groups import Groups
 from qworker.service.intake import Intake, dead_fields
 from qworker.service.job import Entry, Readback
+from qworker.service.logs import get_logger
 from qworker.service.scripts import Scripts
-from qworker.service.worker import Backoff, default_seed, sampling_params
+from qworker.service.worker import default_seed, sampling_params
 from qworker_client.protocol import DoneEvent, Keys, TokenEvent, event_to_fields
 
 KEYS = Keys()
@@ -30,8 +33,9 @@ def intake() -> Intake:
     client = fakeredis.FakeRedis()
     config = ServiceConfig(redis_url="redis://fake", name="w1", max_deliveries=3)
     it = Intake(client, KEYS, config, Scripts(), token="w1/x")
-    it.ensure_group()
-    it.ensure_group()  # BUSYGROUP is fine
+    groups = Groups(client, it.streams, config.group, get_logger())
+    assert groups.ensure() == list(it.streams)
+    assert groups.ensure() == []  # BUSYGROUP is fine
     return it
 
 
@@ -119,6 +123,19 @@ def test_backoff_doubles_up_to_its_cap() -> None:
     assert not b.ready(100.0) and b.ready(100.5)
     b.succeeded()
     assert b.ready(0.0)
+
+
+def test_backoff_grows_through_successes_and_shrinks_only_after_a_quiet_spell() -> None:
+    """Out of memory, Redis still answers a turn's reads: a success between two failures must
+    not start the wait over at its shortest."""
+    b = Backoff(0.05, 0.4)
+    delays = []
+    for k in range(5):
+        delays.append(b.failed(100.0 + k * 0.1))
+        b.succeeded()
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.4]
+    assert b.failed(101.0) == 0.4  # 0.6 s after the last failure: still the longest
+    assert b.failed(101.9) == 0.05  # quiet for 0.9 s, more than twice max_s: the shortest again
 
 
 def test_seedless_jobs_sample_reproducibly() -> None:
@@ -254,7 +271,35 @@ def test_heartbeat_snapshot_follows_what_the_worker_holds() -> None:
 
     worker = Worker(_engine(), ServiceConfig(redis_url="redis://fake"),
                     client=fakeredis.FakeRedis())
-    worker._track([Entry(KEYS.jobs, "1-0", {})])  # being admitted
+    worker.inbox.append(Entry(KEYS.jobs, "1-0", {}))  # read, being admitted
+    worker._track()
     assert [h.entry_id for h in worker.heartbeat._held] == ["1-0"]
+    worker.inbox.clear()
     worker._track()  # rejected, or finished: no longer beaten, so never held forever
     assert worker.heartbeat._held == ()
+
+
+def test_entries_read_beside_a_step_are_held_until_the_loop_tracks_them() -> None:
+    """The Redis thread hands the heartbeat what a round trip read (`hold`); the loop's snapshot
+    takes them over when it lands the round trip, and from then on only it decides."""
+    from qworker.service.worker import Worker
+
+    worker = Worker(_engine(), ServiceConfig(redis_url="redis://fake"),
+                    client=fakeredis.FakeRedis())
+    read = [Entry(KEYS.jobs, "1-0", {}), Entry(KEYS.jobs, "1-1", {})]
+    worker.heartbeat.hold(read)  # on the Redis thread, while a step runs
+    worker._track()  # the loop's turn ends before the round trip lands: still held
+    assert [h.entry_id for h in worker.heartbeat._held + worker.heartbeat._read] == ["1-0", "1-1"]
+    worker.inbox += read  # landed
+    worker._track()
+    assert worker.heartbeat._read == ()
+    assert [h.entry_id for h in worker.heartbeat._held] == ["1-0", "1-1"]
+
+
+def test_deleted_entries_in_a_reply_are_not_jobs() -> None:
+    """A reply may name an entry deleted while pending (an XTRIM): fields nil, or parsed as none.
+    It is no job (an XADD has at least one field): skipped, not dead-lettered as invalid."""
+    from qworker.service.intake import _entries
+
+    reply = [(b"1-0", None), (b"1-1", {}), (b"1-2", {b"id": b"j", b"prompt": b"x"})]
+    assert [e.entry_id for e in _entries(KEYS.jobs, reply)] == ["1-2"]

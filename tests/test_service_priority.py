@@ -142,11 +142,13 @@ def test_band_keys() -> None:
 def test_an_idle_worker_woken_by_a_burst_takes_all_of_it(redis_url: str,
                                                          client: redis.Redis) -> None:
     from qworker.service.config import ServiceConfig
+    from qworker.service.groups import Groups
     from qworker.service.intake import Intake
+    from qworker.service.logs import get_logger
     from qworker.service.scripts import Scripts
 
     intake = Intake(client, KEYS, ServiceConfig(redis_url=redis_url, name="idle"), Scripts(), "t")
-    intake.ensure_group()
+    Groups(client, intake.streams, "workers", get_logger()).ensure()
     got: list[list[str]] = []
     reader = threading.Thread(target=lambda: got.append(
         [e.entry_id for e in intake.read({"high": 8, "": 2, "low": 0}, block_ms=10_000)]))

@@ -170,7 +170,8 @@ def test_stalled_worker_is_fenced_out_after_its_jobs_are_reclaimed(
             zombie.send_signal(signal.SIGCONT)
             wait_terminal(client, jobs, timeout=60)
             assert heir.stop() == 0
-        wait_for(lambda: b'"status": "lost"' in log.read_bytes(), 10, what="zombie drops a job")
+        wait_for(lambda: b"fenced out: another worker owns the job" in log.read_bytes(), 10,
+                 what="zombie drops a job")
         zombie.send_signal(signal.SIGTERM)
         assert zombie.wait(10) == 0
     finally:

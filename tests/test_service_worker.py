@@ -127,7 +127,7 @@ def test_heartbeat_keeps_long_jobs_owned_while_the_worker_lives(redis_url: str) 
             wait_terminal(client, jobs, timeout=30)  # > 1.5 s: several claim_idle periods
             assert b.worker.metrics.reclaimed._value.get() == 0
             assert b.stop() == 0
-        assert a.worker.metrics.lost._value.get() == 0
+        assert a.worker.metrics.fenced._value.get() == 0
         assert a.stop() == 0
     for job_id in jobs:
         assert check_stream(client, job_id).completion_tokens == 300

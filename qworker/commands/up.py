@@ -30,6 +30,9 @@ from qworker.engine.config import EngineConfig
 from qworker_client.local_redis import RedisProcess, RedisProcessError, free_port, wait_until_up
 
 DEFAULT_MAXMEMORY = "1gb"
+# Redis 7 preallocates this much (4096 by default) for a stream's newest node: most of what a
+# finished job's output stream costs (docs/operating.md, "Memory"; benchmarks/job_memory.py)
+STREAM_NODE_MAX_BYTES = "1024"
 EXIT_NO_REDIS = 2
 EMBEDDED_EXTRA = "pip install 'qworker-llm[embedded]'"  # fakeredis with Lua (pyproject.toml)
 
@@ -81,7 +84,8 @@ class LocalRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         options = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-                   "--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction")
+                   "--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction",
+                   "--stream-node-max-bytes", STREAM_NODE_MAX_BYTES)
         # detached: the terminal's Ctrl-C must not stop Redis before the worker has drained
         self._server = RedisProcess(self.data_dir, options, self.port, binary=self.binary,
                                     log_file=self.log_path, start_timeout=self.start_timeout,

@@ -1,5 +1,5 @@
-"""Redis errors by scope: not now (back off and retry), one job's keys (fail that job), or the
-worker cannot work at all (exit 2).
+"""Redis errors by scope: not now (back off and retry), one job's keys (fail that job), Redis forgot
+the consumer group (recreate it, see groups.py), or the worker cannot work at all (exit 2).
 
 The scope of an error reply depends on the call: the same NOPERM means "this job" when it answers a
 command on one job's keys (its output stream, owner hash) and "this worker" when it answers a read
@@ -35,8 +35,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, redis.ResponseError) and str(exc).startswith(TRANSIENT_REPLIES)
 
 
-def is_no_group(exc: BaseException) -> bool:
-    return isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)
+def is_group_gone(exc: BaseException) -> bool:
+    """The group or its stream is gone (FLUSHALL, DEL, a restart without data): NOGROUP, or
+    UNBLOCKED to a read that was blocked in it when it went."""
+    return isinstance(exc, redis.ResponseError) and (
+        "NOGROUP" in str(exc) or str(exc).startswith("UNBLOCKED"))
 
 
 def is_fatal_reply(exc: BaseException) -> bool:
@@ -53,7 +56,7 @@ def job_error(reply: object) -> str | None:
     if not isinstance(reply, Exception):
         return None
     if (not isinstance(reply, redis.ResponseError) or isinstance(reply, _E.NoScriptError)
-            or is_transient(reply) or is_no_group(reply)):
+            or is_transient(reply) or is_group_gone(reply)):
         raise reply
     if is_fatal_reply(reply):
         raise cannot_work(reply)

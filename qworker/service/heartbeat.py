@@ -2,9 +2,14 @@
 time never reaches claim_idle while we live), renews their owner hashes, and marks the worker
 alive, every `heartbeat_s`, whatever the loop is doing (a long step, a slow admission, a backoff).
 
-The loop publishes what it holds (`track`) and that it makes progress (`progress`, once per turn
-and per admitted job). When the loop has not made progress for `stall_timeout_s` it is stuck, not
-busy: the thread stops beating, so peers reclaim its jobs once they are idle for claim_idle.
+The loop publishes what it holds (`track`: its jobs, and the entries it has read and not yet
+admitted) and that it makes progress (`progress`, once per turn and per admitted job). Entries
+that the loop's round trip reads beside an engine step reach the loop only when the step ends,
+which may be far longer than claim_idle: the Redis thread hands them over at once (`hold`), so
+they are owned from the moment Redis delivered them until the loop's own snapshot has them.
+
+When the loop has not made progress for `stall_timeout_s` it is stuck, not busy: the thread stops
+beating, so peers reclaim its jobs once they are idle for claim_idle.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from dataclasses import dataclass
 import redis
 
 from qworker.service.config import ServiceConfig
-from qworker.service.errors import CannotWork, cannot_work, is_no_group, is_transient, short
+from qworker.service.errors import CannotWork, cannot_work, is_group_gone, is_transient, short
+from qworker.service.job import Entry
 from qworker.service.logs import get_logger
 from qworker.service.scripts import Scripts
 from qworker_client.protocol import Keys
@@ -45,6 +51,7 @@ class Heartbeat:
         self.log = get_logger(worker=config.name)
         self._lock = threading.Lock()
         self._held: tuple[Held, ...] = ()
+        self._read: tuple[Held, ...] = ()  # read by a round trip, not yet in the loop's snapshot
         self._info = "{}"
         self._progress = time.monotonic()
         self._stop = threading.Event()
@@ -60,10 +67,20 @@ class Heartbeat:
 
     def track(self, held: Iterable[Held], info_json: str | None = None) -> None:
         snapshot = tuple(held)
+        ids = {h.entry_id for h in snapshot}
         with self._lock:
             self._held = snapshot
+            self._read = tuple(h for h in self._read if h.entry_id not in ids)
             if info_json is not None:
                 self._info = info_json
+
+    def hold(self, entries: Iterable[Entry]) -> None:
+        """Entries just read for the loop (from the Redis thread): kept owned until the loop
+        tracks them."""
+        more = tuple(Held(e.stream, e.entry_id, e.entry_id) for e in entries)
+        if more:
+            with self._lock:
+                self._read += more
 
     def progress(self) -> None:
         self._progress = time.monotonic()
@@ -106,7 +123,7 @@ class Heartbeat:
     def beat(self) -> bool:
         """One round trip (the `beat` script); False when Redis failed it."""
         with self._lock:
-            held, info = self._held, self._info
+            held, info = self._held + self._read, self._info
         try:
             self._send(held, info)
         except redis.exceptions.NoScriptError:
@@ -132,7 +149,7 @@ class Heartbeat:
 
     def _failed(self, exc: BaseException) -> bool:
         if (isinstance(exc, redis.ResponseError) and not is_transient(exc)
-                and not is_no_group(exc)):
+                and not is_group_gone(exc)):
             self.fatal = cannot_work(exc)
         error = short(exc)
         if error != self.last_error:  # once per kind of failure, not once per retry

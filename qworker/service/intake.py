@@ -15,6 +15,7 @@ from redis.typing import KeyT, StreamIdT, StreamRangeResponse
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import job_error
 from qworker.service.job import Entry, RawFields, Readback, now_ms
+from qworker.service.logs import get_logger
 from qworker.service.scripts import Scripts
 from qworker_client.protocol import (
     DEAD_META_FIELDS,
@@ -95,8 +96,9 @@ def capped_entries(reply: Any) -> list[Entry]:
 
 
 def _entries(stream: str, items: Iterable[tuple[Any, Any]] | None) -> list[Entry]:
-    return [Entry(stream, _s(eid), dict(fields))
-            for eid, fields in items or () if fields is not None]
+    """The entries of an XREADGROUP or XCLAIM reply, but deleted ones (fields nil, or none: an
+    XADD has at least one field), which some Redis versions and clients still give."""
+    return [Entry(stream, _s(eid), dict(fields)) for eid, fields in items or () if fields]
 
 
 class Intake:
@@ -112,18 +114,11 @@ class Intake:
         self.streams = keys.streams_for(config.served_model)
         self._bands = [keys.stream_band(stream) for stream in self.streams]
         self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
+        self.log = get_logger(worker=config.name)
 
     @property
     def consumer(self) -> str:
         return self.config.name
-
-    def ensure_group(self) -> None:
-        for stream in self.streams:
-            try:
-                self.client.xgroup_create(stream, self.config.group, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
 
     # ------------------------------------------------------------------ reading
 
@@ -209,7 +204,24 @@ class Intake:
         entries = _entries(stream, items)
         for entry in entries:
             entry.deliveries = deliveries.get(entry.entry_id, entry.deliveries)
+        claimed = {entry.entry_id for entry in entries}
+        self._note_deleted(stream, [i for i in deliveries if i not in claimed])
         return entries
+
+    def _note_deleted(self, stream: str, missed: list[str]) -> None:
+        """Of the entries XCLAIM did not give: those deleted from the stream while pending (an
+        XTRIM or XDEL; XCLAIM drops them from the group), not those a peer claimed in between.
+        Their jobs cannot be resumed, nor named: the job id was in the entry's fields."""
+        if not missed:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in missed:
+            pipe.xrange(stream, entry_id, entry_id)
+        deleted = [i for i, found in zip(missed, pipe.execute(), strict=True) if not found]
+        if deleted:
+            self.log.warning("pending entries deleted from their stream (trimmed?): their jobs "
+                             "cannot be resumed", stream=stream, entries=deleted[:20],
+                             count=len(deleted))
 
     def drop_dead_consumers(self, limit: int = 100) -> int:
         """Remove consumers that own nothing, idle for `consumer_idle_ms`, with no live worker
@@ -271,7 +283,8 @@ class Intake:
     def take(self, items: Sequence[tuple[Entry, Job]]) -> tuple[list[Taken], list[Reject]]:
         """Become each job's owner (fencing out any earlier one), then read back its stream and
         cancel flag; one round trip (two when Redis lost its scripts). A job whose keys Redis
-        refuses (a foreign key of the wrong type, an ACL on them) is a reject; the others go on."""
+        refuses (a foreign key of the wrong type, an ACL on them) is a reject; one whose entry a
+        peer reclaimed meanwhile is neither (it is the peer's now); the others go on."""
         now = now_ms()
         replies = self._take_round_trip(items, now)
         if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
@@ -283,13 +296,11 @@ class Intake:
         pipe = self.client.pipeline(transaction=False)
         for entry, job in items:
             job_id = job.id or entry.entry_id
-            owner = self.keys.owner(job_id)
-            self.scripts.take_owner(pipe, owner=owner, token=self.token, job_id=job_id,
-                                    prefix=self.keys.prefix)
-            pipe.hsetnx(owner, "t0", entry_ms(entry.entry_id) or now)
-            pipe.hsetnx(owner, "started", now)
-            pipe.expire(owner, self.config.owner_ttl_s)
-            pipe.hmget(owner, ["t0", "started"])
+            self.scripts.take_owner(pipe, owner=self.keys.owner(job_id), token=self.token,
+                                    job_id=job_id, prefix=self.keys.prefix, stream=entry.stream,
+                                    group=self.config.group, consumer=self.consumer,
+                                    entry_id=entry.entry_id, t0_ms=entry_ms(entry.entry_id) or now,
+                                    now_ms=now, ttl_s=self.config.owner_ttl_s)
             pipe.exists(self.keys.cancel(job_id))
             pipe.xrange(self.keys.out(job_id), "-", "+")
         return pipe.execute(raise_on_error=False)
@@ -299,21 +310,23 @@ class Intake:
         taken: list[Taken] = []
         rejects: list[Reject] = []
         for k, (entry, job) in enumerate(items):
-            mine = replies[7 * k:7 * k + 7]
+            mine = replies[3 * k:3 * k + 3]
             error = next((e for e in map(job_error, mine) if e is not None), None)
             if error is not None:
                 rejects.append(Reject(entry, INTERNAL, f"Redis refused this job's keys: {error}",
                                       job.id or entry.entry_id, drop_owner=True))
                 continue
-            t0, started = mine[4]
-            readback = Readback.parse(mine[6])
-            before = (not mine[2] or bool(readback.token_ids)
-                      or self.keys.is_requeue(entry.stream))
-            taken.append(Taken(entry, job, readback, cancelled=bool(mine[5]),
+            if mine[0] is None:  # pending to another consumer: a peer reclaimed it meanwhile
+                self.log.warning("fenced out: a peer reclaimed the entry before it was taken",
+                                 entry=entry.entry_id, job_id=job.id or entry.entry_id)
+                continue
+            crashes, excused, t0, started, fresh = mine[0]
+            readback = Readback.parse(mine[2])
+            before = not fresh or bool(readback.token_ids) or self.keys.is_requeue(entry.stream)
+            taken.append(Taken(entry, job, readback, cancelled=bool(mine[1]),
                                t0_ms=int(t0 or now), started_ms=int(started or now),
-                               started_before=before, crashes=int(mine[0][0]),
-                               excused=int(mine[0][1]),
-                               requeued=self.keys.is_requeue(entry.stream)))
+                               started_before=before, crashes=int(crashes),
+                               excused=int(excused), requeued=self.keys.is_requeue(entry.stream)))
         return taken, rejects
 
     def poisoned(self, t: Taken) -> Reject | None:

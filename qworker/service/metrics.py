@@ -69,8 +69,8 @@ class Metrics:
         self.reclaimed = Counter("qworker_reclaimed", "Entries taken over from dead or stalled "
                                  "workers (XCLAIM of idle entries)",
                                  registry=r)
-        self.lost = Counter("qworker_jobs_lost", "Jobs dropped because another worker owns them",
-                            registry=r)
+        self.fenced = Counter("qworker_jobs_fenced", "Jobs dropped because another worker owns "
+                              "them (fenced out)", registry=r)
         self.resumed_tokens = Counter("qworker_resumed_tokens", "Already streamed tokens read "
                                       "back (and recomputed) to resume a job", registry=r)
         self.tokens = Counter("qworker_generated_tokens", "Tokens published", registry=r)
@@ -176,7 +176,7 @@ class Metrics:
             if out.finished or out.preempted:
                 self._last_token.pop(out.request_id, None)
         for job_id in [j for j in self._last_token if j not in active]:
-            del self._last_token[job_id]  # cancelled, requeued at shutdown, lost
+            del self._last_token[job_id]  # cancelled, requeued at shutdown, fenced out
 
     def set_kernels(self, report: dict[str, str]) -> None:
         for op, kernel in report.items():

@@ -7,14 +7,14 @@ call each (the script is idempotent), so the culprit is found and only it fails 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from qworker.service.config import ServiceConfig
-from qworker.service.errors import job_error
+from qworker.service.errors import CannotWork, job_error
 from qworker.service.event_fields import event_fields
 from qworker.service.intake import capped_entries
 from qworker.service.job import ActiveJob, Entry
@@ -25,10 +25,13 @@ from qworker_client.protocol import Keys, band_of
 OK = "ok"  # events written (or already there); the job goes on
 DONE = "done"  # terminal event written, entry acked
 TERMINAL = "terminal"  # the stream was already finished (entry acked): drop the job
-LOST = "lost"  # another worker owns the job now: drop it, do not ack
+FENCED = "fenced"  # another worker owns the job now: drop it, do not ack
+LOST_STATE = "lost_state"  # its owner hash is gone (Redis forgot it): ended with lost_state
 GAP = "gap"  # our next token is not the stream's next index: drop it, it will be reclaimed
 REQUEUED = "requeued"  # requeued (or, on a retry, found already requeued)
 FAILED = "failed"  # Redis refused this job's keys (see FlushResult.errors): fail the job alone
+# the requeue script's replies (a retry finds the job released: requeued before)
+REQUEUE_STATUS = {"ok": REQUEUED, "fenced": FENCED, "terminal": TERMINAL, "lost_state": LOST_STATE}
 
 
 @dataclass
@@ -37,6 +40,9 @@ class FlushResult:
     cancelled: set[str] = field(default_factory=set)
     errors: dict[str, str] = field(default_factory=dict)  # job id -> Redis' reply, when FAILED
     entries: list[Entry] = field(default_factory=list)  # read, when the flush was given caps
+    # a worker-wide error (transient, group gone, cannot work) found after the writes: what the
+    # reply says of each job and the entries read still count; the caller raises it after them
+    error: Exception | None = None
 
     def fail(self, job_id: str, error: str) -> None:
         self.status[job_id] = FAILED
@@ -53,16 +59,20 @@ class Publisher:
         self.token = token
 
     def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
-              read_caps: Sequence[tuple[str, int]] = ()) -> FlushResult:
+              read_caps: Sequence[tuple[str, int]] = (),
+              on_read: Callable[[list[Entry]], None] = lambda entries: None) -> FlushResult:
         """Write every outbox, requeue what asks for it, read the cancel flags of `cancel_check`
-        and the new entries `read_caps` allow (`Intake.caps`). Everything written is idempotent,
-        so after a connection error the caller just retries (entries read by a round trip whose
-        reply is lost stay pending to this consumer, for a reclaim)."""
+        and the new entries `read_caps` allow (`Intake.caps`), handed to `on_read` as soon as
+        they are read (the heartbeat keeps them owned from then on). Everything written is
+        idempotent, so after a connection error the caller just retries (entries read by a round
+        trip whose reply is lost stay pending to this consumer, for a reclaim)."""
         try:
-            return self._flush(jobs, cancel_check, read_caps)
+            result = self._flush(jobs, cancel_check, read_caps)
         except redis.exceptions.NoScriptError:
             Scripts.load(self.client)  # Redis restarted (or flushed its script cache)
-            return self._flush(jobs, cancel_check, read_caps)
+            result = self._flush(jobs, cancel_check, read_caps)
+        on_read(result.entries)
+        return result
 
     def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
                read_caps: Sequence[tuple[str, int]]) -> FlushResult:
@@ -81,27 +91,43 @@ class Publisher:
         result = FlushResult()
         if not appending and not requeueing and not cancel_check and not read_caps:
             return result
-        replies = iter(pipe.execute(raise_on_error=False))
+        replies = pipe.execute(raise_on_error=False)
+        if read_caps:  # first: whatever else failed, these entries are ours now
+            read = replies.pop()
+            if isinstance(read, redis.exceptions.NoScriptError):
+                raise read
+            if isinstance(read, Exception):
+                result.error = read  # the worker's own phase: not one job's
+            else:
+                result.entries = capped_entries(read)
+        try:
+            self._statuses(appending, requeueing, cancel_check, iter(replies), result)
+        except redis.exceptions.NoScriptError:
+            raise
+        except (redis.RedisError, CannotWork) as exc:
+            result.error = exc
+        return result
+
+    def _statuses(self, appending: Sequence[ActiveJob], requeueing: Sequence[ActiveJob],
+                  cancel_check: Sequence[str], replies: Iterator[Any], result: FlushResult
+                  ) -> None:
         if appending:
             self._append_statuses(appending, next(replies), result)
         for job in requeueing:
-            error = job_error(next(replies))  # ok, or lost: either way it is no longer ours
-            if error is not None and job.job_id not in result.status:
+            reply = next(replies)
+            error = job_error(reply)
+            if result.status.get(job.job_id, OK) != OK:
+                continue  # the append's outcome (done, fenced, lost_state, ...) comes first
+            if error is not None:
                 result.fail(job.job_id, error)
-            elif result.status.get(job.job_id) not in (TERMINAL, LOST, GAP, DONE, FAILED):
-                result.status[job.job_id] = REQUEUED
+            else:
+                result.status[job.job_id] = REQUEUE_STATUS[decode_status(reply)]
         if cancel_check:
             flags = next(replies)
             if isinstance(flags, Exception):
                 raise flags  # the worker's own phase: not one job's
             pairs = zip(cancel_check, flags, strict=True)
             result.cancelled = {job_id for job_id, flag in pairs if flag is not None}
-        if read_caps:
-            read = next(replies)
-            if isinstance(read, Exception):
-                raise read  # the worker's own phase, as the cancel flags
-            result.entries = capped_entries(read)
-        return result
 
     def _append_statuses(self, jobs: Sequence[ActiveJob], reply: list[Any] | Exception,
                          result: FlushResult) -> None:
@@ -140,5 +166,6 @@ class Publisher:
         requeue = self.keys.requeue_of(self.keys.stream_model(job.entry.stream),
                                        band_of(job.job.priority))
         self.scripts.requeue(pipe, owner=self.keys.owner(job.job_id), source=job.entry.stream,
-                             requeue=requeue, token=self.token, group=self.config.group,
-                             entry_id=job.entry.entry_id, fields=fields)
+                             requeue=requeue, out=self.keys.out(job.job_id), token=self.token,
+                             group=self.config.group, entry_id=job.entry.entry_id,
+                             ttl_s=self.config.result_ttl, fields=fields)

@@ -7,21 +7,31 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
   retried call (reply lost on a dropped connection) skips what is already there.
   A terminal event also acks the job's entry and drops the owner hash, in the same atomic step.
 - `requeue`: XADD to the job's requeue stream (`<prefix>:requeue`, or `<prefix>:requeue:{<model>}`
-  for a job of a model) + XACK of the entry, only while we own the job; then releases ownership,
-  so a retry after a lost reply cannot requeue twice.
+  for a job of a model) + XACK of the entry, only while we own the job; then releases ownership
+  (field `worker` empty), so a retry after a lost reply cannot requeue twice. The XADD does not
+  depend on the XACK: an entry trimmed from its stream (and so from the group) is requeued too.
+- Both tell apart two ways of not owning a job. `fenced`: the owner hash names another worker
+  (or none: released), which took the job over; we drop it and write nothing. `lost_state`: the
+  owner hash is gone. A worker that takes a job writes the hash first and drops it only with the
+  job's terminal event, so nobody holds the job: Redis forgot it (wiped, restarted empty). Unless
+  its stream is already terminal, the script ends it with the `lost_state` error event (its
+  readers end), and acks its entry.
 - `dead_letter`: only if the entry is still pending (so a retry does nothing twice): XADD
   `<prefix>:dead` (trimmed to about `dead_maxlen` entries) and the job's `error` event (unless its
   stream is already terminal, or is not a stream we may write: a foreign key costs only the event),
   and only then XACK + XDEL the entry. Redis does not roll a script back, so the order matters: a
   script that fails halfway leaves the entry pending, never acked without its dead letter. Its
   inputs are bounded by the caller (`intake.dead_fields`), so `unpack` stays far from Lua's limit.
-- `take_owner`: makes this worker a job's owner (field `worker`, its fencing token) and settles
-  the previous owner's death, if it died (or stalled) with the job: its key `<prefix>:alone:<its
+- `take_owner`: makes this worker a job's owner (field `worker`, its fencing token, and the job's
+  first-queued and first-started times), unless the job's entry is pending to another consumer:
+  a peer reclaimed it meanwhile, and a live worker's job is never taken from it. It settles the
+  previous owner's death, if it died (or stalled) with the job: its key `<prefix>:alone:<its
   token>` names the job it was running alone at the time (see `alone_key`). This job: one more of
   its `crashes`. Another job: the death was that one's, and this job's `excused` goes up by one.
 - `beat`: the heartbeat's round trip: re-claims (XCLAIM JUSTID: idle time reset, no delivery
   counted) each in-flight entry that is still pending to this consumer, renews the owner hashes
-  this worker still holds, and sets the worker's liveness key.
+  this worker still holds, and sets the worker's liveness key. An entry whose stream or group is
+  gone is skipped.
 
 An entry is deleted from its stream (XDEL) when it is acked, so the job and requeue streams
 (model-less and per model) hold only work not yet finished (delivered entries only: the group's
@@ -41,7 +51,11 @@ from typing import Any
 
 import redis
 
-from qworker_client.protocol import WireFields
+from qworker_client.protocol import LOST_STATE, ErrorEvent, WireFields, event_to_fields
+
+LOST_STATE_MESSAGE = ("the job's state vanished from Redis while it ran (its owner key is gone: "
+                      "Redis was wiped or restarted with no data); tokens streamed before stay; "
+                      "submit it again")
 
 _LAST_STATE = """
 local function last_state(key)
@@ -58,21 +72,42 @@ local function last_state(key)
 end
 """
 
+# The owner hash is gone: nobody holds the job (see the module's docstring). Ends it with the
+# lost_state event unless its stream is already terminal, and acks its entry.
+_UNOWNED = """
+local function unowned(out, src, group, entry, ttl, event)
+  local _, terminal = last_state(out)
+  if not terminal then
+    redis.call('XADD', out, '*', unpack(event))
+    redis.call('EXPIRE', out, ttl)
+  end
+  if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
+  if terminal then return 'terminal' end
+  return 'lost_state'
+end
+"""
+
 # One call appends the events of every job a step touched, so readers wake once per step.
 # KEYS: per job out, owner, source stream. ARGV: token, ttl_s, group, then one JSON array with per
 # job [entry id, [event, ...]], each event a flat array field, value, ... (`type` and, for tokens,
 # `i` among the fields): one argument, decoded in C (cjson), not a thousand for the client to pack.
 # A prompt_logprobs event goes in only before any token.
+# ARGV[5]: the lost_state error event, a JSON flat array.
 # Returns per job {status, last index}: status ok | done (terminal event written) | terminal
-# (already finished, entry acked) | lost (not the owner) | gap (token i > last + 1).
-APPEND = _LAST_STATE + """
-local function append_job(out, owner, src, token, ttl, group, entry, events)
+# (already finished, entry acked) | fenced (another worker owns it) | lost_state (the owner hash
+# is gone: the lost_state event written, entry acked) | gap (token i > last + 1).
+APPEND = _LAST_STATE + _UNOWNED + """
+local function append_job(out, owner, src, token, ttl, group, entry, events, lost_event)
   local last, terminal = last_state(out)
   if terminal then
     if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
     return {'terminal', last}
   end
-  if redis.call('HGET', owner, 'worker') ~= token then return {'lost', last} end
+  local holder = redis.call('HGET', owner, 'worker')
+  if holder ~= token then
+    if holder then return {'fenced', last} end
+    return {unowned(out, src, group, entry, ttl, lost_event), last}
+  end
   local appended = 0
   for _, fields in ipairs(events) do
     local typ, idx = nil, nil
@@ -110,30 +145,43 @@ local function append_job(out, owner, src, token, ttl, group, entry, events)
 end
 
 local token, ttl, group = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local jobs = cjson.decode(ARGV[4])
+local jobs, lost_event = cjson.decode(ARGV[4]), cjson.decode(ARGV[5])
 local results = {}
 for j, job in ipairs(jobs) do
   local k = 3 * j - 2
-  results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, ttl, group, job[1], job[2])
+  results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, ttl, group, job[1], job[2],
+                          lost_event)
 end
 return results
 """
 
-# KEYS: owner, source stream, requeue stream. ARGV: token, group, entry id, fields...
-REQUEUE = """
-if redis.call('HGET', KEYS[1], 'worker') ~= ARGV[1] then return 'lost' end
-if redis.call('XACK', KEYS[2], ARGV[2], ARGV[3]) == 1 then
+# KEYS: owner, source stream, requeue stream, out. ARGV: token, group, entry id, ttl_s, the
+# lost_state event (JSON flat array), fields... Replies ok (requeued, or released before: a retry)
+# | fenced | terminal | lost_state, as `append`.
+REQUEUE = _LAST_STATE + _UNOWNED + """
+local holder = redis.call('HGET', KEYS[1], 'worker')
+if holder == ARGV[1] then
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
   redis.call('XDEL', KEYS[2], ARGV[3])
-  redis.call('XADD', KEYS[3], '*', unpack(ARGV, 4))
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, 6))
+  redis.call('HSET', KEYS[1], 'worker', '')
+  return 'ok'
 end
-redis.call('HSET', KEYS[1], 'worker', '')
-return 'ok'
+if holder == '' then return 'ok' end
+if holder then return 'fenced' end
+return unowned(KEYS[4], KEYS[2], ARGV[2], ARGV[3], tonumber(ARGV[4]), cjson.decode(ARGV[5]))
 """
 
-# KEYS: owner. ARGV: token, job id, the prefix of alone keys (`<prefix>:alone:`). The previous
-# owner's alone key is named by the hash, so it is not in KEYS: fine on one Redis (no Cluster).
-# HGET/HSET, not HINCRBY: the worker's ACL rules stay as they are. Replies {crashes, excused}.
+# KEYS: owner, the entry's stream. ARGV: token, job id, the prefix of alone keys
+# (`<prefix>:alone:`), group, consumer, entry id, the entry's time (ms), now (ms), the owner
+# hash's ttl_s. The previous owner's alone key is named by the hash, so it is not in KEYS: fine on
+# one Redis (no Cluster). HGET/HSET, not HINCRBY: the worker's ACL rules stay as they are.
+# Replies nil when the entry is pending to another consumer, else {crashes, excused, t0, started,
+# 1 if nobody started it before}. An entry pending to nobody (trimmed, or its stream wiped since
+# it was read) is taken: the worker holds the job's fields, and nobody else does.
 TAKE_OWNER = """
+local pel = redis.pcall('XPENDING', KEYS[2], ARGV[4], ARGV[6], ARGV[6], 1)
+if type(pel) == 'table' and pel[1] and pel[1][2] ~= ARGV[5] then return false end
 local function bump(field)
   local n = tonumber(redis.call('HGET', KEYS[1], field) or '0') + 1
   redis.call('HSET', KEYS[1], field, n)
@@ -145,8 +193,11 @@ if prev and prev ~= '' and prev ~= ARGV[1] then
   if alone == ARGV[2] then bump('crashes') elseif alone then bump('excused') end
 end
 redis.call('HSET', KEYS[1], 'worker', ARGV[1])
-local counts = redis.call('HMGET', KEYS[1], 'crashes', 'excused')
-return {tonumber(counts[1] or '0'), tonumber(counts[2] or '0')}
+redis.call('HSETNX', KEYS[1], 't0', ARGV[7])
+local fresh = redis.call('HSETNX', KEYS[1], 'started', ARGV[8])
+redis.call('EXPIRE', KEYS[1], ARGV[9])
+local v = redis.call('HMGET', KEYS[1], 'crashes', 'excused', 't0', 'started')
+return {tonumber(v[1] or '0'), tonumber(v[2] or '0'), tonumber(v[3]), tonumber(v[4]), fresh}
 """
 
 # KEYS: source stream, dead stream[, out[, owner]]. ARGV: group, entry id, ttl_s, dead maxlen,
@@ -186,8 +237,8 @@ local group, consumer, token, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local kept = 0
 for j = 1, #KEYS - 1, 2 do
   local id = ARGV[6 + (j + 1) / 2]
-  local p = redis.call('XPENDING', KEYS[j], group, id, id, 1)
-  if #p == 1 and p[1][2] == consumer then
+  local p = redis.pcall('XPENDING', KEYS[j], group, id, id, 1)
+  if type(p) == 'table' and p[1] and p[1][2] == consumer then
     redis.call('XCLAIM', KEYS[j], group, consumer, 0, id, 'JUSTID')
     kept = kept + 1
   end
@@ -265,6 +316,11 @@ def _flat(fields: WireFields) -> list[bytes | str]:
     return out
 
 
+# the event the append and requeue scripts end a job with when its owner hash is gone
+LOST_STATE_EVENT = json.dumps(_flat(event_to_fields(ErrorEvent(code=LOST_STATE,
+                                                               message=LOST_STATE_MESSAGE))))
+
+
 @dataclass(frozen=True)
 class JobAppend:
     """One job's share of an `append` call: its keys, its entry and its new events."""
@@ -306,12 +362,14 @@ class Scripts:
         keys = [key for job in jobs for key in (job.out, job.owner, job.source)]
         payload = [[job.entry_id, [_flat(fields) for fields in job.events]] for job in jobs]
         pipe.evalsha(self.append_sha, len(keys), *keys, token, ttl_s, group,
-                     json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
+                     json.dumps(payload, ensure_ascii=False, separators=(",", ":")),
+                     LOST_STATE_EVENT)
 
     def requeue(self, pipe: redis.client.Pipeline, *, owner: str, source: str, requeue: str,
-                token: str, group: str, entry_id: str, fields: WireFields) -> None:
-        pipe.evalsha(self.requeue_sha, 3, owner, source, requeue, token, group, entry_id,
-                     *_flat(fields))
+                out: str, token: str, group: str, entry_id: str, ttl_s: int,
+                fields: WireFields) -> None:
+        pipe.evalsha(self.requeue_sha, 4, owner, source, requeue, out, token, group, entry_id,
+                     ttl_s, LOST_STATE_EVENT, *_flat(fields))
 
     def dead_letter(self, pipe: redis.client.Pipeline, *, source: str, dead: str, group: str,
                     entry_id: str, ttl_s: int, dead_maxlen: int, dead_fields: WireFields,
@@ -330,9 +388,12 @@ class Scripts:
         pipe.evalsha(self.dead_letter_sha, len(keys), *keys, *args)
 
     def take_owner(self, pipe: redis.client.Pipeline, *, owner: str, token: str, job_id: str,
-                   prefix: str) -> None:
-        """Reply: [crashes, excused] of the job, the previous owner's death counted."""
-        pipe.evalsha(self.take_owner_sha, 1, owner, token, job_id, alone_key(prefix, ""))
+                   prefix: str, stream: str, group: str, consumer: str, entry_id: str,
+                   t0_ms: int, now_ms: int, ttl_s: int) -> None:
+        """Reply: [crashes, excused, t0, started, 1 if first started now] of the job, the
+        previous owner's death counted; None when another consumer holds the entry."""
+        pipe.evalsha(self.take_owner_sha, 2, owner, stream, token, job_id, alone_key(prefix, ""),
+                     group, consumer, entry_id, t0_ms, now_ms, ttl_s)
 
     def beat(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
              token: str, owner_ttl_s: int, worker_key: str, info: str, liveness_ms: int,

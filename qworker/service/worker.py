@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import re
 import socket
 import time
@@ -42,15 +41,17 @@ from qworker.engine.request import (
     StructuredOutputs,
 )
 from qworker.service import publisher as pub
+from qworker.service.backoff import Backoff
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import (
     EXIT_CODE,
     REDIS_DOWN,
     CannotWork,
     cannot_work,
-    is_no_group,
+    is_group_gone,
     is_transient,
 )
+from qworker.service.groups import Groups
 from qworker.service.heartbeat import Heartbeat, Held
 from qworker.service.intake import BAND_PRIORITY, Intake, Reject, Taken
 from qworker.service.job import ActiveJob, Entry, now_ms
@@ -63,6 +64,7 @@ from qworker.service.scripts import Scripts, alone_key
 from qworker_client.protocol import (
     INTERNAL,
     INVALID_REQUEST,
+    LOST_STATE,
     DoneEvent,
     ErrorEvent,
     Job,
@@ -95,25 +97,6 @@ def connect(config: ServiceConfig) -> redis.Redis:
     return redis.Redis.from_url(
         config.redis_url, socket_timeout=config.socket_timeout_s, socket_connect_timeout=5.0,
         retry=Retry(NoBackoff(), 0), client_name=re.sub(r"[^!-~]", "_", f"qworker:{config.name}"))
-
-
-@dataclass
-class Backoff:
-    min_s: float
-    max_s: float
-    delay: float = 0.0
-    until: float = 0.0
-
-    def ready(self, now: float) -> bool:
-        return now >= self.until
-
-    def failed(self, now: float) -> float:
-        self.delay = min(self.max_s, max(self.min_s, self.delay * 2))
-        self.until = now + self.delay * (0.5 + random.random() / 2)
-        return self.delay
-
-    def succeeded(self) -> None:
-        self.delay, self.until = 0.0, 0.0
 
 
 @dataclass
@@ -174,9 +157,11 @@ class Worker:
         self.heartbeat = Heartbeat(self.client, self.keys, config, scripts, self.token)
         self.backoff = Backoff(config.backoff_min_s, config.backoff_max_s)
         self.log = get_logger(worker=config.name)
+        self.groups = Groups(self.client, self.intake.streams, config.group, self.log)
         self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
         self._token_text = token_text(engine.tokenizer)  # for jobs with logprobs_text
         self.active: dict[str, ActiveJob] = {}
+        self.inbox: list[Entry] = []  # read, not yet started or rejected: owned all the same
         self._redis_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{config.name}-redis")
         self._flight: Flight | None = None  # the round trip running beside the engine step
         self._alone: str | None = None  # the job our alone key names (see _move_alone)
@@ -188,7 +173,7 @@ class Worker:
         self._last_reclaim = float("-inf")
         self._last_cleanup = time.monotonic()  # dead consumers: first look after a while
         self._last_info = float("-inf")
-        self._tracked: tuple[str, ...] | None = None  # job ids of the heartbeat's snapshot
+        self._tracked: tuple[tuple[str, ...], ...] | None = None  # the heartbeat's snapshot
         self._started_ms = now_ms()
         self._stop_requests = 0  # request_stop() calls, and how many the loop has acted on
         self._stops_taken = 0
@@ -300,7 +285,7 @@ class Worker:
             self._guard(self._land)
 
     def _setup(self) -> None:
-        self.intake.ensure_group()
+        self.groups.ensure()
         Scripts.load(self.client)
         self._ready = True
 
@@ -317,8 +302,7 @@ class Worker:
             self._ready = False  # Redis lost its scripts (restart, SCRIPT FLUSH): load again
             return False
         except redis.ResponseError as exc:
-            if is_no_group(exc):
-                self.log.warning("consumer group missing, recreating it")
+            if is_group_gone(exc):  # Redis forgot it: made again (and said) at the next turn
                 self._ready = False
                 return False
             if not is_transient(exc):
@@ -435,24 +419,26 @@ class Worker:
         caps = self._read_caps()
         if not jobs and not running and not caps:
             return
-        reply = self._redis_thread.submit(self.publisher.flush, jobs, running, caps)
+        reply = self._redis_thread.submit(self.publisher.flush, jobs, running, caps,
+                                          self.heartbeat.hold)
         self._flight = Flight({job.job_id: len(job.outbox) for job in jobs}, reply)
 
     def _read_caps(self) -> list[tuple[str, int]]:
         """While the engine runs, new entries come with the round trip (within each band's room);
         with nothing to run, `_housekeeping` reads them itself, blocking while idle."""
-        if self.draining or not self.engine.has_unfinished():
+        if self.draining or self.inbox or not self.engine.has_unfinished():
             return []
         rooms = self._rooms()
         return self.intake.caps(rooms) if max(rooms.values()) > 0 else []
 
     def _land(self) -> None:
-        """Settle the round trip under way, waiting for its reply if it is still out (its error,
-        if it failed, is raised here, for `_guard`: the events stay in their outboxes)."""
+        """Settle the round trip under way (its reply awaited if still out; its error raised for
+        `_guard`, the events kept in their outboxes), then admit the entries it read."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
         result = flight.reply.result()
+        self.inbox += result.entries  # ours whatever fails below
         failed: list[Reject] = []
         for job_id, status in result.status.items():
             job = self.active[job_id]  # only a landing removes jobs: it is still here
@@ -463,8 +449,9 @@ class Worker:
         self._dead_letter(failed)
         self._cancel(result.cancelled)
         self.metrics.running.set(len(self.active))
-        if result.entries:
-            self._admit(result.entries)
+        if result.error is not None:
+            raise result.error
+        self._admit()
 
     def _cancel(self, job_ids: set[str]) -> None:
         for job_id in job_ids:
@@ -484,9 +471,13 @@ class Worker:
             self._record_end(job)
         elif status == pub.REQUEUED:
             job.log.info("requeued", tokens=job.next_index)
+        elif status == pub.LOST_STATE:
+            self.metrics.jobs_failed.labels(LOST_STATE).inc()
+            job.log.warning("job state vanished from Redis, ended with lost_state")
+        elif status == pub.FENCED:
+            self.metrics.fenced.inc()
+            job.log.warning("fenced out: another worker owns the job", tokens=job.next_index)
         else:
-            if status == pub.LOST:
-                self.metrics.lost.inc()
             job.log.warning("dropping job", status=status)
         if job.in_engine:
             self.engine.abort(job.job_id)
@@ -523,6 +514,9 @@ class Worker:
         now = time.monotonic()
         if self.draining:
             return
+        if self.inbox:  # an admission that a Redis error cut short: finish it first
+            self._admit()
+            return
         if now - self._last_cleanup >= self.config.consumer_idle_ms / 1000:
             self._last_cleanup = now
             self.metrics.consumers_removed.inc(self.intake.drop_dead_consumers())
@@ -541,17 +535,20 @@ class Worker:
             block = self.config.block_ms if idle and not entries else None
             entries += self.intake.read(
                 {band: room - len(entries) for band, room in rooms.items()}, block)
-        if entries:
-            self._admit(entries)
+        self._admit(entries)
 
     def _rooms(self) -> dict[str, int]:
         """Per band: how many of its jobs the engine takes now (an urgent one displaces a worse)."""
         return {band: self.engine.free_slots(p) for band, p in BAND_PRIORITY.items()}
 
-    def _admit(self, entries: list[Entry]) -> None:
-        self._track(entries)  # ours now: kept owned while they are admitted
-        good, rejects = self.intake.screen(entries, set(self.active))
+    def _admit(self, entries: Sequence[Entry] = ()) -> None:
+        """Screen, take and start the inbox with `entries` (just read): each stays in it, kept
+        owned, until it is started or rejected; a Redis error leaves the rest for the next turn."""
+        self.inbox += entries
+        self._track()
+        good, rejects = self.intake.screen(self.inbox, set(self.active))
         taken, refused = self.intake.take(good) if good else ([], [])
+        self.metrics.fenced.inc(len(good) - len(taken) - len(refused))  # a peer had them first
         self.metrics.redis_job_errors.inc(len(refused))
         rejects += refused
         finished_before: list[Entry] = []
@@ -563,10 +560,13 @@ class Worker:
             reject = self.intake.expired(t) or self.intake.poisoned(t) or self._start(t, read_ms)
             if reject is not None:
                 rejects.append(reject)
+            else:
+                self.inbox.remove(t.entry)
             self.heartbeat.progress()  # a slow admission is progress, not a stall
         if finished_before:
             self.intake.ack(finished_before)
         self._dead_letter(rejects)
+        self.inbox = []
         self.metrics.running.set(len(self.active))
 
     def _dead_letter(self, rejects: list[Reject]) -> None:
@@ -578,20 +578,20 @@ class Worker:
                           reason=r.message[:200])
         self.intake.dead_letter(rejects)
 
-    def _track(self, admitting: Sequence[Entry] = ()) -> None:
-        """Tell the heartbeat which entries this worker holds (and, now and then, its info);
-        the snapshot is rebuilt only when what the worker holds changed."""
+    def _track(self) -> None:
+        """Tell the heartbeat which entries this worker holds, its jobs' and its inbox's (and, now
+        and then, its info); the snapshot is rebuilt only when what the worker holds changed."""
         now = time.monotonic()
         info = None
         if now - self._last_info >= self.config.heartbeat_s / 2:
             self._last_info = now
             info = self._info().model_dump_json()
-        holding = tuple(self.active)
-        if holding == self._tracked and not admitting and info is None:
+        holding = (tuple(self.active), tuple(e.entry_id for e in self.inbox))
+        if holding == self._tracked and info is None:
             return
-        self._tracked = None if admitting else holding  # None: rebuilt at the next turn
+        self._tracked = holding
         held = [Held(j.entry.stream, j.entry.entry_id, j.job_id) for j in self.active.values()]
-        held += [Held(e.stream, e.entry_id, e.entry_id) for e in admitting]
+        held += [Held(e.stream, e.entry_id, e.entry_id) for e in self.inbox]
         self.heartbeat.track(held, info)
 
     def _start(self, t: Taken, read_ms: int) -> Reject | None:
