@@ -51,7 +51,7 @@ from typing import Any
 
 import redis
 
-from qworker_client.protocol import LOST_STATE, ErrorEvent, WireFields, event_to_fields
+from qworker_client.protocol import LOST_STATE, ErrorEvent, Keys, WireFields, event_to_fields
 
 LOST_STATE_MESSAGE = ("the job's state vanished from Redis while it ran (its owner key is gone: "
                       "Redis was wiped or restarted with no data); tokens streamed before stay; "
@@ -272,7 +272,7 @@ return 0
 def alone_key(prefix: str, token: str) -> str:
     """Names the job that the worker with fencing token `token` does something with alone now
     (starts it as a reclaimed job, or steps it alone); absent when none. Set before it begins."""
-    return f"{prefix}:alone:{token}"
+    return Keys(prefix).alone(token)
 
 
 # KEYS: the work streams in the order a worker reads them (most urgent band first). ARGV: group,
