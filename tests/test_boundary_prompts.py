@@ -1,12 +1,13 @@
 """A worker with its default configuration, on the default model, ends every prompt at and around
 each boundary its engine has `done`, with all its tokens: one token, a KV block - 1, 0, + 1, the
-step budget and prefill chunk - 1, 0, + 1, two budgets, four and one token, eight budgets; alone,
-and all at once beside running decodes. Its engine is built as `qworker serve --model smollm2`
-builds it (weights released to the chosen kernels' packs): in a real worker process through Redis
-on the measured choice, and here in this process for each kernel family this CPU runs, forced as
-QWORKER_KERNELS forces it, up to two budgets (longer prompts add chunks and positions, no new
-shape of step, and cost seconds each: a family's sweep stays ~15 s on 2 vCPUs). max_model_len - 1
-goes through the gateway (test_gateway_real_model.py): ~25 s of prefill on 2 vCPUs."""
+step budget and prefill chunk - 1, 0, + 1 (together every shape of step one prompt gives: a last
+chunk of each size, and a full chunk that samples nothing), then two budgets, four and one token,
+eight budgets (more chunks, further positions). Its engine is built as `qworker serve --model
+smollm2` builds it (weights released to the chosen kernels' packs). A real worker process through
+Redis, on the measured choice, runs every length alone and each shape of step beside running
+decodes; here in this process each kernel family this CPU runs (forced as QWORKER_KERNELS forces
+it) runs each shape of step alone and beside running decodes. Longer prompts cost seconds each on
+2 vCPUs; max_model_len - 1 goes through the gateway (test_gateway_real_model.py)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def boundaries(config: EngineConfig) -> list[int]:
     return sorted({1, *around, 2 * budget, 4 * budget + 1, 8 * budget})
 
 
+def step_shapes(config: EngineConfig) -> list[int]:
+    """Of those, the lengths that give every shape of step one prompt can give."""
+    longest = max(config.max_batched_tokens, config.prefill_chunk, config.block_size) + 1
+    return [n for n in boundaries(config) if n <= longest]
+
+
 def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*ID_RANGE) for _ in range(n)]
 
@@ -89,6 +96,7 @@ def greedy(n_tokens: int) -> SamplingParams:
 
 
 def check_boundaries(engine: Engine, lengths: list[int], seed: int) -> None:
+    """Each length alone, then all at once beside running decodes."""
     rng = random.Random(seed)
     want = {n: (expected_tokens(n, engine.max_seq_len), "length") for n in lengths}
     alone = {n: run_until_ended(engine, [Request(f"alone-{n}", prompt(rng, n),
@@ -114,9 +122,7 @@ def test_each_kernel_family_ends_every_boundary_prompt(family: str) -> None:
         engine = build_engine(build_parser().parse_args(SERVE))
         assert isinstance(engine, Engine)
         assert any(m.released for m in engine.runner.model.modules() if isinstance(m, Linear))
-        budget = engine.config.max_batched_tokens  # longer: more chunks, no new step shape
-        lengths = [n for n in boundaries(engine.config) if n <= 2 * budget]
-        check_boundaries(engine, lengths, seed=len(family))
+        check_boundaries(engine, step_shapes(engine.config), seed=len(family))
 
 
 # ------------------------------------------------------------------ a worker process
@@ -129,7 +135,8 @@ def submit_prompt(client: redis.Redis, job_id: str, ids: list[int], max_tokens: 
 
 def test_a_default_worker_process_ends_every_boundary_prompt(redis_url: str,
                                                              tmp_path: Path) -> None:
-    lengths = boundaries(worker_config())  # all far from the context: MAX_TOKENS each
+    config = worker_config()
+    lengths, shapes = boundaries(config), step_shapes(config)  # far from the context: MAX_TOKENS
     rng = random.Random(5)
     client = redis.Redis.from_url(redis_url)
     log = tmp_path / "worker.log"
@@ -146,16 +153,16 @@ def test_a_default_worker_process_ends_every_boundary_prompt(redis_url: str,
         wait_for(lambda: all(client.xlen(KEYS.out(d)) for d in decoders), timeout=120,
                  what="the decodes to run")
         beside = [submit_prompt(client, f"beside-{n}", prompt(rng, n), MAX_TOKENS)
-                  for n in lengths]
+                  for n in shapes]
         wait_terminal(client, beside, timeout=300)
         for d in decoders:
             assert not isinstance(events(client, d)[-1], DoneEvent), f"{d} ended early"
             client.set(KEYS.cancel(d), 1, ex=60)
         wait_terminal(client, decoders, timeout=120)
-        for scenario in ("alone", "beside"):
-            got = {n: check_stream(client, f"{scenario}-{n}") for n in lengths}
+        for scenario, sent in (("alone", lengths), ("beside", shapes)):
+            got = {n: check_stream(client, f"{scenario}-{n}") for n in sent}
             assert {n: (d.completion_tokens, d.finish_reason) for n, d in got.items()} == {
-                n: (MAX_TOKENS, "length") for n in lengths}, scenario
+                n: (MAX_TOKENS, "length") for n in sent}, scenario
     finally:
         stop_gracefully(proc)
         client.close()
