@@ -96,7 +96,7 @@ def run_all(engine: Engine, prompts: list[tuple[int, list[int]]]) -> dict[str, t
     return ended
 
 
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(family=st.sampled_from(RUNNABLE_FAMILIES), weight_format=st.sampled_from(FORMATS),
        max_batched_tokens=st.integers(1, 80), prefill_chunk=st.integers(1, 80),
