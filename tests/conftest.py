@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from qworker_client.local_redis import RedisProcess, free_port
+from tests import internal_errors
 
 if TYPE_CHECKING:
     import transformers
@@ -32,6 +33,23 @@ class RedisServer(RedisProcess):
     @property
     def workdir(self) -> Path:
         return self.data_dir
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{internal_errors.MARKER}: the test provokes `internal` "
+                            "job failures on purpose (tests/internal_errors.py)")
+
+
+@pytest.fixture(autouse=True)
+def no_internal_errors(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test if a worker it ran logged `job failed` with code `internal` (a valid job
+    the engine failed), unless it is marked `internal_errors_expected`."""
+    internal_errors.start()
+    yield
+    found = internal_errors.seen()
+    if found and request.node.get_closest_marker(internal_errors.MARKER) is None:
+        pytest.fail(f"a worker failed {len(found)} job(s) with code internal (mark the test "
+                    f"{internal_errors.MARKER} if that is its point): {found[:3]}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import pytest
 import torch
 
+from qworker.model import native
+from qworker.model import native_build as nb
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.kv_cache import KVCache
 from qworker.model.llama import LlamaModel
@@ -15,6 +20,38 @@ from qworker.model.llama import LlamaModel
 TEST_DEVICE = os.environ.get("QWORKER_TEST_DEVICE", "cpu")
 
 Step = list[tuple[int, int]]  # (sequence index, number of new tokens) per scheduled sequence
+RUNNABLE_LEVELS = {level.name for level in nb.runnable_levels()}
+# every kernel family this CPU runs: the torch path, and each native one whose instructions it has
+RUNNABLE_FAMILIES = ["torch", *(f for f, levels in nb.FAMILIES.items()
+                                if RUNNABLE_LEVELS & set(levels))]
+
+
+def skip_unless_runnable(family: str) -> None:
+    if family not in RUNNABLE_FAMILIES:
+        pytest.skip(f"this CPU ({nb.cpu_model()}) lacks the {family} instructions "
+                    f"(needs {' or '.join(sorted(nb.FAMILIES[family]))}); absent hardware")
+
+
+@contextmanager
+def kernel_family(family: str) -> Iterator[None]:
+    """`QWORKER_KERNELS=family` in this process (the native build chosen anew), then as before.
+    Models made inside run that family; make none that outlives the block."""
+    saved = os.environ.get("QWORKER_KERNELS")
+    os.environ["QWORKER_KERNELS"] = family
+    _forget_native()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("QWORKER_KERNELS", None)
+        else:
+            os.environ["QWORKER_KERNELS"] = saved
+        _forget_native()
+
+
+def _forget_native() -> None:
+    native._loaded.cache_clear()
+    native.amx_ready.cache_clear()
 
 
 def disjoint_block_tables(

@@ -30,6 +30,7 @@ from qworker_client.protocol import (
     parse_event,
     parse_job_fields,
 )
+from tests import internal_errors
 
 KEYS = Keys("qw")
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,10 +143,11 @@ def thread_worker(url: str, name: str, engine: SimulatedEngine | None = None,
 
 def spawn_worker(url: str, name: str, *args: str, log_path: Path | None = None
                  ) -> subprocess.Popen[bytes]:
-    """`qworker serve` in a subprocess on the simulated engine."""
+    """`qworker serve` in a subprocess, logging to `log_path` (else a file of its own), where
+    `internal_errors` looks for failed jobs."""
     cmd = [sys.executable, "-m", "qworker.cli", "serve", "--redis-url", url, "--name", name,
            *args]
-    out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    out = open(internal_errors.worker_log(log_path), "wb")  # noqa: SIM115
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=ROOT, env=env)
 

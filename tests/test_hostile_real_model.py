@@ -122,6 +122,7 @@ def token_ids(client: redis.Redis, job_id: str) -> list[int]:
     return [e.token_id for e in events(client, job_id) if isinstance(e, TokenEvent)]
 
 
+@pytest.mark.internal_errors_expected  # the injected fault, and only it
 def test_hostile_entries_cost_only_themselves_on_the_real_model(
         redis_url: str, model: LlamaModel, smollm2_tokenizer: Tokenizer,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from qworker.model import native_build as nb
+from tests.model_harness import RUNNABLE_FAMILIES, skip_unless_runnable
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNNABLE = {level.name for level in nb.runnable_levels()}
 
 # teacher-forced logits of the real model in float32 and bfloat16, written to argv[1] (a .pt
 # file): a 40-token prefill, then 12 single-token decode steps of the same tokens (the graph's path)
@@ -46,12 +46,6 @@ def _probe(family: str, out: Path) -> dict[str, object]:
     return torch.load(out)
 
 
-def _skip_unless_runnable(family: str) -> None:
-    if not RUNNABLE & set(nb.FAMILIES[family]):
-        pytest.skip(f"this CPU ({nb.cpu_model()}) lacks the {family} instructions "
-                    f"(needs {' or '.join(sorted(nb.FAMILIES[family]))}); absent hardware")
-
-
 @pytest.fixture(scope="module")
 def torch_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return _probe("torch", tmp_path_factory.mktemp("torch") / "torch.pt")
@@ -60,7 +54,7 @@ def torch_logits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 @pytest.mark.parametrize("family", list(nb.FAMILIES))
 def test_each_family_gives_the_torch_paths_logits_on_the_real_model(
         family: str, torch_logits: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    _skip_unless_runnable(family)
+    skip_unless_runnable(family)
     got = _probe(family, tmp_path / "out.pt")
     assert got["level"] in nb.FAMILIES[family]
     exact = torch_logits[str(torch.float32)]
@@ -109,7 +103,7 @@ def test_without_any_build_the_reason_is_reported(tmp_path: Path) -> None:
 
 
 def test_a_forced_family_the_cpu_cannot_run_says_so(tmp_path: Path) -> None:
-    missing = [f for f in nb.FAMILIES if not RUNNABLE & set(nb.FAMILIES[f])]
+    missing = [f for f in nb.FAMILIES if f not in RUNNABLE_FAMILIES]
     if not missing:
         pytest.skip(f"this CPU ({nb.cpu_model()}) runs every native family")
     env = {**os.environ, "QWORKER_KERNELS": missing[0]}

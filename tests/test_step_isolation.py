@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import redis
+from structlog.testing import capture_logs
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
@@ -208,6 +209,7 @@ def test_simulated_engine_isolates_the_same_way() -> None:
 # ---------------------------------------------------------------------------- the worker
 
 
+@pytest.mark.internal_errors_expected
 def test_worker_publishes_a_step_failure_as_internal_and_goes_on(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     engine = sim_engine("sim:step_ms=1")
@@ -238,6 +240,7 @@ def test_worker_publishes_a_step_failure_as_internal_and_goes_on(redis_url: str)
     assert group_pending(client) == 0
 
 
+@pytest.mark.internal_errors_expected
 def test_worker_survives_an_engine_step_that_raises(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     engine = sim_engine("sim:step_ms=1")
@@ -262,6 +265,36 @@ def test_worker_survives_an_engine_step_that_raises(redis_url: str) -> None:
     assert "AssertionError: an isolated sequence shares a step" in first.message
     assert isinstance(after, DoneEvent)
     assert not engine.has_unfinished() and group_pending(client) == 0
+
+
+@pytest.mark.internal_errors_expected
+def test_a_worker_whose_engine_fails_valid_jobs_says_so_loudly(redis_url: str) -> None:
+    """Each such failure counted (qworker_internal_errors_total); the first cause logged once,
+    as an error, where the warnings of each failed job are easily missed."""
+    client = redis.Redis.from_url(redis_url)
+    engine = sim_engine("sim:step_ms=1")
+    real_step = engine.step
+
+    def step() -> list[StepOutput]:
+        outputs = real_step()
+        failed = [StepOutput(out.request_id, [], first_index=out.first_index, finished=True,
+                             error=f"RuntimeError: broken {out.request_id}")
+                  for out in outputs if out.request_id.startswith("bad")]
+        for out in failed:
+            engine.abort(out.request_id)
+        return [out for out in outputs if not out.request_id.startswith("bad")] + failed
+
+    engine.step = step  # type: ignore[method-assign]
+    with capture_logs() as logs, thread_worker(redis_url, "w", engine) as w:
+        for job_id in ("bad-1", "ok", "bad-2"):
+            submit(client, job_id, prompt=f"hello {job_id}", max_tokens=4)
+        got = wait_terminal(client, ["bad-1", "ok", "bad-2"])
+        assert w.stop() == 0
+    assert isinstance(got["ok"], DoneEvent)
+    assert w.worker.metrics.registry.get_sample_value("qworker_internal_errors_total") == 2
+    loud = [e for e in logs if e["log_level"] == "error"]
+    assert [e["event"] for e in loud] == ["the engine failed a valid job"], loud
+    assert loud[0]["first_cause"].startswith("failed in an engine step: RuntimeError: broken bad-")
 
 
 def test_worker_isolates_a_reclaimed_entry_and_not_a_fresh_one(redis_url: str) -> None:

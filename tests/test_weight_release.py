@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.kv_cache import KVCache
 from qworker.model.linear import Linear
 from tests.engine_fixtures import tiny_model
 from tests.test_decode_graph import Step, run_schedule
@@ -40,3 +42,17 @@ def test_a_layer_that_may_run_f_linear_keeps_its_weight() -> None:
     assert not down.released and down.weight.untyped_storage().nbytes() == down.weight.nbytes
     assert not model.lm_head.released and model.embed_tokens.lookup is None
     assert model.layers[1].mlp.down_proj.released  # the default: native, no weight needed
+
+
+def test_a_released_model_runs_a_step_that_samples_no_row() -> None:
+    """A prefill chunk short of its prompt's end samples nothing: the LM head gets zero rows,
+    which need no kernel (they once fell through to F.linear and the released weight)."""
+    model = tiny_model(VOCAB, dtype=torch.float32, seed=5)
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.set_choice(("native",) * 5)
+    model.release_weights()
+    assert model.lm_head.released
+    cache = KVCache.allocate(model.config, 8, 4, model.dtype, model.device)
+    chunk = SequenceInput(list(range(3, 13)), 0, [0, 1, 2], need_logits=False)
+    assert model(build_batch([chunk], 4, model.device), cache).shape == (0, VOCAB)

@@ -37,9 +37,14 @@ class Engine(EngineCore):
             config.weights, resolve_dtype(config.dtype, config.device))
         model = load_model(path, dtype=dtype, device=config.device, weights=config.weights)
         engine = cls(model, Tokenizer.load(path), config)
-        engine.warm_up()
-        model.release_weights()  # the packs the choice runs are all that is kept
+        engine.prepare()
         return engine
+
+    def prepare(self) -> None:
+        """Readies a loaded engine as a worker runs it: warms up, then keeps only the packs the
+        chosen kernels run (no weight held twice)."""
+        self.warm_up()
+        self.runner.model.release_weights()
 
     def warm_up(self) -> None:
         """Chooses each linear layer's matmul by measuring them on this CPU (cached in the

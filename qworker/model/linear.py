@@ -13,7 +13,9 @@ Which one runs for a step of m rows is measured at warm-up (`kernel_choice`); un
 
 Once chosen, `release_weight` drops the original weight where every kind the layer runs reads
 only its pack, so no weight is held twice; a stand-in of the same shape and dtype (one element,
-broadcast) keeps the layer's description. A released layer runs only the kinds it kept.
+broadcast) keeps the layer's description. A released layer runs only the kinds it kept, and
+each kind reads its own pack at every row count (none at zero rows: a step that samples no row
+gives the LM head none), so every row count a step can have runs on what was kept.
 """
 
 from __future__ import annotations
@@ -64,12 +66,17 @@ class Linear(nn.Linear):
         return self.run(self.kind_for(x.shape[0]), x)
 
     def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + bias by `kind`, which reads only its own pack (or, "plain", the weight),
+        whatever the row count: a layer runs every row count on the kinds it kept."""
+        if x.shape[0] == 0:  # a step none of whose rows samples (the LM head): nothing to run
+            return x.new_empty((0, self.out_features))
         packed = self.packed(kind)
-        if kind in native.PACKED_KINDS and x.shape[0] > 0:
+        if kind in native.PACKED_KINDS:
             assert packed is not None
             return native.gemm(x, packed, self.bias, amx=kind == "amx")
         if kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        assert kind == "plain", f"no kernel {kind!r}"
         assert not self.released, "a released layer has no weight for F.linear"
         return F.linear(x, self.weight, self.bias)
 

@@ -60,10 +60,12 @@ class QuantLinear(nn.Module):
         return self.run(self.kind_for(x.shape[0]), x)
 
     def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:  # a step none of whose rows samples (the LM head): nothing to run
+            return x.new_empty((0, self.out_features))
         dtype = x.dtype
         x = x.float().contiguous()
         weight = self._weight_for(kind)
-        if kind == "torch" or x.shape[0] == 0:
+        if kind == "torch":
             out = F.linear(x, weight.dequantize())
         else:
             out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)

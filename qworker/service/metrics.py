@@ -76,6 +76,8 @@ class Metrics:
         self.tokens = Counter("qworker_generated_tokens", "Tokens published", registry=r)
         self.prompt_tokens = Counter("qworker_prompt_tokens", "Prompt tokens of jobs started "
                                      "(a resumed job's counted again)", registry=r)
+        self.internal_errors = Counter("qworker_internal_errors", "Valid jobs an engine failure "
+                                       "ended (code internal): a bug, worth an alert", registry=r)
         self.redis_errors = Counter("qworker_redis_errors", "Failed Redis round trips",
                                     registry=r)
         self.redis_job_errors = Counter("qworker_redis_job_errors", "Jobs failed because Redis "

@@ -398,6 +398,10 @@ class Worker:
         job.outbox.append(ErrorEvent(code=code, message=message[:1000]))
         job.finished = True
         job.log.warning("job failed", code=code, reason=message[:200])
+        if code == INTERNAL:  # an engine that fails valid jobs: an operator must hear of it
+            self.metrics.internal_errors.inc()
+            if self.metrics.registry.get_sample_value("qworker_internal_errors_total") == 1:
+                self.log.error("the engine failed a valid job", first_cause=message[:1000])
 
     def _requeue_all(self) -> None:
         for job in self.active.values():
