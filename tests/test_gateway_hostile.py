@@ -14,9 +14,12 @@ import httpx2
 import pytest
 import redis
 
+from qworker_client.connect import ClientOptions
 from qworker_client.gateway.app import create_app
 from qworker_client.gateway.config import GatewayConfig
-from qworker_client.protocol import parse_entry_id
+from qworker_client.gateway.connection import gateway_client
+from qworker_client.gateway.hub import Hub, Item, Mailbox
+from qworker_client.protocol import TokenEvent, event_to_fields, parse_entry_id
 from tests.gateway_harness import OpenRequest, gateway, live_worker
 from tests.service_harness import KEYS, sim_engine, wait_for
 
@@ -85,6 +88,41 @@ def test_an_output_key_of_the_wrong_type_fails_its_request_only(url: str,
     hostile.join(30)
     assert hostile.done and hostile.error_codes() == ["bad_event"], hostile.events
     all_done(streams)
+
+
+def test_the_hub_ends_only_the_jobs_whose_read_fails(redis_url: str) -> None:
+    """At depth, past the routes' checks: an id Redis refuses and a key that is no stream, among
+    eight streams read at once."""
+    r = redis.Redis.from_url(redis_url)
+    jobs = [f"hub-{k}" for k in range(8)]
+    for job_id in jobs:
+        r.xadd(KEYS.out(job_id), event_to_fields(TokenEvent(i=0, token_id=1, text=job_id)))
+    r.delete(KEYS.out("hub-5"))
+    r.set(KEYS.out("hub-5"), "not a stream")
+
+    async def follow_all() -> dict[str, list[Item]]:
+        client = gateway_client(redis_url, ClientOptions())
+        hub = Hub(client, KEYS)
+        boxes = {job_id: Mailbox() for job_id in jobs}
+        for job_id, box in boxes.items():
+            hub.follow({job_id: "1-18446744073709551616" if job_id == "hub-2" else "0-0"}, box)
+        try:
+            return {job_id: await asyncio.wait_for(box.take(), 10)
+                    for job_id, box in boxes.items()}
+        finally:
+            await hub.close()
+            await client.aclose()
+
+    got = asyncio.run(follow_all())
+    for job_id, items in got.items():
+        (item,) = items
+        assert not isinstance(item, BaseException), (job_id, item)
+        (entry,) = item[1]
+        fields = dict(zip(entry[1][::2], entry[1][1::2], strict=True))
+        if job_id in ("hub-2", "hub-5"):
+            assert (fields["type"], fields["code"]) == ("error", "bad_event"), fields
+        else:
+            assert (fields["type"], fields["text"]) == ("token", job_id)
 
 
 def test_a_request_fans_out_to_a_bounded_number_of_jobs(url: str, redis_url: str) -> None:
