@@ -253,6 +253,23 @@ def test_submit_reattaches_while_the_job_lives_and_resubmits_a_lost_one(
     assert client.ttl("qw:batch:batch-x") > 0
 
 
+def test_a_line_whose_output_key_is_no_stream_fails_alone(
+    redis_url: str, client: redis.Redis, tmp_path: Path
+) -> None:
+    raws = [json.dumps(good_line(i)) for i in range(4)]
+    hostile = parse_line(2, raws[1].encode(), "b-wrongtype")
+    assert isinstance(hostile, BatchLine)
+    client.set(KEYS.out(hostile.job_id), "not a stream")  # the runner follows it: "already out"
+    source = write_lines(tmp_path / "in.jsonl", raws)
+    output, errors = tmp_path / "out.jsonl", tmp_path / "failed.jsonl"
+    with sim_worker(redis_url):
+        summary = run_batch(source, output, errors, client=client, batch_id="b-wrongtype")
+    assert (summary.succeeded, summary.failed) == (3, 1)
+    assert sorted(r["custom_id"] for r in records(output)) == ["c0", "c2", "c3"]
+    (failed,) = records(errors)
+    assert (failed["custom_id"], failed["error"]["code"]) == ("c1", "bad_event")
+
+
 def test_job_ids_depend_on_batch_custom_id_and_content() -> None:
     raw = json.dumps(good_line(1)).encode()
     same = parse_line(1, raw, "b1"), parse_line(9, raw, "b1")

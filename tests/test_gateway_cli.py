@@ -24,7 +24,8 @@ def up(url: str) -> bool:
 def test_the_command_takes_its_settings_from_the_environment(redis_url: str) -> None:
     port = free_port()
     env = {**os.environ, "QWORKER_PORT": str(port), "QWORKER_API_KEY": "a, b",
-           "QWORKER_MAX_QUEUED": "0", "PYTHONPATH": str(ROOT)}
+           "QWORKER_MAX_QUEUED": "0", "QWORKER_MAX_PROMPTS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "producer")])}
     proc = subprocess.Popen([sys.executable, "-m", "qworker_client", "gateway", "--redis-url",
                              redis_url, "--log-level", "warning"], env=env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
@@ -37,6 +38,9 @@ def test_the_command_takes_its_settings_from_the_environment(redis_url: str) -> 
         refused = httpx2.post(f"{base}/v1/completions", json=body,
                               headers={"Authorization": "Bearer b"})
         assert refused.status_code == 429  # no room at all: QWORKER_MAX_QUEUED=0
+        two = httpx2.post(f"{base}/v1/completions", json={**body, "prompt": ["x", "y"]},
+                          headers={"Authorization": "Bearer b"})
+        assert two.status_code == 400  # QWORKER_MAX_PROMPTS=1
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled

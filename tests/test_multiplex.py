@@ -89,3 +89,25 @@ def test_a_stream_followed_from_an_entry_id(redis_url: str) -> None:
     reader = Multiplexer(client, KEYS, block_ms=50)
     reader.follow("r", last_id=first)
     assert [e for _, e in read_all(reader)] == [token(1, "b"), done("ab")]
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_an_output_key_of_the_wrong_type_ends_its_job_only(redis_url: str, decode: bool) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=decode)
+    for job_id in "abcde":
+        write(client, job_id, token(0, job_id))
+    client.delete(KEYS.out("b"), KEYS.out("d"))
+    client.set(KEYS.out("b"), "not a stream")
+    client.hset(KEYS.out("d"), "not", "a stream either")
+    reader = Multiplexer(client, KEYS, block_ms=50)
+    for job_id in "abcde":
+        reader.follow(job_id)
+    got = reader.read()
+    failed = {j: e for j, e in got if isinstance(e, ErrorEvent)}
+    assert set(failed) == {"b", "d"}
+    assert all(e.code == BAD_EVENT and "WRONGTYPE" in e.message for e in failed.values())
+    assert [(j, e) for j, e in got if j not in failed] == [(j, token(0, j)) for j in "ace"]
+    assert sorted(reader.open) == ["a", "c", "e"]
+    for job_id in "ace":
+        write(client, job_id, done(job_id))
+    assert sorted(j for j, _ in read_all(reader)) == ["a", "c", "e"] and not reader

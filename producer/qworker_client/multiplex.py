@@ -4,7 +4,10 @@ stream not yet ended: the batch runner, the demo and the service benchmark read 
 Each job's stream is taken as `OutputState` takes it (the sync client's rule, docs/protocol.md
 "The read loop"): a token index passed on before is skipped, and nothing after the first `done`
 or `error` is passed on or read again. An entry that is not an event of the protocol ends its job
-with a `bad_event` error, except a token entry, which is skipped.
+with a `bad_event` error, except a token entry, which is skipped; so does an output key that Redis
+refuses to read (not a stream): an error reply to the read of every stream is one stream's, found
+by reading the halves again (not blocking) until each that fails is alone, and the other jobs read
+on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from qworker_client.protocol import ErrorEvent, Keys
 from qworker_client.result import START_ID, OutputEvent, OutputState
 from qworker_client.retry import with_retry
 
-BAD_EVENT = "bad_event"  # error code of an output stream entry that breaks the protocol
+BAD_EVENT = "bad_event"  # error code of an output stream (or entry) that breaks the protocol
 
 Entries = list[tuple[str, dict[str, str]]]
 
@@ -35,6 +38,11 @@ def xread_by_stream(reply: object) -> list[tuple[str, Entries]]:
         return [(key, entries) for key, value in reply.items() for entries in value]
     assert isinstance(reply, list)
     return [(key, entries) for key, entries in reply]
+
+
+def unreadable_stream(exc: Exception) -> ErrorEvent:
+    """The end of a job whose output stream Redis refuses to read (a key that is not a stream)."""
+    return ErrorEvent(code=BAD_EVENT, message=f"its output stream cannot be read: {exc}")
 
 
 def _text(value: str | bytes) -> str:
@@ -69,22 +77,46 @@ class Multiplexer:
         event to pass on, in stream order per job. A job whose end was read is no longer open."""
         if not self.open:
             return []
-        streams: dict[KeyT, StreamIdT] = {self.keys.out(job_id): s.last_id
-                                          for job_id, s in self.open.items()}
-        reply = self._xread(streams)
+        positions = {job_id: state.last_id for job_id, state in self.open.items()}
+        read, failed = self._read_scoped(positions, self.block_ms)
         self.replied_at = time.time()
         events: list[tuple[str, OutputEvent]] = []
-        for key, entries in xread_by_stream(reply):
+        for key, entries in read:
             job_id = _text(key).removeprefix(self._out_prefix)
             state = self.open[job_id]
             events += [(job_id, event) for event in _take(state, entries)]
             if state.finished:
                 del self.open[job_id]
+        for job_id, exc in failed.items():
+            self.open.pop(job_id).error = event = unreadable_stream(exc)
+            events.append((job_id, event))
         return events
 
-    def _xread(self, streams: dict[KeyT, StreamIdT]) -> object:
+    def _read_scoped(self, positions: dict[str, str], block: int | None
+                     ) -> tuple[list[tuple[str, Entries]], dict[str, redis.ResponseError]]:
+        """An XREAD of these jobs' streams (job id -> last entry id): what each stream brought,
+        and by job id the error of each that fails alone (after an error reply, the halves are
+        read again, not blocking)."""
+        try:
+            return xread_by_stream(self._xread(positions, block)), {}
+        except redis.ResponseError as exc:
+            if len(positions) == 1:
+                return [], dict.fromkeys(positions, exc)
+        items = list(positions.items())
+        read: list[tuple[str, Entries]] = []
+        failed: dict[str, redis.ResponseError] = {}
+        for half in (items[:len(items) // 2], items[len(items) // 2:]):
+            half_read, half_failed = self._read_scoped(dict(half), None)
+            read += half_read
+            failed.update(half_failed)
+        return read, failed
+
+    def _xread(self, positions: dict[str, str], block: int | None) -> object:
+        streams: dict[KeyT, StreamIdT] = {self.keys.out(job_id): last_id
+                                          for job_id, last_id in positions.items()}
+
         def call() -> object:
-            return self.client.xread(streams, count=self.count, block=self.block_ms)
+            return self.client.xread(streams, count=self.count, block=block)
 
         return call() if self.give_up_s is None else with_retry(call, self.give_up_s)
 

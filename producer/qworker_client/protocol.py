@@ -628,6 +628,21 @@ def entry_ms(entry_id: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+_ENTRY_ID_RE = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+_U64_MAX = 2**64 - 1
+
+
+def parse_entry_id(text: str) -> tuple[int, int] | None:
+    """A stream entry id `<ms>-<seq>` as (ms, seq), in the order Redis sorts ids; None when Redis
+    would refuse it: both parts ASCII digits (`str.isdigit` takes "²" too) and unsigned 64-bit.
+    An id checked here cannot fail a read of several streams at once (the gateway's hub)."""
+    match = _ENTRY_ID_RE.fullmatch(text)
+    if match is None:
+        return None
+    ms, seq = int(match[1]), int(match[2])
+    return (ms, seq) if ms <= _U64_MAX and seq <= _U64_MAX else None
+
+
 def json_schemas() -> dict[str, dict[str, Any]]:
     """JSON Schema of a job and of each output event (and of any event, discriminated by type)."""
     return {
@@ -648,6 +663,6 @@ __all__ = [
     "DoneEvent", "ErrorEvent",
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
-    "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_event",
-    "parse_job_fields",
+    "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_entry_id",
+    "parse_event", "parse_job_fields",
 ]

@@ -26,6 +26,21 @@ def _env_int(name: str, default: int | None) -> int | None:
     return default if raw in (None, "") else int(raw)
 
 
+def _bound(text: str) -> int | None:
+    """A bound: a number, or `none` for no bound."""
+    return None if text.strip().lower() == "none" else int(text)
+
+
+def _setting(parser: argparse.ArgumentParser, flag: str, field: str, kind: type, metavar: str,
+             help: str) -> None:
+    """A flag for a GatewayConfig field: its default the field's, or its QWORKER_ variable."""
+    default = getattr(GatewayConfig, field)
+    raw = _env(flag.lstrip("-").replace("-", "_").upper())
+    parser.add_argument(flag, dest=field, type=kind, metavar=metavar,
+                        default=default if raw in (None, "") else kind(raw),
+                        help=f"{help} (default: {default})")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "gateway", help="serve an OpenAI-compatible HTTP API over the queue",
@@ -36,8 +51,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(prefix=_env("PREFIX", DEFAULT_PREFIX))
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=_env_int("PORT", 8000))
-    parser.add_argument("--max-queued", type=int, default=_env_int("MAX_QUEUED", None),
-                        help="refuse requests (429) once this many jobs are unfinished")
+    parser.add_argument("--max-queued", type=_bound, metavar="N",
+                        default=_bound(_env("MAX_QUEUED") or str(GatewayConfig.max_queued)),
+                        help="refuse a request (429) that would make more jobs than this "
+                             "unfinished for its model; `none`: no bound (default: "
+                             f"{GatewayConfig.max_queued})")
+    _setting(parser, "--max-prompts", "max_prompts", int, "N",
+             "most prompts one completions request may hold (400 past it)")
+    _setting(parser, "--max-jobs", "max_jobs", int, "N",
+             "most jobs one request may queue, its prompts times `n` (400 past it)")
+    _setting(parser, "--max-body-bytes", "max_body_bytes", int, "BYTES",
+             "largest request body, file uploads aside (413 past it)")
+    _setting(parser, "--max-header-bytes", "max_header_bytes", int, "BYTES",
+             "largest request line and headers (431 past it)")
+    _setting(parser, "--header-timeout", "header_timeout_s", float, "S",
+             "seconds a connection has to send a request's line and headers")
+    _setting(parser, "--keep-alive", "keep_alive_s", int, "S",
+             "seconds an idle kept-alive connection is kept")
+    parser.add_argument("--max-connections", type=int, metavar="N",
+                        default=_env_int("MAX_CONNECTIONS", None),
+                        help="connections at once; past it the one idle longest is closed "
+                             "(default: the open-file limit less what Redis and files need)")
     parser.add_argument("--api-key", action="append", default=None,
                         help="require `Authorization: Bearer KEY` (repeatable)")
     parser.add_argument("--result-ttl", type=int,
@@ -67,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
         from qworker_client.gateway.app import create_app
         from qworker_client.gateway.gc_tuning import tune_gc
+        from qworker_client.gateway.server import uvicorn_config
     except ModuleNotFoundError as exc:
         report_error(f"`gateway` needs its extra ({exc.name} is missing): {INSTALL_HINT}")
         return EXIT_USAGE
@@ -74,10 +109,12 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url or redis_url_from_env(), prefix=args.prefix, host=args.host,
         port=args.port, max_queued=args.max_queued, api_keys=api_keys(args.api_key),
         result_ttl_s=args.result_ttl, files_dir=args.files_dir,
-        stream_interval_ms=args.stream_interval,
+        stream_interval_ms=args.stream_interval, max_prompts=args.max_prompts,
+        max_jobs=args.max_jobs, max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
+        keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
     )
     app = create_app(config)
     tune_gc()  # what the imports and the app made is frozen
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                lifespan="on")
+    uvicorn.Server(uvicorn_config(app, config, args.log_level)).run()
     return 0

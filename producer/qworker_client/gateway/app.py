@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from qworker_client.gateway import batch_routes, jobs
 from qworker_client.gateway.auth import RequireKey
+from qworker_client.gateway.body import LimitBody
 from qworker_client.gateway.catalog import model_card, model_list
 from qworker_client.gateway.completions import complete
 from qworker_client.gateway.config import GatewayConfig
@@ -70,8 +71,9 @@ def create_app(config: GatewayConfig) -> Starlette:
     ]
     app = GatewayApp(
         routes=routes, lifespan=lifespan,
-        middleware=[Middleware(CountResponses, metrics=gateway.metrics),
-                    Middleware(RequireKey, keys=config.api_keys)],
+        middleware=[Middleware(CountResponses, metrics=gateway.metrics, routes=routes),
+                    Middleware(RequireKey, keys=config.api_keys),
+                    Middleware(LimitBody, max_bytes=config.max_body_bytes)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
                             redis.RedisError: _redis_error, Exception: _server_error},
     )

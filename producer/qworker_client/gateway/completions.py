@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -11,8 +10,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from qworker_client.gateway import owners, streams
+from qworker_client.gateway.body import parse_json
 from qworker_client.gateway.disconnect import EventStream, until_disconnect
-from qworker_client.gateway.errors import bad_request
 from qworker_client.gateway.live import LiveStream
 from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.service import Gateway
@@ -25,11 +24,13 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left first: never seen b
 
 
 async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
-    req = translate(kind, await read_json(request), gateway.config.max_n)
+    config = gateway.config
+    req = translate(kind, await read_json(request), config.max_n, config.max_prompts,
+                    config.max_jobs)
     await gateway.catalog.check(req.model)
     await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
     shape = Shape(kind, req.response_id, req.model, int(time.time()), req.logprobs)
-    await gateway.submit(req, shape, owners.caller(request))
+    queued = await gateway.submit(req, shape, owners.caller(request))
     job_ids = [c.job_id for c in req.choices]
     headers = {JOB_ID_HEADER: ",".join(job_ids)}
 
@@ -37,7 +38,7 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
         if not req.detach:
             await gateway.cancel(job_ids)
 
-    reader = OutputReader(gateway.hub, dict.fromkeys(job_ids, START_ID))
+    reader = OutputReader(gateway.hub, dict.fromkeys(job_ids, START_ID), queued)
     follow = _follow(gateway, req, shape)
     if req.stream:
         return EventStream(LiveStream(reader, follow, gateway.metrics), abort, headers)
@@ -60,8 +61,5 @@ def _follow(gateway: Gateway, req: GatewayRequest, shape: Shape) -> streams.Foll
 
 
 async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    """The body's JSON (bounded in size by `body.LimitBody`, in nesting by `parse_json`)."""
+    return parse_json(await request.body())

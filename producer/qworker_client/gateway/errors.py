@@ -6,12 +6,15 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from qworker_client.protocol import LOST_STATE
+
 # HTTP status and OpenAI error type of each job error code (docs/protocol.md, `error` event);
 # an unknown code is the server's failure.
 _JOB_ERRORS: dict[str, tuple[int, str, str | None]] = {
     "invalid_request": (400, "invalid_request_error", None),
     "prompt_too_long": (400, "invalid_request_error", "context_length_exceeded"),
     "expired": (408, "timeout_error", "expired"),
+    LOST_STATE: (503, "server_error", None),  # the job is gone with Redis' state: submit again
 }
 
 

@@ -21,12 +21,21 @@ wake-up (an asyncio.Queue woke it once per item, through several layers of Pytho
 has already waited). Each read then brings several tokens of a busy stream, so the reads, the
 wake-ups and the sends (one per stream per read) cost less per token; a token waits at most one
 interval more.
+
+An error reply to the read is one stream's (a key that is not a stream; an id Redis refuses,
+though the routes check ids first), never every follower's: the read's halves are read again,
+not blocking, until each stream that fails is alone, as the engine bisects a failing step; that
+job ends with a `bad_event` error for its followers, and the others get their entries. A job
+whose state vanished from Redis ends with `lost_state` (`vanished.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import logging
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,10 +43,16 @@ from typing import Any, Protocol
 
 import redis.asyncio
 from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ResponseError
 
 from qworker_client.connect import READ_COUNT
-from qworker_client.protocol import Keys
+from qworker_client.gateway import vanished
+from qworker_client.gateway.vanished import Queued
+from qworker_client.multiplex import unreadable_stream
+from qworker_client.protocol import ErrorEvent, Keys, event_to_fields
 from qworker_client.retry import TRANSIENT_ERRORS, Backoff
+
+log = logging.getLogger("qworker.gateway")
 
 BLOCK_MS = 20
 GIVE_UP_S = 60.0  # a dropped connection is retried this long, then every follower gets the error
@@ -99,26 +114,41 @@ class Hub:
         self.interval_s = interval_s
         self._follows: dict[str, list[_Follow]] = {}  # several readers may follow one job
         self._packed_keys: dict[str, bytes] = {}  # job id -> its output key, packed
+        self._queued: dict[str, Queued | None] = {}  # job id -> where it was queued, if known
+        self._heard: dict[str, float] = {}  # job id -> when it last showed it is there
         self._joined = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._closed = False
         self._out_prefix = keys.out("")
         self._conn: AbstractConnection | None = None  # the reads', from the client's pool
         self._read_head = b"".join(_bulk(str(arg).encode()) for arg in (
             "XREAD", "COUNT", READ_COUNT, "BLOCK", block_ms, "STREAMS"))
+        self._peek_head = b"".join(_bulk(str(arg).encode()) for arg in (
+            "XREAD", "COUNT", READ_COUNT, "STREAMS"))
 
-    def follow(self, job_ids: dict[str, str], mailbox: Follower) -> None:
+    def follow(self, job_ids: dict[str, str], mailbox: Follower,
+               queued: dict[str, Queued] | None = None) -> None:
         """Put each job's new entries (read after the given entry id) in `mailbox`, as
         (job id, entries), until `drop`: a `Mailbox`, or a follower that takes them as they
-        come, in the read loop."""
+        come, in the read loop. `queued`: where the jobs were queued, to tell one that vanished
+        (`vanished.py`)."""
+        now = time.monotonic()
         for job_id, after in job_ids.items():
             if job_id not in self._follows:
                 self._follows[job_id] = []
                 self._packed_keys[job_id] = _bulk((self._out_prefix + job_id).encode())
+                self._heard[job_id] = now
+            position = (queued or {}).get(job_id)
+            if position is not None or job_id not in self._queued:
+                self._queued[job_id] = position
             self._follows[job_id].append(_Follow(after, mailbox))
         self._joined.set()
+        loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="gateway-hub")
+            self._task = loop.create_task(self._run(), name="gateway-hub")
+        if self._watch is None or self._watch.done():
+            self._watch = loop.create_task(self._look_for_vanished(), name="gateway-hub-watch")
 
     def drop(self, job_ids: list[str], mailbox: Follower) -> None:
         """Stop putting these jobs' entries in `mailbox`."""
@@ -127,8 +157,13 @@ class Hub:
             if kept:
                 self._follows[job_id] = kept
             else:
-                self._follows.pop(job_id, None)
-                self._packed_keys.pop(job_id, None)
+                self._forget(job_id)
+
+    def _forget(self, job_id: str) -> None:
+        self._follows.pop(job_id, None)
+        self._packed_keys.pop(job_id, None)
+        self._queued.pop(job_id, None)
+        self._heard.pop(job_id, None)
 
     async def close(self) -> None:
         """Stop reading. The loop also stops by itself once closed: a cancel that reaches it
@@ -136,10 +171,11 @@ class Hub:
         never came."""
         self._closed = True
         self._joined.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._conn is not None:
             await self.client.connection_pool.release(self._conn)
             self._conn = None
@@ -154,7 +190,7 @@ class Hub:
             asked = {job_id: _earliest(fs) for job_id, fs in self._follows.items()}
             started = time.monotonic()
             try:
-                reply = await self._read(asked)
+                brought = await self._read_all(asked)
             except TRANSIENT_ERRORS as exc:
                 try:
                     delay = backoff.failed(exc)
@@ -163,21 +199,58 @@ class Hub:
                     continue
                 await asyncio.sleep(delay)
                 continue
-            except Exception as exc:  # e.g. an output key that is not a stream: nobody can read
+            except Exception as exc:  # a bug: no follower must wait for a read that is not
                 self._fail(exc)
                 continue
             backoff = Backoff(give_up_s=GIVE_UP_S)
-            self._deliver(reply, asked)
-            if reply and self.interval_s:
+            if brought and self.interval_s:
                 await asyncio.sleep(started + self.interval_s - time.monotonic())
 
-    async def _read(self, asked: dict[str, str]) -> object:
-        """One XREAD of every stream followed, after its earliest follower's position."""
+    async def _read_all(self, asked: dict[str, str]) -> bool:
+        """`_read` of every stream followed, delivered; True when it brought anything (or
+        failed: the next read is paced as after one that did)."""
+        try:
+            reply = await self._read(asked)
+        except ResponseError as exc:
+            await self._isolate(list(asked.items()), exc)
+            return True
+        self._deliver(reply, asked)
+        return bool(reply)
+
+    async def _isolate(self, failed: list[tuple[str, str]], exc: ResponseError) -> None:
+        """After an error reply to a read of these streams: halves read again, not blocking,
+        until each stream that fails is alone; its job ends with the error, the others' entries
+        are delivered. A job dropped meanwhile is left out."""
+        parts = [(failed, exc)]
+        while parts:
+            part, error = parts.pop()
+            if len(part) == 1:
+                job_id = part[0][0]
+                if job_id in self._follows:
+                    log.warning("job %s: its output stream cannot be read: %s", job_id, error)
+                    self._end(job_id, unreadable_stream(error))
+                continue
+            half = len(part) // 2
+            for piece in (part[:half], part[half:]):
+                live = {job_id: after for job_id, after in piece if job_id in self._follows}
+                if not live:
+                    continue
+                try:
+                    reply = await self._read(live, block=False)
+                except ResponseError as piece_error:
+                    parts.append((list(live.items()), piece_error))
+                else:
+                    self._deliver(reply, live)
+
+    async def _read(self, asked: dict[str, str], block: bool = True) -> object:
+        """One XREAD of these streams (blocking at most `block_ms`, or not at all), each after
+        its earliest follower's position."""
         if self._conn is None:
             self._conn = await self.client.connection_pool.get_connection()
         packed = self._packed_keys
+        head, arity = (self._read_head, 6) if block else (self._peek_head, 4)
         # one buffer: written as its ~500 pieces (writev), the command took several times longer
-        command = b"".join([b"*%d\r\n" % (6 + 2 * len(asked)), self._read_head,
+        command = b"".join([b"*%d\r\n" % (arity + 2 * len(asked)), head,
                             *[packed[job_id] for job_id in asked],
                             *[_bulk(entry_id.encode()) for entry_id in asked.values()]])
         await self._conn.send_packed_command(command, check_health=False)
@@ -186,23 +259,68 @@ class Hub:
     def _deliver(self, reply: object, asked: dict[str, str]) -> None:
         """Each follower gets the entries past its position, if the read started at or before
         it (one that joined behind it while the read was out waits for the next read)."""
+        now = time.monotonic()
         for key, entries in _by_stream(reply):
             job_id = key.removeprefix(self._out_prefix)
+            follows = self._follows.get(job_id)
+            if not follows:  # dropped while the read was out
+                continue
+            self._heard[job_id] = now
             asked_id = asked[job_id]
-            for follow in self._follows.get(job_id, ()):  # none: dropped while the read was out
+            for follow in follows:
                 new = entries if follow.last_id == asked_id else _past(entries, follow.last_id,
                                                                         asked_id)
                 if new:
                     follow.last_id = new[-1][0]
                     follow.mailbox.put_nowait((job_id, new))
 
+    def _end(self, job_id: str, event: ErrorEvent) -> None:
+        """End a job for each of its followers with `event`, as if read from its stream (at the
+        follower's position), and stop reading it."""
+        fields = [item for pair in event_to_fields(event).items() for item in pair]
+        follows = self._follows.get(job_id, [])
+        self._forget(job_id)
+        for follow in follows:
+            follow.mailbox.put_nowait((job_id, [[follow.last_id, fields]]))
+
+    async def _look_for_vanished(self) -> None:
+        """Every `EVERY_S`: the jobs quiet for `QUIET_S` are looked up; those of which nothing
+        is left end with `lost_state`."""
+        while not self._closed:
+            await asyncio.sleep(vanished.EVERY_S)
+            try:
+                await self._look_up(time.monotonic() - vanished.QUIET_S)
+            except Exception:  # a bug: the reads go on, only this round is lost
+                log.exception("looking up the quiet jobs failed")
+
+    async def _look_up(self, since: float) -> None:
+        """Look up the jobs not heard of since `since` (at most `MAX_LOOKUPS`, the longest quiet
+        first); end those gone and not heard of meanwhile, count the others as heard now."""
+        quiet = [job_id for job_id, heard in self._heard.items() if heard <= since]
+        if len(quiet) > vanished.MAX_LOOKUPS:
+            quiet = heapq.nsmallest(vanished.MAX_LOOKUPS, quiet, key=self._heard.__getitem__)
+        if not quiet:
+            return
+        gone = await vanished.vanished(self.client.connection_pool, self.keys,
+                                       {job_id: self._queued.get(job_id) for job_id in quiet})
+        if gone is None:  # Redis away: looked up again next round
+            return
+        for job_id in gone:
+            if self._heard.get(job_id, math.inf) <= since:
+                log.warning("job %s: its state vanished from Redis: ended (lost_state)", job_id)
+                self._end(job_id, vanished.LOST)
+        now = time.monotonic()
+        for job_id in quiet:
+            if job_id in self._heard:
+                self._heard[job_id] = now
+
     def _fail(self, exc: BaseException) -> None:
         """Redis stayed away: every follower gets the error, and is dropped."""
         mailboxes = {id(f.mailbox): f.mailbox for fs in self._follows.values() for f in fs}
         for mailbox in mailboxes.values():
             mailbox.put_nowait(exc)
-        self._follows.clear()
-        self._packed_keys.clear()
+        for job_id in list(self._follows):
+            self._forget(job_id)
 
 
 def _bulk(arg: bytes) -> bytes:

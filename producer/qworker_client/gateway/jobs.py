@@ -15,7 +15,7 @@ from qworker_client.gateway.errors import APIError, bad_request
 from qworker_client.gateway.live import LiveStream
 from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.service import Gateway
-from qworker_client.protocol import ID_PATTERN, TERMINAL_TYPES, is_valid_id
+from qworker_client.protocol import ID_PATTERN, TERMINAL_TYPES, is_valid_id, parse_entry_id
 from qworker_client.result import START_ID
 from qworker_client.status import job_status_async
 
@@ -64,14 +64,9 @@ def _after(last_event_id: str | None) -> str:
     if not last_event_id:
         return START_ID
     entry = last_event_id.rpartition("/")[2].strip()
-    if _parse(entry) is None:
+    if parse_entry_id(entry) is None:  # Redis' own bounds: a bad id would fail the hub's read
         raise bad_request("Last-Event-ID is not an event id of this stream", param="last-event-id")
     return entry
-
-
-def _parse(entry_id: str) -> tuple[int, int] | None:
-    ms, _, seq = entry_id.partition("-")
-    return (int(ms), int(seq)) if ms.isdigit() and seq.isdigit() else None
 
 
 async def _ended_at_or_before(gateway: Gateway, job_id: str, after: str) -> bool:
@@ -79,7 +74,7 @@ async def _ended_at_or_before(gateway: Gateway, job_id: str, after: str) -> bool
     last = await gateway.redis.xrevrange(gateway.keys.out(job_id), count=1)
     if not last or (last[0][1] or {}).get("type") not in TERMINAL_TYPES:
         return False
-    end, seen = _parse(str(last[0][0])), _parse(after)
+    end, seen = parse_entry_id(str(last[0][0])), parse_entry_id(after)
     return end is not None and seen is not None and end <= seen
 
 

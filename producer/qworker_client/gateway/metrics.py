@@ -3,15 +3,22 @@
 What changes per request or per read is counted in plain ints and dicts and put into the
 Prometheus objects when scraped: a Counter's or a Gauge's inc takes a lock, and their `labels`
 looks its child up, several times per request (the streamed-tokens count alone was 2% of the
-gateway's CPU, counted per read)."""
+gateway's CPU, counted per read).
+
+A request's route label is the path of the app's route it matches (`/v1/jobs/{job_id}`), or
+`other`: the labels are as few as the routes, whatever paths clients make up."""
 
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+OTHER_ROUTE = "other"  # the label of every path that is no route of the app
 
 
 class Metrics:
@@ -55,15 +62,16 @@ class Metrics:
 class CountResponses:
     """ASGI middleware: counts each HTTP request by route and its response by status."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[Route]) -> None:
         self.app = app
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        self.metrics.count_request(_route(scope["path"]))
+        self.metrics.count_request(self._route(scope))
 
         async def counting(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -72,12 +80,9 @@ class CountResponses:
 
         await self.app(scope, receive, counting)
 
-
-def _route(path: str) -> str:
-    """The path with a job id cut out, so labels stay few."""
-    parts = path.split("/")
-    if len(parts) >= 4 and parts[1:3] == ["v1", "jobs"]:
-        parts[3] = "{job_id}"
-    if len(parts) >= 4 and parts[1:3] == ["v1", "models"]:
-        parts[3] = "{model}"
-    return "/".join(parts) if len(parts) <= 5 else "other"
+    def _route(self, scope: Scope) -> str:
+        """The path of the route the request is for (any method), else `other`."""
+        for route in self.routes:
+            if route.matches(scope)[0] is not Match.NONE:
+                return route.path
+        return OTHER_ROUTE

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 from qworker_client.gateway.hub import Entries, Follower, Hub, Mailbox
 from qworker_client.gateway.tokens import Text, plain_token_listed
+from qworker_client.gateway.vanished import Queued
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
 from qworker_client.result import OutputState, token_logprob
@@ -21,10 +22,13 @@ Batch = list[tuple[str, str, Event]]  # (job id, entry id, event)
 
 
 class OutputReader:
-    def __init__(self, hub: Hub, after: Mapping[str, str]) -> None:
-        """`after`: job id -> the entry id to read after ("0-0": from the start)."""
+    def __init__(self, hub: Hub, after: Mapping[str, str],
+                 queued: dict[str, Queued] | None = None) -> None:
+        """`after`: job id -> the entry id to read after ("0-0": from the start); `queued`:
+        where the jobs were queued, when known (`Hub.follow`)."""
         self.hub = hub
         self.after = dict(after)
+        self.queued = queued
         self.open = {job_id: OutputState(job_id, last) for job_id, last in after.items()}
         self._follower: Follower | None = None  # from the first take, or `push`
 
@@ -48,7 +52,7 @@ class OutputReader:
         every job has ended. `close` when done with it."""
         if self._follower is None:
             self._follower = Mailbox()
-            self.hub.follow(self.after, self._follower)
+            self.hub.follow(self.after, self._follower, self.queued)
         assert isinstance(self._follower, Mailbox), "the reader pushes"
         batches: list[Batch] = []
         while self.open and not batches:
@@ -65,7 +69,7 @@ class OutputReader:
         come (its `put_nowait`, in the read loop), which passes them to `batch`."""
         assert self._follower is None, "the reader is already following"
         self._follower = follower
-        self.hub.follow(self.after, follower)
+        self.hub.follow(self.after, follower, self.queued)
 
     def close(self) -> None:
         """Stop following the jobs."""

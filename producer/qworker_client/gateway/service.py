@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from qworker_client.aio import AsyncProducer
 from qworker_client.connect import ClientOptions
@@ -22,10 +24,12 @@ from qworker_client.gateway.owners import Owner
 from qworker_client.gateway.round_trip import Command, round_trip
 from qworker_client.gateway.shaping import Shape
 from qworker_client.gateway.translate import GatewayRequest
+from qworker_client.gateway.vanished import Queued
 from qworker_client.protocol import JobValidationError, Keys
-from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call
+from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call, submitted
 
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
+Replies = Sequence[Sequence[int | bytes | str]]  # the submit script's
 
 
 class Gateway:
@@ -45,9 +49,11 @@ class Gateway:
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
 
-    async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner) -> None:
+    async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner
+                     ) -> dict[str, Queued]:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
-        streams and whose they are, then queue them all at once."""
+        streams and whose they are, then queue them all at once. Returns where each job was
+        queued (for the hub to tell one that vanished)."""
         try:
             prepared = [job_fields(choice.spec) for choice in request.choices]
         except JobValidationError as exc:
@@ -58,25 +64,40 @@ class Gateway:
         metas = {meta_key(self.keys.prefix, c.job_id):
                  JobMeta(shape, c.index, request.include_usage, owner).to_json()
                  for c in request.choices}
-        if not await self._queue_at_once(metas, prepared):
+        groups = by_stream(self.keys, prepared)
+        entries = await self._queue_at_once(metas, prepared, groups)
+        if entries is None:
             pipe = self.redis.pipeline(transaction=False)
             for key, value in metas.items():
                 pipe.set(key, value, ex=self.config.result_ttl_s)
             await pipe.execute()
-            await self.producer.submit_prepared(prepared)  # loads the script, retries
+            jobs = await self.producer.submit_prepared(prepared)  # loads the script, retries
+            entries = [job.entry_id for job in jobs]
+        stream_of = {k: stream for stream, positions in groups.items() for k in positions}
+        return {job_id: Queued(stream_of[k], entry)
+                for k, ((job_id, _), entry) in enumerate(zip(prepared, entries, strict=True))
+                if entry}
 
     async def _queue_at_once(self, metas: dict[str, str],
-                             prepared: list[tuple[str, dict[str, str]]]) -> bool:
-        """The metas set and the jobs queued in one round trip (EVALSHA beside the SETs); False
-        when that did not do it all (the server lost the script, a dropped connection): both
-        steps can simply be done again, the submit script queues an id once."""
+                             prepared: list[tuple[str, dict[str, str]]],
+                             groups: dict[str, list[int]]) -> list[str | None] | None:
+        """The metas set and the jobs queued in one round trip (EVALSHA beside the SETs): each
+        job's entry id, in order; None when that did not do it all (the server lost the script,
+        a dropped connection): both steps can simply be done again, the submit script queues an
+        id once."""
         ttl = self.config.result_ttl_s
         commands: list[Command] = [("SET", key, value, "EX", ttl) for key, value in metas.items()]
-        for stream, positions in by_stream(self.keys, prepared).items():
+        for stream, positions in groups.items():
             keys, args = submit_call(self.keys, [prepared[k] for k in positions], ttl, stream)
             commands.append(("EVALSHA", self._submit_sha, len(keys), *keys, *args))
         replies = await round_trip(self.redis.connection_pool, commands)
-        return replies is not None and not any(isinstance(r, Exception) for r in replies)
+        if replies is None or any(isinstance(r, Exception) for r in replies):
+            return None
+        entries: list[str | None] = [None] * len(prepared)
+        for positions, reply in zip(groups.values(), replies[len(metas):], strict=True):
+            for k, done in zip(positions, submitted(cast(Replies, reply)), strict=True):
+                entries[k] = done.entry_id
+        return entries
 
     async def cancel(self, job_ids: list[str]) -> None:
         for job_id in job_ids:

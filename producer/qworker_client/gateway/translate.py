@@ -47,15 +47,20 @@ class GatewayRequest:
     logprobs: bool = False  # choices carry OpenAI's logprobs
 
 
-def translate(kind: Kind, body: Any, max_n: int) -> GatewayRequest:
+def translate(kind: Kind, body: Any, max_n: int, max_prompts: int | None = None,
+              max_jobs: int | None = None) -> GatewayRequest:
+    """`max_prompts`, `max_jobs` (prompts times `n`): None is no bound."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required", param="model")
     _refuse_unsupported(body)
-    prompts = _chat_prompt(body) if kind == "chat" else _completion_prompts(body)
+    prompts = _chat_prompt(body) if kind == "chat" else _completion_prompts(body, max_prompts)
     n = _int_field(body, "n", 1, 1, max_n)
+    if max_jobs is not None and len(prompts) * n > max_jobs:
+        raise bad_request(f"a request may ask for at most {max_jobs} choices (prompts times "
+                          f"`n`), not {len(prompts) * n}", param="n" if n > 1 else "prompt")
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     logprobs = _logprobs(kind, body)
     params = _with_logprobs(_params(body), logprobs)
@@ -160,12 +165,16 @@ def _content(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def _completion_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists."""
+def _completion_prompts(body: dict[str, Any], max_prompts: int | None) -> list[dict[str, Any]]:
+    """`prompt`: a string, a list of strings, a list of token ids or a list of such lists (at
+    most `max_prompts` of them)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
     if isinstance(prompt, list) and prompt:
+        if max_prompts is not None and len(prompt) > max_prompts and not _is_token_ids(prompt):
+            raise bad_request(f"`prompt` may hold at most {max_prompts} prompts, not "
+                              f"{len(prompt)}", param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return [{"prompt": p} for p in prompt]
         if all(_is_token_ids(p) for p in prompt):
