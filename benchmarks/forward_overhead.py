@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from benchmarks.machine import machine_info
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import LlamaModel, load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
+from qworker.model.kernels.linear import Linear
 from qworker.model.kv_cache import KVCache
-from qworker.model.linear import Linear
-from qworker.model.llama import LlamaModel, load_model
+from qworker.model.loading.hub import resolve_model
 
 BLOCK = 16
 

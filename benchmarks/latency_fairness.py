@@ -45,10 +45,10 @@ from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
+from qworker.model.decoder import LlamaModel, load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 LONG_ID = "long"
 

@@ -25,12 +25,12 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
 from qworker.model.batch import SequenceInput, build_batch
-from qworker.model.hub import resolve_model
-from qworker.model.kernel_choice import BUCKETS
+from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.kernels.kernel_choice import BUCKETS
+from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

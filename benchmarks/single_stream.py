@@ -30,12 +30,12 @@ from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
+from qworker.model.decoder import LlamaModel, load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.linear import Linear
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
 

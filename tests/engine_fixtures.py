@@ -9,8 +9,8 @@ from qworker.engine.engine import Engine
 from qworker.engine.prefix_cache import block_hash
 from qworker.engine.sequence import Sequence
 from qworker.model.config import ModelConfig
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.model_harness import TEST_DEVICE
 
 

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from qworker.model import native
-from qworker.model import native_build as nb
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import LlamaModel
+from qworker.model.kernels import native
+from qworker.model.kernels import native_build as nb
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel
 
 # the suite runs on the CPU; QWORKER_TEST_DEVICE=cuda runs the model and engine tests on a GPU
 TEST_DEVICE = os.environ.get("QWORKER_TEST_DEVICE", "cpu")

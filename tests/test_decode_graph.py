@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from qworker.model import native
 from qworker.model.config import ModelConfig
-from qworker.model.llama import LlamaModel
+from qworker.model.decoder import LlamaModel
+from qworker.model.kernels import native
 from tests.engine_fixtures import tiny_model
 from tests.model_harness import Step, run_schedule
 
@@ -135,8 +135,8 @@ def test_a_weight_changed_in_place_is_followed(
 def test_the_graph_serves_only_buckets_whose_layers_were_chosen_native(
     graph_calls: list[int],
 ) -> None:
-    from qworker.model.kernel_choice import BUCKETS
-    from qworker.model.linear import Linear
+    from qworker.model.kernels.kernel_choice import BUCKETS
+    from qworker.model.kernels.linear import Linear
 
     model = tiny_model(VOCAB, dtype=torch.float32, seed=5)
     sequences = [list(range(3, 20)), list(range(40, 52))]

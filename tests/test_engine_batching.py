@@ -8,8 +8,8 @@ import pytest
 
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 

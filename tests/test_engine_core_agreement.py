@@ -20,8 +20,8 @@ from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
 from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimOptions, SimulatedEngine
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import blocks_computed_twice, tiny_model
 
 VOCAB = 256  # the simulated engine's: prompts are valid for both

@@ -21,9 +21,9 @@ from qworker.engine.request import (
 )
 from qworker.engine.simulated import SimulatedEngine
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import LlamaModel
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 VOCAB = 512

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.sequence import Sequence
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import blocks_computed_twice, tiny_engine, tiny_model
 
 

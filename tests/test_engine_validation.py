@@ -16,8 +16,8 @@ from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.sampler import SampleRow, sample
 from qworker.engine.simulated import SimulatedEngine
 from qworker.engine.validation import max_token_chars
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 VOCAB = 49152  # SmolLM2's

@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from qworker.model.gguf_file import GGUFFile, GGUFFormatError
-from qworker.model.loader import LoaderError, open_gguf
+from qworker.model.loading.checkpoint import LoaderError, open_gguf
+from qworker.model.loading.gguf_file import GGUFFile, GGUFFormatError
 
 
 def _write(path: Path) -> Path:

@@ -22,8 +22,8 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
 from qworker.engine.sequence import Sequence
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client.protocol import DoneEvent, ErrorEvent, Job, TokenEvent
 from tests.service_harness import (
     KEYS,

@@ -1,4 +1,4 @@
-"""qworker.model.hub and `qworker model`: resolving names, fetching a model once, atomically."""
+"""qworker.model.loading.hub and `qworker model`: resolving names, fetching a model once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qworker.commands import model as model_command
-from qworker.model import hub
+from qworker.model.loading import hub
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 FAKE = hub.ModelSource(

@@ -1,4 +1,4 @@
-"""qworker.model.loader: HF safetensors folders and GGUF files -> ModelConfig + HF-named tensors."""
+"""Loading: HF safetensors folders and GGUF files -> ModelConfig + HF-named tensors."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from qworker.model import loader
 from qworker.model.config import ModelConfig, UnsupportedModelError
-from qworker.model.loader import LoaderError, expected_shapes, load_checkpoint
+from qworker.model.loading import checkpoint as loader
+from qworker.model.loading.checkpoint import LoaderError, expected_shapes, load_checkpoint
 from tests.quant_fixtures import KEPT, write_tiny_gguf
 
 TINY = dict(

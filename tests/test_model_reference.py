@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from qworker.model.llama import load_model
+from qworker.model.decoder import load_model
 from tests.model_harness import TEST_DEVICE, Step, run_schedule
 
 VOCAB = 96

@@ -11,8 +11,8 @@ import transformers
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams, StepOutput
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.model_harness import TEST_DEVICE, run_schedule
 
 CHATS = [

@@ -21,8 +21,8 @@ from qworker.engine.scheduler import ScheduledStep
 from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
 from qworker.engine.text import TextStream
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 PREFIX = [(5 * i + 3) % 200 + 1 for i in range(40)]

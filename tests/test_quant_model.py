@@ -9,13 +9,14 @@ import gguf
 import pytest
 import torch
 
-from qworker.model import loader, native
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.kernels import native
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.loader import is_quantized_file, load_checkpoint
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.quant_weight import QuantWeight
+from qworker.model.loading import checkpoint as loader
+from qworker.model.loading.checkpoint import is_quantized_file, load_checkpoint
 from tests.model_harness import Step, run_schedule
 from tests.quant_fixtures import KEPT, SIZES, write_tiny_gguf
 
@@ -143,7 +144,7 @@ def test_auto_keeps_the_blocks_only_where_the_expanded_weights_would_not_fit(
 
 def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from qworker.model import kernel_choice
+    from qworker.model.kernels import kernel_choice
 
     path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_1, seed=3)
     model = load_model(path, weights="quantized")

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
-from qworker.model import kernel_choice
-from qworker.model.linear import Linear
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.kernels import kernel_choice
+from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_model
 from tests.model_harness import RUNNABLE_FAMILIES, kernel_family
 from tests.quant_fixtures import write_tiny_gguf

@@ -13,8 +13,8 @@ import torch
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client import Producer
 from tests.service_harness import (
     KEYS,

@@ -16,8 +16,8 @@ from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams, StepOutput
 from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimulatedEngine
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import LlamaModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client.protocol import DoneEvent, ErrorEvent
 from tests.engine_fixtures import tiny_engine, tiny_model
 from tests.service_harness import (

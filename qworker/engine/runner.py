@@ -11,8 +11,8 @@ from qworker.engine.sampler import Allowed, SampleRow, sample
 from qworker.engine.sequence import Sequence
 from qworker.engine.structured import MaskFuture
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import LlamaModel
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel
 
 
 class Runner:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qworker.model import kernel_choice, native
 from qworker.model.config import ModelConfig
-from qworker.model.decode_abi import (
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels.decode_abi import (
     GEMM_KERNELS,
     DecodeDims,
     DecodeLayer,
@@ -28,14 +28,14 @@ from qworker.model.decode_abi import (
     DecodeQuantSegment,
     field_names,
 )
+from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
-from qworker.model.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
-    from qworker.model.attention import AttentionPlan
     from qworker.model.batch import DecodeGroup
-    from qworker.model.linear import Linear
-    from qworker.model.llama import DecoderLayer, RMSNorm
+    from qworker.model.decoder import DecoderLayer, RMSNorm
+    from qworker.model.kernels.linear import Linear
+    from qworker.model.layers.paged_attention import AttentionPlan
 
 
 @dataclass(frozen=True)

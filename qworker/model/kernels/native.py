@@ -22,9 +22,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from qworker.model import native_build as nb
-from qworker.model.decode_abi import DecodeDims, DecodeLayer, DecodeProj
-from qworker.model.hub import qworker_home
+from qworker.model.kernels import native_build as nb
+from qworker.model.kernels.decode_abi import DecodeDims, DecodeLayer, DecodeProj
+from qworker.model.loading.hub import qworker_home
 
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -79,7 +79,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, NativeStatus]:
             reason = _build_in_home(level, path)
             if reason:
                 log.error("native_kernels_missing", level=level.name, reason=reason,
-                          fix="run `make install` (or python -m qworker.model.native_build)")
+                          fix="run `make install` "
+                              "(or python -m qworker.model.kernels.native_build)")
                 return None, NativeStatus(None, "", reason, forced)
     lib = ctypes.CDLL(str(path))
     _declare(lib)

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.model import kernel_choice, native
-from qworker.model.embedding import RowLookup
-from qworker.model.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight, Segment
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight, Segment
+from qworker.model.layers.embedding import RowLookup
 
 X8_TWINS = {"int16": "int16x8", "dequant": "dequantx8"}  # file layout kind -> its x8 kind
 

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from qworker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from qworker.model.quant_weight import TYPE_IDS, QuantWeight
+from qworker.model.kernels.quant_weight import TYPE_IDS, QuantWeight
 
 if TYPE_CHECKING:
-    from qworker.model.gguf_file import GGUFFile, GGUFTensor
+    from qworker.model.loading.gguf_file import GGUFFile, GGUFTensor
 
 Weight = torch.Tensor | QuantWeight  # a GGUF block-quantized weight may be kept as it is
 
@@ -310,7 +310,10 @@ _CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens such as <|im_end
 
 def open_gguf(path: Path) -> GGUFFile:
     """The GGUF file at `path`, with any parse failure as a LoaderError."""
-    from qworker.model.gguf_file import GGUFFile, GGUFFormatError  # imports gguf: only when used
+    from qworker.model.loading.gguf_file import (  # imports gguf: only when used
+        GGUFFile,
+        GGUFFormatError,
+    )
 
     try:
         return GGUFFile(path)
@@ -465,14 +468,14 @@ def _gguf_tensor(tensor: GGUFTensor, keep_quantized: bool) -> Weight:
 
 
 def native_loaded() -> bool:
-    from qworker.model import native
+    from qworker.model.kernels import native
 
     return native.library() is not None
 
 
 def _native_dequantize(tensor: GGUFTensor) -> torch.Tensor:
     """float32 [n, k] by the native kernel: bit for bit gguf's numpy dequantization, 8x faster."""
-    from qworker.model import native
+    from qworker.model.kernels import native
 
     raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
     rows = torch.arange(raw.shape[0])

@@ -20,7 +20,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from qworker.model.spm_tokenizer import sentencepiece_bpe
+from qworker.model.tokenizer.sentencepiece import sentencepiece_bpe
 
 REPLACEMENT_CHAR = "\ufffd"
 Message = dict[str, Any]
@@ -121,7 +121,12 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its metadata: byte-level BPE ("gpt2") or
         SentencePiece ("llama")."""
-        from qworker.model.loader import LoaderError, gguf_eos_token_ids, gguf_value, open_gguf
+        from qworker.model.loading.checkpoint import (
+            LoaderError,
+            gguf_eos_token_ids,
+            gguf_value,
+            open_gguf,
+        )
 
         path = Path(path)
         try:

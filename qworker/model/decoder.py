@@ -14,18 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.model import kernel_choice, native
-from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
 from qworker.model.config import ModelConfig
 from qworker.model.decode_graph import DecodeGraph
-from qworker.model.embedding import Embedding
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.quant_linear import QuantLinear, quant_lookup
+from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
-from qworker.model.linear import Linear
-from qworker.model.loader import Weight
-from qworker.model.quant_linear import QuantLinear, quant_lookup
-from qworker.model.quant_weight import QuantWeight
-from qworker.model.rope import RotaryTable, rotate
+from qworker.model.layers.embedding import Embedding
+from qworker.model.layers.paged_attention import AttentionPlan, paged_attention, write_kv
+from qworker.model.layers.rope import RotaryTable, rotate
+from qworker.model.loading.checkpoint import Weight
 
 log = structlog.get_logger(__name__)
 
@@ -345,8 +345,8 @@ def load_model(
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
     the CPU, whose expanded weights would not fit in memory; loader.keep_quantized_by_default);
     anything else dequantizes them to `dtype`."""
-    from qworker.model.hub import resolve_model
-    from qworker.model.loader import keep_quantized_by_default, load_checkpoint
+    from qworker.model.loading.checkpoint import keep_quantized_by_default, load_checkpoint
+    from qworker.model.loading.hub import resolve_model
 
     path = resolve_model(str(name_or_path))
     itemsize = torch.empty(0, dtype=dtype).element_size()

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, TypeAlias
 import structlog
 import torch
 
-from qworker.model import native
-from qworker.model import native_build as nb
+from qworker.model.kernels import native
+from qworker.model.kernels import native_build as nb
 
 if TYPE_CHECKING:
-    from qworker.model.linear import Linear
-    from qworker.model.quant_linear import QuantLinear
+    from qworker.model.kernels.linear import Linear
+    from qworker.model.kernels.quant_linear import QuantLinear
 
 Layer: TypeAlias = "Linear | QuantLinear"  # what takes a measured choice
 
