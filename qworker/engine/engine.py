@@ -50,7 +50,7 @@ class Engine(EngineCore):
         """Chooses each linear layer's matmul by measuring them on this CPU (cached in the
         qworker home), runs one tiny forward and makes one detokenizer (its tables take the
         tokenizer's JSON apart, 0.15 s for SmolLM2), so no request pays for any of them."""
-        from qworker.model.loading.hub import qworker_home
+        from qworker.model.home import qworker_home
 
         config = self.config
         self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from qworker.model.batch import DecodeGroup
 from qworker.model.config import ModelConfig
 from qworker.model.kernels import kernel_choice, native
 from qworker.model.kernels.decode_abi import (
@@ -28,14 +28,12 @@ from qworker.model.kernels.decode_abi import (
     DecodeQuantSegment,
     field_names,
 )
+from qworker.model.kernels.linear import Linear
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from qworker.model.batch import DecodeGroup
-    from qworker.model.decoder import DecoderLayer, RMSNorm
-    from qworker.model.kernels.linear import Linear
-    from qworker.model.layers.paged_attention import AttentionPlan
+from qworker.model.layers.decoder_layer import DecoderLayer
+from qworker.model.layers.norm import RMSNorm
+from qworker.model.layers.paged_attention import AttentionPlan
 
 
 @dataclass(frozen=True)

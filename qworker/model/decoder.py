@@ -11,7 +11,6 @@ from pathlib import Path
 
 import structlog
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qworker.model.batch import ForwardBatch
@@ -19,104 +18,17 @@ from qworker.model.config import ModelConfig
 from qworker.model.decode_graph import DecodeGraph
 from qworker.model.kernels import kernel_choice, native
 from qworker.model.kernels.linear import Linear
-from qworker.model.kernels.quant_linear import QuantLinear, quant_lookup
+from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
-from qworker.model.layers.embedding import Embedding
-from qworker.model.layers.paged_attention import AttentionPlan, paged_attention, write_kv
-from qworker.model.layers.rope import RotaryTable, rotate
+from qworker.model.layers.decoder_layer import DecoderLayer
+from qworker.model.layers.embedding import Embedding, quant_lookup
+from qworker.model.layers.norm import RMSNorm
+from qworker.model.layers.paged_attention import AttentionPlan
+from qworker.model.layers.rope import RotaryTable
 from qworker.model.loading.checkpoint import Weight
 
 log = structlog.get_logger(__name__)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalised in float32 whatever the model dtype, as the reference implementation does
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
-                     fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm); `fused` updates x in place in one native pass. float64 (a
-        reference-test dtype) keeps torch's float32 norm, bit for bit the reference's."""
-        if fused and x.dtype != torch.float64:
-            return x, native.add_rms_norm(x, delta, self.weight, self.eps)
-        x = x if delta is None else x + delta
-        return x, self(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_heads, config.num_kv_heads, config.head_dim,
-        )
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.split = (q_size + kv_size, kv_size)  # q and k are rotated together
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size,
-                                  bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
-
-    def forward(
-        self, x: torch.Tensor, plan: AttentionPlan, cache_k: torch.Tensor, cache_v: torch.Tensor,
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if plan.fused:
-            native.rope_store(qkv, plan.rope.cos, plan.rope.sin, plan.batch.positions,
-                              plan.batch.slot_mapping, cache_k, cache_v, self.heads)
-            qk, v = qkv.split(self.split, dim=-1)
-            qk = qk.view(n, self.heads + self.kv_heads, self.head_dim)
-        else:
-            qk, v = qkv.split(self.split, dim=-1)
-            qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim), *plan.rotation)
-        q, k = qk[:, : self.heads], qk[:, self.heads :]
-        v = v.view(n, self.kv_heads, self.head_dim)
-        if not plan.fused:
-            write_kv(cache_k, cache_v, k, v, plan.batch.slot_mapping)
-        out = paged_attention(q, k, v, cache_k, cache_v, plan, self.scale)
-        return self.o_proj(out.reshape(n, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused:
-            return self.down_proj(native.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(
-        self, x: torch.Tensor, pending: torch.Tensor | None, plan: AttentionPlan,
-        cache_k: torch.Tensor, cache_v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the residual stream; pending: the previous layer's output, not yet added to it (so
-        that the add fuses with this layer's norm). Returns both for the next layer."""
-        x, h = self.input_layernorm.add_and_norm(x, pending, plan.fused)
-        x, h = self.post_attention_layernorm.add_and_norm(
-            x, self.self_attn(h, plan, cache_k, cache_v), plan.fused)
-        return x, self.mlp(h, plan.fused)
 
 
 class LlamaModel(nn.Module):

@@ -21,19 +21,13 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import Protocol
 
 import structlog
 import torch
 
 from qworker.model.kernels import native
 from qworker.model.kernels import native_build as nb
-
-if TYPE_CHECKING:
-    from qworker.model.kernels.linear import Linear
-    from qworker.model.kernels.quant_linear import QuantLinear
-
-Layer: TypeAlias = "Linear | QuantLinear"  # what takes a measured choice
 
 BUCKETS = (1, 8, 32, 128, 512)  # rows a step's matmul is timed at
 _EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
@@ -56,6 +50,25 @@ GRAPH_KINDS = frozenset({*native.PACKED_KINDS, *native.QUANT_METHODS})  # the de
 GRAPH_MARGIN = 0.25
 
 log = structlog.get_logger(__name__)
+
+
+class Layer(Protocol):
+    """What takes a measured choice (`linear.Linear`, `quant_linear.QuantLinear`)."""
+
+    out_features: int
+    in_features: int
+
+    @property
+    def input_dtype(self) -> torch.dtype: ...
+
+    @property
+    def weight_format(self) -> str: ...
+
+    def kernels(self) -> tuple[str, ...]: ...
+
+    def run(self, kind: str, x: torch.Tensor) -> torch.Tensor: ...
+
+    def set_choice(self, choice: tuple[str, ...]) -> None: ...
 
 
 def bucket(rows: int) -> int:

@@ -22,9 +22,9 @@ from pathlib import Path
 import structlog
 import torch
 
+from qworker.model.home import qworker_home
 from qworker.model.kernels import native_build as nb
 from qworker.model.kernels.decode_abi import DecodeDims, DecodeLayer, DecodeProj
-from qworker.model.loading.hub import qworker_home
 
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double

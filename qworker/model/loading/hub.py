@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from qworker.model.home import qworker_home
+
 
 class UnknownModelError(LookupError):
     """Neither an existing path nor a model name this worker knows."""
@@ -52,12 +54,6 @@ KNOWN_MODELS: dict[str, ModelSource] = {
 }
 ALIASES = {"SmolLM2-135M-Instruct": "smollm2"}  # matched case-insensitively
 DEFAULT_MODEL = "smollm2"
-
-
-def qworker_home() -> Path:
-    """`$QWORKER_HOME`, or `~/.cache/qworker`."""
-    home = os.environ.get("QWORKER_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "qworker"
 
 
 def known_names() -> list[str]:
