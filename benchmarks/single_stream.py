@@ -30,7 +30,7 @@ from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
-from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.dtypes import resolve_dtype
 from qworker.model.kernels.linear import Linear
 from qworker.model.kernels.quant_linear import QuantLinear
@@ -56,7 +56,7 @@ def one_run(engine: Engine, prompt: list[int], run: int, graph: bool) -> tuple[f
     return stamps[0] - started, (stamps[-1] - stamps[0]) / (NEW_TOKENS - 1)
 
 
-def bare_matmul_seconds(model: LlamaModel, repeats: int = 20) -> float:
+def bare_matmul_seconds(model: DecoderModel, repeats: int = 20) -> float:
     """One token through every linear layer (inputs of the right widths, no attention)."""
     layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
     inputs = {m: torch.randn(1, m.in_features, dtype=model.dtype) for m in layers}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qworker.model.batch import SequenceInput, build_batch
-from qworker.model.decoder import LlamaModel
+from qworker.model.decoder import DecoderModel
 from qworker.model.kernels import native
 from qworker.model.kernels import native_build as nb
 from qworker.model.kv_cache import KVCache
@@ -68,7 +68,7 @@ def disjoint_block_tables(
 
 
 def run_schedule(
-    model: LlamaModel, sequences: list[list[int]], schedule: list[Step], block_size: int,
+    model: DecoderModel, sequences: list[list[int]], schedule: list[Step], block_size: int,
     seed: int = 0,
 ) -> list[tuple[int, int, torch.Tensor]]:
     """Returns (sequence, position, logits) for the last new token of every scheduled sequence."""

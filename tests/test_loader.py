@@ -9,12 +9,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from qworker.model.config import ModelConfig, UnsupportedModelError
-from qworker.model.loading import checkpoint as loader
-from qworker.model.loading.checkpoint import LoaderError, expected_shapes, load_checkpoint
+from qworker.model.loading import gguf_checkpoint
+from qworker.model.loading.checkpoint import load_checkpoint
+from qworker.model.loading.hf_folder import hf_config
+from qworker.model.loading.tensors import LoaderError, expected_shapes
 from tests.quant_fixtures import KEPT, write_tiny_gguf
 
 TINY = dict(
@@ -95,14 +98,14 @@ def test_hf_sharded_folder(tmp_path: Path) -> None:
 def test_qwen2_folder_has_biases(tmp_path: Path) -> None:
     model = tiny_qwen2()
     config, tensors = load_checkpoint(save(model, tmp_path))
-    assert config.architecture == "qwen2" and config.attention_bias
+    assert config.arch.name == "qwen2" and config.attention_bias
     assert "model.layers.1.self_attn.k_proj.bias" in tensors
     assert_same_tensors(tensors, hf_state(model, tie=True))
 
 
 def test_expected_shapes_match_transformers() -> None:
     model = tiny_qwen2()
-    config = ModelConfig.from_hf(model.config.to_dict())
+    config = hf_config(model.config.to_dict())
     want = {k: tuple(v.shape) for k, v in hf_state(model, tie=True).items()}
     assert expected_shapes(config) == want
 
@@ -173,6 +176,61 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         load_checkpoint(tmp_path)
     assert isinstance(err.value, LoaderError)
     assert str(tmp_path / "config.json") in str(err.value) and "'mixtral'" in str(err.value)
+
+
+@pytest.mark.parametrize("other", ["BertConfig", "T5Config", "Gemma3Config"])
+def test_another_kind_of_model_is_refused_for_what_it_is(tmp_path: Path, other: str) -> None:
+    config = getattr(transformers, other)()
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    with pytest.raises(UnsupportedModelError) as err:
+        load_checkpoint(tmp_path)
+    assert f"config.json: unsupported architecture {config.model_type!r}; supported: " in str(
+        err.value)
+
+
+@pytest.mark.parametrize(("fields", "windows"), [
+    ({"model_type": "mistral", "sliding_window": 48}, (48, 48)),
+    ({"model_type": "mistral", "sliding_window": None}, ()),
+    ({"model_type": "qwen2", "sliding_window": 48, "use_sliding_window": False}, ()),
+    ({"model_type": "qwen2", "sliding_window": 48, "use_sliding_window": True,
+      "max_window_layers": 1}, (48,)),
+    ({"model_type": "qwen2", "sliding_window": 48, "use_sliding_window": True,
+      "layer_types": ["sliding_attention", "full_attention"]}, (48,)),
+])
+def test_sliding_windows_are_read_as_transformers_reads_them(
+        fields: dict[str, object], windows: tuple[int, ...]) -> None:
+    config = hf_config(TINY | {"tie_word_embeddings": False} | fields)
+    assert config.windows == windows
+    assert config.context_length == min((128, *windows))
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"partial_rotary_factor": 0.75}, "partial rotary embeddings"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}},
+     "rope scaling 'longrope'"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope scaling 'dynamic'"),
+    ({"hidden_act": "relu"}, "activation 'relu'"),
+    ({"layer_types": ["full_attention", "chunked_attention"], "sliding_window": 8},
+     "layer types ['chunked_attention']"),
+])
+def test_what_the_layers_do_not_run_is_refused_at_the_config(
+        tmp_path: Path, fields: dict[str, object], says: str) -> None:
+    save(tiny_llama(), tmp_path)
+    edit_json(tmp_path / "config.json", **fields)
+    with pytest.raises(UnsupportedModelError) as err:
+        load_checkpoint(tmp_path)
+    assert f"config.json: {says}" in str(err.value) or f"unsupported {says}" in str(err.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("hidden_size", 0), ("num_hidden_layers", -1),
+                                              ("vocab_size", "many"), ("num_key_value_heads", 3)])
+def test_a_config_of_impossible_sizes_says_which(tmp_path: Path, field: str,
+                                                 value: object) -> None:
+    save(tiny_llama(), tmp_path)
+    edit_json(tmp_path / "config.json", **{field: value})
+    with pytest.raises(LoaderError, match="config.json: "):
+        load_checkpoint(tmp_path)
 
 
 def test_missing_paths(tmp_path: Path) -> None:
@@ -278,7 +336,7 @@ def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
     model = tiny_llama()
     state = hf_state(model, tie=False)
     config, tensors = load_checkpoint(write_gguf(tmp_path / "tiny.gguf", state, qtype=kind))
-    assert config == ModelConfig.from_hf(model.config.to_dict())
+    assert config == hf_config(model.config.to_dict())
     assert_same_tensors(tensors, {k: roundtrip(v, kind) for k, v in state.items()})
     stored = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(kind, torch.float32)
     assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == stored
@@ -288,9 +346,9 @@ def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
 def test_native_expansion_equals_gguf_s_dequantization_bit_for_bit(
         tmp_path: Path, kind: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", kind)
-    assert loader.native_loaded(), "the native build is installed (make install)"
+    assert gguf_checkpoint.native_loaded(), "the native build is installed (make install)"
     _, native = load_checkpoint(path)
-    monkeypatch.setattr(loader, "native_loaded", lambda: False)
+    monkeypatch.setattr(gguf_checkpoint, "native_loaded", lambda: False)
     _, reference = load_checkpoint(path)
     assert_same_tensors(native, reference)  # type: ignore[arg-type]
 
@@ -300,7 +358,7 @@ def test_gguf_qwen2_is_not_permuted(tmp_path: Path) -> None:
     state = hf_state(model, tie=True)
     write_gguf(tmp_path / "qwen.gguf", state, arch="qwen2")
     config, tensors = load_checkpoint(tmp_path)  # a folder holding one .gguf
-    assert config.architecture == "qwen2" and config.attention_bias and config.tie_word_embeddings
+    assert config.arch.name == "qwen2" and config.attention_bias and config.tie_word_embeddings
     assert_same_tensors(tensors, state)
 
 

@@ -1,15 +1,19 @@
-"""Our paged, packed Llama equals transformers' logits on tiny random checkpoints."""
+"""Our paged, packed decoder equals transformers' logits on tiny random checkpoints of every
+family (a HF safetensors folder each)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from qworker.model.decoder import load_model
+from qworker.model.arch import ARCHITECTURES
+from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.decoder import DecoderModel, load_model
 from tests.model_harness import TEST_DEVICE, Step, run_schedule
 
 VOCAB = 96
@@ -29,20 +33,26 @@ VARIANTS = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, use_sliding_window=False,
     ),
+    # a window wider than every test sequence: the context is capped at it, nothing else changes
+    "mistral-window": lambda: transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=64, tie_word_embeddings=False,
+    ),
+    "llama-gelu-tanh": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+    ),
 }
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
-
-
-def _hf_model_class(config: transformers.PretrainedConfig) -> type:
-    return (transformers.Qwen2ForCausalLM if config.model_type == "qwen2"
-            else transformers.LlamaForCausalLM)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(hash(request.param) % 1000)
     config = VARIANTS[request.param]()
-    model = _hf_model_class(config)(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
         for layer in model.model.layers:  # random biases, so a missing one shows
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -54,8 +64,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def reference_logits(path: Path, sequences: list[list[int]],
                      dtype: torch.dtype) -> list[torch.Tensor]:
-    config = transformers.AutoConfig.from_pretrained(path)
-    hf = _hf_model_class(config).from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                           attn_implementation="sdpa")
     hf.to(TEST_DEVICE)  # the same device as ours: libm's cos/sin differ between CPU and GPU
     with torch.no_grad():
         return [hf(torch.tensor([s], device=TEST_DEVICE)).logits[0].cpu() for s in sequences]
@@ -108,3 +118,20 @@ def test_packed_batch_mixing_prefill_chunks_and_decodes(checkpoint: Path, dtype:
         [(3, 1), (0, 16), (4, 5), (2, 8)],
     ]
     check(checkpoint, dtype, sequences, schedule, block_size)
+
+
+def test_a_sliding_window_caps_the_context(checkpoint: Path) -> None:
+    model = load_model(checkpoint)
+    windowed = checkpoint.name.rstrip("0123456789") == "mistral-window"
+    assert model.config.windows == ((64, 64) if windowed else ())
+    assert model.config.context_length == (64 if windowed else 256)
+    assert model.rope.cos.shape[0] == model.config.context_length
+
+
+@pytest.mark.parametrize("declared", [{"post_norms": True}, {"experts": True},
+                                      {"norm_offset": 1.0}, {"embed_scale": True}])
+def test_a_declaration_the_layers_do_not_run_is_refused(declared: dict[str, object]) -> None:
+    arch = replace(ARCHITECTURES["llama"], name="test", **declared)  # type: ignore[arg-type]
+    config = ModelConfig(VOCAB, 64, 96, 1, 4, 2, 16, arch=arch)
+    with pytest.raises(UnsupportedModelError, match="test: not implemented: "):
+        DecoderModel(config)

@@ -10,20 +10,21 @@ import pytest
 import torch
 
 from qworker.model.batch import SequenceInput, build_batch
-from qworker.model.decoder import LlamaModel, load_model
+from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.kernels import native
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
-from qworker.model.loading import checkpoint as loader
-from qworker.model.loading.checkpoint import is_quantized_file, load_checkpoint
+from qworker.model.loading import gguf_checkpoint
+from qworker.model.loading.checkpoint import load_checkpoint
+from qworker.model.loading.gguf_checkpoint import is_quantized_file
 from tests.model_harness import Step, run_schedule
 from tests.quant_fixtures import KEPT, SIZES, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
 
 
-def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+def _logits(model: DecoderModel, tokens: list[int]) -> torch.Tensor:
     cache = KVCache.allocate(model.config, 4, 16, model.dtype, model.device)
     batch = build_batch([SequenceInput(tokens, 0, [0, 1], need_logits=True)], 16, model.device)
     return model(batch, cache)
@@ -135,10 +136,10 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
 def test_auto_keeps_the_blocks_only_where_the_expanded_weights_would_not_fit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", gguf.GGMLQuantizationType.Q8_0)
-    expanded = loader.expanded_bytes(path, 4)
+    expanded = gguf_checkpoint.expanded_bytes(path, 4)
     assert expanded > path.stat().st_size
     assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # it fits
-    monkeypatch.setattr(loader, "available_memory", lambda: 3 * expanded)  # 2x packs > half
+    monkeypatch.setattr(gguf_checkpoint, "available_memory", lambda: 3 * expanded)  # 2x > half
     assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
 
 

@@ -8,7 +8,7 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.core import EngineCore, Vocabulary
 from qworker.engine.runner import Runner
 from qworker.engine.validation import max_token_chars
-from qworker.model.decoder import LlamaModel
+from qworker.model.decoder import DecoderModel
 from qworker.model.kv_cache import KVCache, blocks_for_budget
 from qworker.model.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -16,7 +16,7 @@ from qworker.model.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 class Engine(EngineCore):
     runner: Runner
 
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         mc = model.config
         num_blocks = config.num_blocks or blocks_for_budget(
             mc, config.block_size, model.dtype, config.kv_cache_gb)

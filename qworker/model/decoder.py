@@ -1,7 +1,9 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""A decoder of any supported architecture (`arch/`: Llama, Mistral, Qwen2, ...) over a paged KV
+cache, built from its declaration (`ModelConfig.arch`).
 
 q/k/v and gate/up projections are fused into one matmul each; every dense layer runs once over the
-packed tokens of a step, and logits are computed only for the rows the caller asks for.
+packed tokens of a step, and logits are computed only for the rows the caller asks for. A
+decode-only step runs in one native call where the decode graph serves it (`decode_graph.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from qworker.model.batch import ForwardBatch
-from qworker.model.config import ModelConfig
+from qworker.model.config import ModelConfig, UnsupportedModelError
 from qworker.model.decode_graph import DecodeGraph
 from qworker.model.kernels import kernel_choice, native
 from qworker.model.kernels.linear import Linear
@@ -26,19 +28,39 @@ from qworker.model.layers.embedding import Embedding, quant_lookup
 from qworker.model.layers.norm import RMSNorm
 from qworker.model.layers.paged_attention import AttentionPlan
 from qworker.model.layers.rope import RotaryTable
-from qworker.model.loading.checkpoint import Weight
+from qworker.model.loading.tensors import Weight
 
 log = structlog.get_logger(__name__)
 
 
-class LlamaModel(nn.Module):
+def unimplemented(config: ModelConfig) -> list[str]:
+    """What the model's declaration asks that these layers do not run yet."""
+    arch = config.arch
+    unrun = {
+        "norms after attention and MLP (post_norms)": arch.post_norms,
+        f"norms scaled by {arch.norm_offset} + w (norm_offset)": arch.norm_offset != 0.0,
+        "scaled embeddings (embed_scale)": arch.embed_scale,
+        "routed experts (experts)": arch.experts,
+        "per-layer RoPE bases": any(a.rope_theta is not None for a in config.layer_attention),
+    }
+    return [what for what, asked in unrun.items() if asked]
+
+
+class DecoderModel(nn.Module):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu", init_weights: bool = True,
     ) -> None:
         """With init_weights=False the parameters stay on the meta device until
-        `load_hf_weights` (which allocates only what it does not keep quantized)."""
+        `load_hf_weights` (which allocates only what it does not keep quantized). A declaration
+        these layers do not run is refused (UnsupportedModelError)."""
         super().__init__()
+        if missing := unimplemented(config):
+            raise UnsupportedModelError(f"{config.arch.name}: not implemented: "
+                                        f"{', '.join(missing)}")
+        if config.windows:
+            log.info("context_capped_at_sliding_window", window=min(config.windows),
+                     context_length=config.context_length)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -52,7 +74,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.decode_graph = DecodeGraph(layers, self.norm, self.lm_head, config)
         self.rope = RotaryTable(
-            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.head_dim, config.context_length, config.rope_theta,
             config.rope_scaling, dtype, device,
         )
         self.to(dtype=dtype, device=device if init_weights else "meta")
@@ -85,7 +107,8 @@ class LlamaModel(nn.Module):
         tokens, `max_logit_rows` of which sample; the choice by shape, logged once."""
         layers = [(m, max_rows) for m in self.modules()
                   if isinstance(m, Linear | QuantLinear) and m is not self.lm_head]
-        chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir)
+        chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir,
+                                      graph=self.decode_graph.refused is None)
         self._follow_repacked_head()
         self.decode_graph.reset()
         log.info("kernels_chosen", **self.kernel_report())
@@ -190,7 +213,7 @@ class LlamaModel(nn.Module):
             if self.config.tie_word_embeddings:
                 self._set_module("lm_head", QuantLinear(quant, None))
             return
-        bias = given.pop(f"{module_name}.bias", None)
+        bias = given.get(f"{module_name}.bias")  # left in `given`: copied in as any tensor is
         assert bias is None or isinstance(bias, torch.Tensor)
         self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float()))
 
@@ -230,20 +253,23 @@ def _cat(parts: list[Weight]) -> Weight:
 
 
 def _fused(weights: Mapping[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+    """Checkpoint names -> this model's: q/k/v and gate/up joined where the checkpoint holds
+    them apart (a Phi-3 checkpoint holds them joined already)."""
     out = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
     for i in range(config.num_layers):
-        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        for kind in ("weight", "bias"):
-            parts = [out.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
-            present = [p for p in parts if p is not None]
-            if len(present) == len(parts):
-                out[f"{attn}qkv_proj.{kind}"] = _cat(present)
-        out[f"{mlp}gate_up_proj.weight"] = _cat(
-            [out.pop(f"{mlp}gate_proj.weight"), out.pop(f"{mlp}up_proj.weight")]
-        )
+        _join(out, f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        _join(out, f"layers.{i}.mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _join(weights: dict[str, Weight], prefix: str, parts: tuple[str, ...], whole: str) -> None:
+    for kind in ("weight", "bias"):
+        found = [weights.pop(name) for p in parts if (name := f"{prefix}{p}.{kind}") in weights]
+        if found:
+            assert len(found) == len(parts), f"{prefix}{whole}.{kind}: parts missing"
+            weights[f"{prefix}{whole}.{kind}"] = _cat(found)
 
 
 WEIGHTS = ("auto", "quantized", "bfloat16", "float32")  # --weights
@@ -252,12 +278,13 @@ WEIGHTS = ("auto", "quantized", "bfloat16", "float32")  # --weights
 def load_model(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu", weights: str = "dense",
-) -> LlamaModel:
+) -> DecoderModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
-    the CPU, whose expanded weights would not fit in memory; loader.keep_quantized_by_default);
+    the CPU, whose expanded weights would not fit in memory; `keep_quantized_by_default`);
     anything else dequantizes them to `dtype`."""
-    from qworker.model.loading.checkpoint import keep_quantized_by_default, load_checkpoint
+    from qworker.model.loading.checkpoint import load_checkpoint
+    from qworker.model.loading.gguf_checkpoint import keep_quantized_by_default
     from qworker.model.loading.hub import resolve_model
 
     path = resolve_model(str(name_or_path))
@@ -265,6 +292,6 @@ def load_model(
     keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
                                       and keep_quantized_by_default(path, itemsize))
     config, weights_ = load_checkpoint(path, keep_quantized=keep)
-    model = LlamaModel(config, dtype=dtype, device=device, init_weights=False)
+    model = DecoderModel(config, dtype=dtype, device=device, init_weights=False)
     model.load_hf_weights(weights_)
     return model

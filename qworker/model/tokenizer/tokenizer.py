@@ -121,12 +121,8 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its metadata: byte-level BPE ("gpt2") or
         SentencePiece ("llama")."""
-        from qworker.model.loading.checkpoint import (
-            LoaderError,
-            gguf_eos_token_ids,
-            gguf_value,
-            open_gguf,
-        )
+        from qworker.model.loading.gguf_checkpoint import gguf_eos_token_ids, gguf_value, open_gguf
+        from qworker.model.loading.tensors import LoaderError
 
         path = Path(path)
         try:
