@@ -30,10 +30,12 @@ def _logits(model: DecoderModel, tokens: list[int]) -> torch.Tensor:
     return model(batch, cache)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v
 @pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
 def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
-                                                      kind: gguf.GGMLQuantizationType) -> None:
-    path = write_tiny_gguf(tmp_path / f"{kind.name}.gguf", kind, seed=int(kind))
+                                                      kind: gguf.GGMLQuantizationType,
+                                                      arch: str) -> None:
+    path = write_tiny_gguf(tmp_path / f"{kind.name}.gguf", kind, seed=int(kind), arch=arch)
     assert is_quantized_file(path)
     _, tensors = load_checkpoint(path, keep_quantized=True)
     assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], QuantWeight)
@@ -42,6 +44,8 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
     linears = [m for m in quant.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 5 and quant.lm_head in linears  # 4 projections + the tied head
     assert quant.embed_tokens.quant is quant.lm_head.quant  # one copy for both
+    qkv = quant.layers[0].self_attn.qkv_proj
+    assert (qkv.bias is not None) == (arch == "qwen2")
     file_bytes = path.stat().st_size
     assert quant.weight_bytes() <= file_bytes < dense.weight_bytes()
     if kind.name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):  # the x8 layout: measured on a copy, not kept
