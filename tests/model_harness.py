@@ -90,3 +90,19 @@ def run_schedule(
             cached[seq] += n
             results.append((seq, cached[seq] - 1, logits[row]))
     return results
+
+
+def greedy(model: DecoderModel, prompt: list[int], new_tokens: int,
+           block_size: int = 4) -> list[int]:
+    """The prompt prefilled in one step, then `new_tokens` greedy tokens, each a decode step."""
+    total = len(prompt) + new_tokens
+    cache = KVCache.allocate(model.config, -(-total // block_size), block_size, model.dtype,
+                             model.device)
+    table = list(range(cache.num_blocks))
+    tokens, step = list(prompt), list(prompt)
+    while len(tokens) < total:
+        batch = build_batch([SequenceInput(step, len(tokens) - len(step), table)], block_size,
+                            model.device)
+        step = [int(model(batch, cache)[0].argmax())]
+        tokens += step
+    return tokens[len(prompt):]

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -18,6 +17,7 @@ from qworker.model.loading import gguf_checkpoint
 from qworker.model.loading.checkpoint import load_checkpoint
 from qworker.model.loading.hf_folder import hf_config
 from qworker.model.loading.tensors import LoaderError, expected_shapes
+from tests.gguf_writer import Q, write_gguf
 from tests.quant_fixtures import KEPT, write_tiny_gguf
 
 TINY = dict(
@@ -253,73 +253,6 @@ def test_broken_config_json(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # GGUF files written here from a tiny HF model
 
-Q = gguf.GGMLQuantizationType
-_LAYER_PARTS = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_GLOBALS = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def gguf_name(hf: str) -> str:
-    if hf in _GLOBALS:
-        return _GLOBALS[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
-
-
-def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows (HF's half-split RoPE -> interleaved pairs)."""
-    pairs = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
-    return pairs.swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(
-    path: Path, state: dict[str, torch.Tensor], arch: str = "llama", qtype: Q = Q.F32,
-    types: dict[str, Q] | None = None,
-) -> Path:
-    """A GGUF of `state` (HF names) the way llama.cpp's converter lays it out."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(TINY["max_position_embeddings"])
-    writer.add_embedding_length(TINY["hidden_size"])
-    writer.add_block_count(TINY["num_hidden_layers"])
-    writer.add_feed_forward_length(TINY["intermediate_size"])
-    writer.add_head_count(TINY["num_attention_heads"])
-    writer.add_head_count_kv(TINY["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
-    writer.add_rope_freq_base(TINY["rope_theta"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(TINY["vocab_size"])])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, tensor in state.items():
-        array = tensor.float().numpy()
-        if arch == "llama" and ".q_proj." in name:
-            array = llama_cpp_permute(array, TINY["num_attention_heads"])
-        elif arch == "llama" and ".k_proj." in name:
-            array = llama_cpp_permute(array, TINY["num_key_value_heads"])
-        kind = (types or {}).get(name, qtype if array.ndim == 2 else Q.F32)
-        if kind == Q.I32:
-            writer.add_tensor(gguf_name(name), array.astype(np.int32))
-        elif kind == Q.F16:
-            writer.add_tensor(gguf_name(name), array.astype(np.float16))
-        elif kind == Q.F32:
-            writer.add_tensor(gguf_name(name), array)
-        else:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def roundtrip(tensor: torch.Tensor, kind: Q) -> torch.Tensor:
     if tensor.ndim == 1 or kind == Q.F32:
         return tensor.float()
@@ -335,7 +268,8 @@ def roundtrip(tensor: torch.Tensor, kind: Q) -> torch.Tensor:
 def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
     model = tiny_llama()
     state = hf_state(model, tie=False)
-    config, tensors = load_checkpoint(write_gguf(tmp_path / "tiny.gguf", state, qtype=kind))
+    config, tensors = load_checkpoint(write_gguf(tmp_path / "tiny.gguf", model.config, state,
+                                                 qtype=kind))
     assert config == hf_config(model.config.to_dict())
     assert_same_tensors(tensors, {k: roundtrip(v, kind) for k, v in state.items()})
     stored = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(kind, torch.float32)
@@ -356,17 +290,16 @@ def test_native_expansion_equals_gguf_s_dequantization_bit_for_bit(
 def test_gguf_qwen2_is_not_permuted(tmp_path: Path) -> None:
     model = tiny_qwen2()
     state = hf_state(model, tie=True)
-    write_gguf(tmp_path / "qwen.gguf", state, arch="qwen2")
+    write_gguf(tmp_path / "qwen.gguf", model.config, state)
     config, tensors = load_checkpoint(tmp_path)  # a folder holding one .gguf
     assert config.arch.name == "qwen2" and config.attention_bias and config.tie_word_embeddings
     assert_same_tensors(tensors, state)
 
 
 def test_gguf_unsupported_tensor_type(tmp_path: Path) -> None:
-    state = hf_state(tiny_llama(), tie=False)
-    path = write_gguf(
-        tmp_path / "odd.gguf", state, types={"model.layers.1.input_layernorm.weight": Q.I32}
-    )
+    model = tiny_llama()
+    path = write_gguf(tmp_path / "odd.gguf", model.config, hf_state(model, tie=False),
+                      types={"model.layers.1.input_layernorm.weight": Q.I32})
     with pytest.raises(LoaderError) as err:
         load_checkpoint(path)
     message = str(err.value)
@@ -384,7 +317,8 @@ def test_gguf_corrupt_and_ambiguous(tmp_path: Path) -> None:
 
 
 def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "x.gguf", hf_state(tiny_llama(), tie=False), arch="gemma")
+    model = tiny_llama()
+    path = write_gguf(tmp_path / "x.gguf", model.config, hf_state(model, tie=True), arch="gemma")
     with pytest.raises(UnsupportedModelError, match="x.gguf: unsupported architecture 'gemma'"):
         load_checkpoint(path)
 

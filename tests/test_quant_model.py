@@ -18,8 +18,10 @@ from qworker.model.kv_cache import KVCache
 from qworker.model.loading import gguf_checkpoint
 from qworker.model.loading.checkpoint import load_checkpoint
 from qworker.model.loading.gguf_checkpoint import is_quantized_file
+from tests.gguf_writer import write_gguf
 from tests.model_harness import Step, run_schedule
 from tests.quant_fixtures import KEPT, SIZES, write_tiny_gguf
+from tests.test_model_reference import OF_ARCHITECTURE, hf_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
 
@@ -168,3 +170,34 @@ def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,
     tokens = [5, 9, 1, 33, 60, 2, 17]
     want = _logits(dense, tokens)
     assert (_logits(model, tokens) - want).abs().max() <= 5e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
+@pytest.mark.parametrize("arch", sorted(OF_ARCHITECTURE))
+def test_every_architecture_kept_quantized_computes_its_file_expanded(
+        tmp_path: Path, arch: str, kind: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF of each architecture (fused q/k/v and gate/up, q/k norms, biases as the family has
+    them) kept in its blocks: logits those of the file expanded to float32, and its decode steps
+    through the graph bit for bit as layer by layer."""
+    original = hf_model(OF_ARCHITECTURE[arch], seed=3)
+    state = {k: v for k, v in original.state_dict().items()
+             if not (k == "lm_head.weight" and original.config.tie_word_embeddings)}
+    path = write_gguf(tmp_path / "m.gguf", original.config, state, qtype=kind)
+    quant = load_model(path, weights="quantized")
+    assert all(isinstance(m.self_attn.qkv_proj, QuantLinear) for m in quant.layers)
+    dense = load_model(path, weights="float32")
+    tokens = [5, 9, 1, 33, 60, 2, 17, 40, 41, 7]
+    want = _logits(dense, tokens)
+    assert (_logits(quant, tokens) - want).abs().max() <= 5e-4 * want.abs().max()
+    calls: list[int] = []
+    real = native.decode_step
+    monkeypatch.setattr(native, "decode_step",
+                        lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    sequences = [tokens, tokens[::-1] + [3, 4]]
+    schedule: list[Step] = [[(0, 6), (1, 8)]] + [[(0, 1), (1, 1)] for _ in range(4)]
+    got = run_schedule(quant, sequences, schedule, block_size=4)
+    assert calls == [2] * 4
+    quant.decode_graph.enabled = False
+    for (seq, pos, a), (_, _, b) in zip(got, run_schedule(quant, sequences, schedule, 4),
+                                        strict=True):
+        assert torch.equal(a, b), f"seq {seq} pos {pos}: {(a - b).abs().max()}"
