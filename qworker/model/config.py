@@ -9,12 +9,13 @@ from typing import Any
 
 from qworker.model.arch.architecture import Architecture
 from qworker.model.arch.llama import LLAMA
+from qworker.model.errors import ModelInputError
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("linear", "llama3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ValueError, ModelInputError):
     """The checkpoint describes a model this loader cannot run."""
 
 
@@ -67,6 +68,16 @@ class ModelConfig:
         if kind is not None and kind not in ROPE_SCALINGS:
             raise UnsupportedModelError(f"unsupported rope scaling {kind!r} "
                                         f"(supported: {', '.join(ROPE_SCALINGS)})")
+        needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor",
+                                                   "high_freq_factor",
+                                                   "original_max_position_embeddings")}
+        for key in needs.get(str(kind), ()):
+            value = (self.rope_scaling or {}).get(key)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"rope scaling {kind!r}: {key} is {value!r}, "
+                                 "not a positive number")
+        if any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.windows):
+            raise ValueError(f"sliding windows {self.windows} are not positive integers")
         if self.layer_attention and len(self.layer_attention) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.layer_attention)} layers' attention for "
                                         f"{self.num_layers} layers")

@@ -19,14 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from qworker.model.errors import ModelInputError
 from qworker.model.home import qworker_home
 
 
-class UnknownModelError(LookupError):
+class UnknownModelError(LookupError, ModelInputError):
     """Neither an existing path nor a model name this worker knows."""
 
 
-class ModelFetchError(RuntimeError):
+class ModelFetchError(RuntimeError, ModelInputError):
     """Fetching a known model failed."""
 
 

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.errors import ModelInputError
 from qworker.model.kernels.quant_weight import QuantWeight
 
 Weight = torch.Tensor | QuantWeight  # a GGUF block-quantized weight may be kept as it is
 
 
-class LoaderError(Exception):
+class LoaderError(ModelInputError):
     """A checkpoint could not be loaded; the message names the file and the problem."""
 
 

@@ -20,13 +20,14 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from qworker.model.errors import ModelInputError
 from qworker.model.tokenizer.sentencepiece import sentencepiece_bpe
 
 REPLACEMENT_CHAR = "\ufffd"
 Message = dict[str, Any]
 
 
-class TokenizerError(Exception):
+class TokenizerError(ModelInputError):
     """A tokenizer could not be built or used; the message names the file and the problem."""
 
 
