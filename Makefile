@@ -9,13 +9,13 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP) redis compiler kernels
 
-KERNELS := qworker/model/native_lib/manifest.json
+KERNELS := qworker/model/kernels/native_lib/manifest.json
 
 kernels: $(KERNELS)
 
 # one shared library per level (AVX2, AVX-512, AVX512-BF16); the worker loads the best its CPU runs
-$(KERNELS): $(wildcard qworker/model/csrc/*) qworker/model/native_build.py | $(STAMP) compiler
-	$(BIN)/python -m qworker.model.native_build
+$(KERNELS): $(wildcard qworker/model/kernels/csrc/*) qworker/model/kernels/native_build.py | $(STAMP) compiler
+	$(BIN)/python -m qworker.model.kernels.native_build
 
 $(STAMP): pyproject.toml producer/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,4 +57,4 @@ lint: install
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis qworker/model/native_lib
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis qworker/model/kernels/native_lib

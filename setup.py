@@ -1,6 +1,6 @@
 """The wheel carries the native kernels built for every instruction-set level
-(qworker/model/native_build.py); QWORKER_BUILD_KERNELS=0 builds a wheel without them, which then
-builds them on first use where a compiler is, and reports them missing where none is."""
+(qworker/model/kernels/native_build.py); QWORKER_BUILD_KERNELS=0 builds a wheel without them,
+which then builds them on first use where a compiler is, and reports them missing where none is."""
 
 import importlib.util
 import os
@@ -15,12 +15,13 @@ class BuildPyWithKernels(build_py):
         super().run()
         if os.environ.get("QWORKER_BUILD_KERNELS", "1") == "0" or self.editable_mode:
             return  # an editable install's kernels: `make install` builds them in the tree
-        source = Path(__file__).parent / "qworker" / "model" / "native_build.py"
+        source = Path(__file__).parent / "qworker" / "model" / "kernels" / "native_build.py"
         spec = importlib.util.spec_from_file_location("native_build", source)
         assert spec is not None and spec.loader is not None
         native_build = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(native_build)  # stdlib only: no torch at build time
-        native_build.build_all(Path(self.build_lib) / "qworker" / "model" / "native_lib")
+        kernels = Path(self.build_lib) / "qworker" / "model" / "kernels"
+        native_build.build_all(kernels / "native_lib")
 
 
 setup(cmdclass={"build_py": BuildPyWithKernels})

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.machine import machine_info
-from qworker.model import native
-from qworker.model.attention import _prefill
+from qworker.model.kernels import native
+from qworker.model.layers.paged_attention import _prefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
 

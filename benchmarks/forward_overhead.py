@@ -24,11 +24,11 @@ import torch.nn.functional as F
 
 from benchmarks.machine import machine_info
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
+from qworker.model.kernels.linear import Linear
 from qworker.model.kv_cache import KVCache
-from qworker.model.linear import Linear
-from qworker.model.llama import LlamaModel, load_model
+from qworker.model.loading.hub import resolve_model
 
 BLOCK = 16
 
@@ -44,7 +44,7 @@ def median_seconds(run: Callable[[], object], repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def decode_step(model: LlamaModel, batch: int, context: int) -> Callable[[], object]:
+def decode_step(model: DecoderModel, batch: int, context: int) -> Callable[[], object]:
     rng = random.Random(0)
     lengths = [context + rng.randint(-context // 4, context // 4) for _ in range(batch)]
     need = [-(-(n + 1) // BLOCK) for n in lengths]
@@ -58,7 +58,7 @@ def decode_step(model: LlamaModel, batch: int, context: int) -> Callable[[], obj
     return lambda: model(build_batch(seqs, BLOCK, "cpu"), cache)
 
 
-def matmuls(model: LlamaModel, rows: int, plain: bool) -> Callable[[], object]:
+def matmuls(model: DecoderModel, rows: int, plain: bool) -> Callable[[], object]:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     inputs = [torch.randn(rows, m.in_features).to(model.dtype) for m in layers]
 

@@ -14,11 +14,11 @@ import argparse
 import json
 
 from benchmarks.machine import machine_info
+from qworker.model.decoder import load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.kernel_choice import BUCKETS, measure, shape_key
-from qworker.model.linear import Linear
-from qworker.model.llama import load_model
+from qworker.model.kernels.kernel_choice import BUCKETS, measure, shape_key
+from qworker.model.kernels.linear import Linear
+from qworker.model.loading.hub import resolve_model
 
 
 def main() -> None:

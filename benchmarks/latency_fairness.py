@@ -45,10 +45,10 @@ from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
+from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 LONG_ID = "long"
 
@@ -104,7 +104,7 @@ def warm_up(engine: Engine, vocab: int) -> None:
     engine.generate([prompt, prompt[:16]], SamplingParams(max_tokens=4, ignore_eos=True))
 
 
-def run_config(model: LlamaModel, tokenizer: Tokenizer, name: str, chunk: int,
+def run_config(model: DecoderModel, tokenizer: Tokenizer, name: str, chunk: int,
                stretch: float | None, scenario: Scenario) -> dict[str, object]:
     config = EngineConfig(max_num_seqs=scenario.decoders + 1, prefill_chunk=chunk,
                           max_batched_tokens=chunk, kv_cache_gb=0.5, decode_stretch=stretch,

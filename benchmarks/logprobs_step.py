@@ -26,10 +26,10 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.logprobs import token_logprobs
 from qworker.engine.request import Request, SamplingParams, TokenLogprobs
+from qworker.model.decoder import load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.llama import load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 PATHS = ("native_kernel", "torch_path")  # JSON keys apart from machine_info's "native"
 

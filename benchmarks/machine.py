@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from qworker.model import native
-from qworker.model import native_build as nb
+from qworker.model.kernels import native
+from qworker.model.kernels import native_build as nb
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
 

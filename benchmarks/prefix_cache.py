@@ -37,10 +37,10 @@ from benchmarks.workload import WorkItem, fingerprint, shared_prefix_workload, s
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
+from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 Peer = Callable[[], dict[str, object]]
 
@@ -64,7 +64,7 @@ def vllm_peer(args: argparse.Namespace, dtype: str, vocab_size: int) -> Peer:
     return peer
 
 
-def run(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
+def run(model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
         items: list[WorkItem]) -> dict[str, object]:
     engine = Engine(model, tokenizer, config)
     engine.warm_up()  # the kernel choice (cached after the first engine)
@@ -107,7 +107,7 @@ def ratio(a: dict[str, object], b: dict[str, object], key: str) -> float:
     return float(a[key]) / float(b[key])  # type: ignore[arg-type]
 
 
-def compare(name: str, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
+def compare(name: str, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
             items: list[WorkItem], rounds: int, common: dict[str, object],
             modes: tuple[bool, ...] = (False, True), peer: Peer | None = None
             ) -> dict[str, float]:

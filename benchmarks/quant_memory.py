@@ -26,8 +26,8 @@ import torch
 
 from benchmarks.machine import machine_info
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import load_model
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import load_model
 
 LLAMA2_7B = dict(vocab=32000, hidden=4096, inter=11008, heads=32, kv_heads=32, context=4096)
 SCALE_OFFSETS = {"Q4_0": 0, "Q8_0": 0}  # where a block's f16 scale sits

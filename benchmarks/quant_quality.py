@@ -25,12 +25,12 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
 from qworker.model.batch import SequenceInput, build_batch
-from qworker.model.hub import resolve_model
-from qworker.model.kernel_choice import BUCKETS
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.kernels.kernel_choice import BUCKETS
+from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -42,7 +42,7 @@ CHATS = [
 ]
 
 
-def all_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+def all_logits(model: DecoderModel, tokens: list[int]) -> torch.Tensor:
     """float32 logits at every position of one prefill."""
     block = 128
     blocks = list(range(-(-len(tokens) // block)))
@@ -63,7 +63,7 @@ SETTINGS: dict[str, Callable[[str], str]] = {
 }
 
 
-def forced(model: LlamaModel, pick: Callable[[str], str]) -> LlamaModel:
+def forced(model: DecoderModel, pick: Callable[[str], str]) -> DecoderModel:
     """The model with each quantized layer on pick(its name) at every bucket (its own first
     kernel where it has not that one)."""
     for name, layer in model.named_modules():
@@ -74,7 +74,7 @@ def forced(model: LlamaModel, pick: Callable[[str], str]) -> LlamaModel:
     return model
 
 
-def agreement(model: LlamaModel, sequences: list[list[int]],
+def agreement(model: DecoderModel, sequences: list[list[int]],
               refs: list[torch.Tensor]) -> tuple[float, float]:
     """(top-1 agreement with refs, mean KL(ref || model)) over every position."""
     agree = positions = 0

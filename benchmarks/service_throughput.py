@@ -31,10 +31,10 @@ from benchmarks.workload import WorkItem, fingerprint, standard_workload
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
+from qworker.model.decoder import load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.llama import load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker.service.config import ServiceConfig
 from qworker.service.worker import Worker
 from qworker_client import Producer

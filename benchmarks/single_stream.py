@@ -30,12 +30,12 @@ from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
+from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.dtypes import resolve_dtype
-from qworker.model.hub import resolve_model
-from qworker.model.linear import Linear
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
 
@@ -56,7 +56,7 @@ def one_run(engine: Engine, prompt: list[int], run: int, graph: bool) -> tuple[f
     return stamps[0] - started, (stamps[-1] - stamps[0]) / (NEW_TOKENS - 1)
 
 
-def bare_matmul_seconds(model: LlamaModel, repeats: int = 20) -> float:
+def bare_matmul_seconds(model: DecoderModel, repeats: int = 20) -> float:
     """One token through every linear layer (inputs of the right widths, no attention)."""
     layers = [m for m in model.modules() if isinstance(m, Linear | QuantLinear)]
     inputs = {m: torch.randn(1, m.in_features, dtype=model.dtype) for m in layers}

@@ -18,8 +18,8 @@ from typing import Any
 
 from benchmarks.machine import machine_info
 from benchmarks.structured import SCHEMA
-from qworker.model.hub import resolve_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.loading.hub import resolve_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 ANSWER = {"name": "Ada Byron", "age": 36, "role": "engineer",
           "contact": {"email": "ada@example.org", "city": "London"},

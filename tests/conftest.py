@@ -15,7 +15,7 @@ from tests import internal_errors
 if TYPE_CHECKING:
     import transformers
 
-    from qworker.model.tokenizer import Tokenizer
+    from qworker.model.tokenizer.tokenizer import Tokenizer
 
 __all__ = ["RedisServer", "free_port"]
 
@@ -72,7 +72,7 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The default model's GGUF, fetched once into QWORKER_HOME (default ~/.cache/qworker)."""
-    from qworker.model.hub import resolve_model
+    from qworker.model.loading.hub import resolve_model
 
     return resolve_model("smollm2")
 
@@ -80,7 +80,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path: Path) -> Tokenizer:
     """The default model's tokenizer, built from its GGUF metadata once per session."""
-    from qworker.model.tokenizer import Tokenizer
+    from qworker.model.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_path)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qworker.model.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from qworker.model.tokenizer.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 
 
 def stream(tok: Tokenizer, ids: list[int], skip: bool = False) -> list[str]:

@@ -10,11 +10,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from qworker.model import native
-from qworker.model import native_build as nb
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import DecoderModel
+from qworker.model.kernels import native
+from qworker.model.kernels import native_build as nb
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel
 
 # the suite runs on the CPU; QWORKER_TEST_DEVICE=cuda runs the model and engine tests on a GPU
 TEST_DEVICE = os.environ.get("QWORKER_TEST_DEVICE", "cpu")
@@ -68,7 +68,7 @@ def disjoint_block_tables(
 
 
 def run_schedule(
-    model: LlamaModel, sequences: list[list[int]], schedule: list[Step], block_size: int,
+    model: DecoderModel, sequences: list[list[int]], schedule: list[Step], block_size: int,
     seed: int = 0,
 ) -> list[tuple[int, int, torch.Tensor]]:
     """Returns (sequence, position, logits) for the last new token of every scheduled sequence."""
@@ -90,3 +90,19 @@ def run_schedule(
             cached[seq] += n
             results.append((seq, cached[seq] - 1, logits[row]))
     return results
+
+
+def greedy(model: DecoderModel, prompt: list[int], new_tokens: int,
+           block_size: int = 4) -> list[int]:
+    """The prompt prefilled in one step, then `new_tokens` greedy tokens, each a decode step."""
+    total = len(prompt) + new_tokens
+    cache = KVCache.allocate(model.config, -(-total // block_size), block_size, model.dtype,
+                             model.device)
+    table = list(range(cache.num_blocks))
+    tokens, step = list(prompt), list(prompt)
+    while len(tokens) < total:
+        batch = build_batch([SequenceInput(step, len(tokens) - len(step), table)], block_size,
+                            model.device)
+        step = [int(model(batch, cache)[0].argmax())]
+        tokens += step
+    return tokens[len(prompt):]

@@ -1,4 +1,4 @@
-"""Random GGUF blocks of every kept format, and tiny Llama GGUF files made of them."""
+"""Random GGUF blocks of every kept format, and tiny Llama (or Qwen2) GGUF files made of them."""
 
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ SIZES = dict(vocab=64, hidden=256, inter=256, layers=1, heads=4, kv_heads=2)
 
 
 def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
-                    others: dict[str, Q] | None = None) -> Path:
+                    others: dict[str, Q] | None = None, arch: str = "llama") -> Path:
     """A one-layer Llama whose every matrix is random blocks of `kind` (norms float32), but
-    those `others` names by their short name ("attn_v") in another format."""
+    those `others` names by their short name ("attn_v") in another format. arch="qwen2": the
+    same with random float32 biases on q, k and v, as Qwen2 files have them."""
     rng = np.random.default_rng(seed)
     s = SIZES
     head_dim = s["hidden"] // s["heads"]
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(256)
     writer.add_embedding_length(s["hidden"])
     writer.add_block_count(s["layers"])
@@ -57,6 +58,10 @@ def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
                      f"blk.{i}.ffn_gate.weight": (s["inter"], s["hidden"]),
                      f"blk.{i}.ffn_up.weight": (s["inter"], s["hidden"]),
                      f"blk.{i}.ffn_down.weight": (s["hidden"], s["inter"])}
+        if arch == "qwen2":
+            for proj, rows in (("attn_q", s["hidden"]), ("attn_k", kv), ("attn_v", kv)):
+                writer.add_tensor(f"blk.{i}.{proj}.bias",
+                                  rng.uniform(-1, 1, rows).astype(np.float32))
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight",
                               rng.uniform(0.5, 1.5, s["hidden"]).astype(np.float32))

@@ -23,8 +23,8 @@ from qworker.commands.serve import build_engine, engine_config
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
-from qworker.model import native_build as nb
-from qworker.model.linear import Linear
+from qworker.model.kernels import native_build as nb
+from qworker.model.kernels.linear import Linear
 from qworker_client.protocol import DoneEvent
 from tests.model_harness import kernel_family, skip_unless_runnable
 from tests.service_harness import (

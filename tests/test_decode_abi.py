@@ -7,8 +7,8 @@ import ctypes
 
 import pytest
 
-from qworker.model import decode_abi, native
-from qworker.model.decode_abi import DecodeDims, DecodeLayer, DecodeProj, layout_mismatches
+from qworker.model.kernels import decode_abi, native
+from qworker.model.kernels.decode_abi import DecodeDims, DecodeLayer, DecodeProj, layout_mismatches
 
 
 @pytest.fixture

@@ -1,42 +1,51 @@
 """The decode graph (layers, final norm and LM head of a decode-only step in one native call) gives
-the layer-by-layer path's results bit for bit, takes only the steps it serves, and follows weights
-changed in place."""
+the layer-by-layer path's results bit for bit for every supported architecture, takes only the
+steps it serves, refuses (once, loudly) a declaration it does not run, and follows weights changed
+in place."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
-from qworker.model import native
+from qworker.model.arch import ARCHITECTURES
+from qworker.model.arch.architecture import Architecture
 from qworker.model.config import ModelConfig
-from qworker.model.llama import LlamaModel
+from qworker.model.decode_graph import refusal
+from qworker.model.decoder import DecoderModel
+from qworker.model.kernels import native
 from tests.engine_fixtures import tiny_model
-from tests.model_harness import Step, run_schedule
+from tests.model_harness import Step, kernel_family, run_schedule
 
 VOCAB = 128  # the native GEMM takes 16-column blocks: 120 would decline (tested below)
 
 
-def _biased_model(dtype: torch.dtype) -> LlamaModel:
-    """Qwen2-like: a bias on q/k/v, and a head size the attention kernel vectorises."""
-    torch.manual_seed(3)
+def random_model(arch: Architecture, dtype: torch.dtype, seed: int = 3,
+                 activation: str | None = None) -> DecoderModel:
+    """A model of `arch` with every feature its declaration has (biases where its checkpoints have
+    them), random weights, and a head size the attention kernel vectorises."""
+    torch.manual_seed(seed)
     config = ModelConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=3,
-        num_kv_heads=1, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
-        attention_bias=True,
+        num_kv_heads=1, head_dim=64, arch=arch, max_position_embeddings=512,
+        tie_word_embeddings=arch.tied_embeddings, attention_bias=arch.qkv_bias,
+        activation=activation or arch.activation,
     )
-    model = LlamaModel(config, dtype=dtype)
+    model = DecoderModel(config, dtype=dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)
     return model
 
 
-MODELS: dict[str, Callable[[torch.dtype], LlamaModel]] = {
+MODELS: dict[str, Callable[[torch.dtype], DecoderModel]] = {
     "tiny": lambda dtype: tiny_model(VOCAB, dtype=dtype, seed=4),
-    "biased": _biased_model,
+    "biased": lambda dtype: random_model(replace(ARCHITECTURES["llama"], qkv_bias=True), dtype),
 }
 
 
@@ -54,7 +63,7 @@ def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _layer_by_layer(model: LlamaModel, sequences: list[list[int]],
+def _layer_by_layer(model: DecoderModel, sequences: list[list[int]],
                     schedule: list[Step]) -> list[tuple[int, int, torch.Tensor]]:
     model.decode_graph.enabled = False
     try:
@@ -82,6 +91,43 @@ def test_the_graph_gives_the_layer_paths_logits_bit_for_bit(
     got = run_schedule(model, sequences, schedule, block_size=4)
     assert graph_calls == [3] * 6
     _assert_same(got, _layer_by_layer(model, sequences, schedule))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_every_supported_architecture_runs_its_decodes_in_the_graph_bit_for_bit(
+        name: str, dtype: torch.dtype, graph_calls: list[int]) -> None:
+    model = random_model(ARCHITECTURES[name], dtype)
+    assert model.decode_graph.refused is None, "a supported architecture the graph does not run"
+    rng = random.Random(5)
+    sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (17, 26)]
+    schedule: list[Step] = [[(0, 12), (1, 20)]] + [[(0, 1), (1, 1)] for _ in range(5)]
+    got = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [2] * 5
+    _assert_same(got, _layer_by_layer(model, sequences, schedule))
+
+
+def test_a_declaration_the_graph_does_not_run_is_refused_once_and_runs_layer_by_layer(
+        graph_calls: list[int]) -> None:
+    arch = ARCHITECTURES["llama"]
+    assert refusal(ModelConfig(VOCAB, 64, 96, 1, 2, 2, 32, arch=arch)) is None
+    with capture_logs() as logs:
+        model = random_model(arch, torch.float32, activation="gelu_tanh")
+    assert model.decode_graph.refused == "llama: activation gelu_tanh"
+    assert [e["event"] for e in logs] == ["decode_graph_refused"]
+    rng = random.Random(6)
+    sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (12, 17)]
+    schedule: list[Step] = [[(0, 9), (1, 14)]] + [[(0, 1), (1, 1)] for _ in range(3)]
+    with capture_logs() as logs:
+        got = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [] and logs == []  # said once, at the model's making
+    with kernel_family("torch"):
+        want = run_schedule(model, sequences, schedule, block_size=4)
+    for (seq, pos, a), (_, _, b) in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"seq {seq} pos {pos}")
+    for declared in (replace(arch, post_norms=True), replace(arch, experts=True),
+                     replace(arch, norm_offset=1.0)):
+        assert refusal(ModelConfig(VOCAB, 64, 96, 1, 2, 2, 32, arch=declared)) is not None
 
 
 def test_decodes_in_several_groups_and_out_of_length_order(
@@ -135,8 +181,8 @@ def test_a_weight_changed_in_place_is_followed(
 def test_the_graph_serves_only_buckets_whose_layers_were_chosen_native(
     graph_calls: list[int],
 ) -> None:
-    from qworker.model.kernel_choice import BUCKETS
-    from qworker.model.linear import Linear
+    from qworker.model.kernels.kernel_choice import BUCKETS
+    from qworker.model.kernels.linear import Linear
 
     model = tiny_model(VOCAB, dtype=torch.float32, seed=5)
     sequences = [list(range(3, 20)), list(range(40, 52))]

@@ -8,13 +8,13 @@ import pytest
 
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_tokenizer: Tokenizer) -> LlamaModel:
+def model(smollm2_tokenizer: Tokenizer) -> DecoderModel:
     return tiny_model(smollm2_tokenizer.vocab_size)
 
 
@@ -64,7 +64,7 @@ def workload() -> list[tuple[int, Request]]:
 
 
 @pytest.fixture(scope="module")
-def alone(smollm2_tokenizer: Tokenizer, model: LlamaModel,
+def alone(smollm2_tokenizer: Tokenizer, model: DecoderModel,
           workload: list[tuple[int, Request]]) -> dict[str, tuple[list[int], str]]:
     results = {}
     for _, request in workload:
@@ -84,7 +84,7 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
-def test_batched_equals_alone(smollm2_tokenizer: Tokenizer, model: LlamaModel,
+def test_batched_equals_alone(smollm2_tokenizer: Tokenizer, model: DecoderModel,
                               workload: list[tuple[int, Request]],
                               alone: dict[str, tuple[list[int], str]],
                               settings: dict[str, float]) -> None:
@@ -92,7 +92,7 @@ def test_batched_equals_alone(smollm2_tokenizer: Tokenizer, model: LlamaModel,
     assert run(engine, workload) == alone
 
 
-def test_preemption_keeps_results(smollm2_tokenizer: Tokenizer, model: LlamaModel,
+def test_preemption_keeps_results(smollm2_tokenizer: Tokenizer, model: DecoderModel,
                                   workload: list[tuple[int, Request]],
                                   alone: dict[str, tuple[list[int], str]]) -> None:
     # 24 blocks of 4 tokens: the longest request (60 + 24 tokens) just fits alone
@@ -101,7 +101,7 @@ def test_preemption_keeps_results(smollm2_tokenizer: Tokenizer, model: LlamaMode
     assert engine.num_preemptions > 0, "the cache was meant to be small enough to preempt"
 
 
-def test_resumed_request_continues_exactly(smollm2_tokenizer: Tokenizer, model: LlamaModel,
+def test_resumed_request_continues_exactly(smollm2_tokenizer: Tokenizer, model: DecoderModel,
                                            workload: list[tuple[int, Request]],
                                            alone: dict[str, tuple[list[int], str]]) -> None:
     """A request handed back with its streamed tokens continues where it stopped."""
@@ -122,7 +122,7 @@ def test_resumed_request_continues_exactly(smollm2_tokenizer: Tokenizer, model: 
         assert final == text
 
 
-def test_warm_up_leaves_no_trace(smollm2_tokenizer: Tokenizer, model: LlamaModel,
+def test_warm_up_leaves_no_trace(smollm2_tokenizer: Tokenizer, model: DecoderModel,
                                  workload: list[tuple[int, Request]],
                                  alone: dict[str, tuple[list[int], str]]) -> None:
     engine = tiny_engine(smollm2_tokenizer, model, block_size=4)

@@ -20,8 +20,8 @@ from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
 from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimOptions, SimulatedEngine
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import blocks_computed_twice, tiny_model
 
 VOCAB = 256  # the simulated engine's: prompts are valid for both
@@ -51,7 +51,7 @@ configs = st.builds(
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
+def model() -> DecoderModel:
     return tiny_model(VOCAB)
 
 
@@ -110,7 +110,7 @@ def trace(engine: EngineCore, plan: list[Job]) -> list[tuple[Any, ...]]:
     return records
 
 
-def both(tokenizer: Tokenizer, model: LlamaModel, config: EngineConfig
+def both(tokenizer: Tokenizer, model: DecoderModel, config: EngineConfig
          ) -> tuple[Engine, SimulatedEngine]:
     real = Engine(model, tokenizer, replace(config, model="tiny", max_model_len=64))
     sim = SimulatedEngine(replace(config, max_model_len=64), SimOptions(step_ms=0))
@@ -122,14 +122,14 @@ def both(tokenizer: Tokenizer, model: LlamaModel, config: EngineConfig
 @given(plan=st.lists(jobs, min_size=1, max_size=10), config=configs,
        aging=st.sampled_from([0.0, 3.0, 60.0]))
 def test_real_and_simulated_engines_schedule_alike(smollm2_tokenizer: Tokenizer,
-                                                   model: LlamaModel, plan: list[Job],
+                                                   model: DecoderModel, plan: list[Job],
                                                    config: EngineConfig, aging: float) -> None:
     real, sim = both(smollm2_tokenizer, model, replace(config, priority_aging_s=aging))
     assert trace(real, plan) == trace(sim, plan)
 
 
 def test_a_small_pool_preempts_alike_in_both(smollm2_tokenizer: Tokenizer,
-                                             model: LlamaModel) -> None:
+                                             model: DecoderModel) -> None:
     """A fixed schedule that is sure to preempt (the property above covers it only by chance)."""
     plan = [Job(k // 3, 10 + 3 * k, 12, k % 2, 9 if k == 4 else None, k == 5, shared=8 * (k % 2))
             for k in range(8)]

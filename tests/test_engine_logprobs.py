@@ -21,20 +21,20 @@ from qworker.engine.request import (
 )
 from qworker.engine.simulated import SimulatedEngine
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import DecoderModel
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 VOCAB = 512
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
+def model() -> DecoderModel:
     return tiny_model(VOCAB, dtype=torch.float32)
 
 
-def one_shot_logprobs(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+def one_shot_logprobs(model: DecoderModel, tokens: list[int]) -> torch.Tensor:
     """log_softmax at every position of `tokens`, computed in one unchunked forward."""
     cache = KVCache.allocate(model.config, -(-len(tokens) // 4) + 1, 4, model.dtype, model.device)
     table = list(range(1, -(-len(tokens) // 4) + 1))
@@ -70,7 +70,7 @@ def requests(seed: int) -> list[Request]:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_logprobs_are_the_raw_log_softmax_at_each_position(tokenizer_free_engine: Engine,
-                                                           model: LlamaModel, seed: int) -> None:
+                                                           model: DecoderModel, seed: int) -> None:
     reqs = requests(seed)
     outputs = run_all(tokenizer_free_engine, reqs)
     for request in reqs:
@@ -131,14 +131,14 @@ def test_token_logprobs_are_log_softmax_with_ties_best_first_lower_id_first(
 
 
 @pytest.fixture
-def tokenizer_free_engine(smollm2_tokenizer: Tokenizer, model: LlamaModel) -> Engine:
+def tokenizer_free_engine(smollm2_tokenizer: Tokenizer, model: DecoderModel) -> Engine:
     # prefill in chunks of 7 beside decodes: prompt logprobs are collected across chunks
     return tiny_engine(smollm2_tokenizer, model, prefill_chunk=7, max_batched_tokens=20,
                        max_num_seqs=4)
 
 
 def test_prompt_logprobs_survive_a_preemption(smollm2_tokenizer: Tokenizer,
-                                              model: LlamaModel) -> None:
+                                              model: DecoderModel) -> None:
     # a pool so small that sequences preempt each other mid-prefill and recompute
     engine = tiny_engine(smollm2_tokenizer, model, num_blocks=14, prefill_chunk=6,
                          max_batched_tokens=12, max_num_seqs=3)
@@ -159,7 +159,7 @@ def test_prompt_logprobs_survive_a_preemption(smollm2_tokenizer: Tokenizer,
 
 
 def test_no_logprobs_are_computed_when_no_row_asks(smollm2_tokenizer: Tokenizer,
-                                                   model: LlamaModel,
+                                                   model: DecoderModel,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     original = runner_module.token_logprobs

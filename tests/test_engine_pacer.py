@@ -6,7 +6,7 @@ import pytest
 
 from qworker.engine.pacer import PrefillPacer
 from qworker.engine.request import Request, SamplingParams
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 

@@ -9,8 +9,8 @@ import torch
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
-from qworker.model.llama import load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 PROMPTS = [
     "What is the capital of France?",

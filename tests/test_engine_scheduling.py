@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.sequence import Sequence
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import blocks_computed_twice, tiny_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_tokenizer: Tokenizer) -> LlamaModel:
+def model(smollm2_tokenizer: Tokenizer) -> DecoderModel:
     return tiny_model(smollm2_tokenizer.vocab_size)
 
 
@@ -49,7 +49,7 @@ request_strategy = st.tuples(
     block_size=st.sampled_from([1, 2, 4, 16]),
     num_blocks=st.integers(8, 80),
 )
-def test_scheduler_invariants(smollm2_tokenizer: Tokenizer, model: LlamaModel,
+def test_scheduler_invariants(smollm2_tokenizer: Tokenizer, model: DecoderModel,
                               requests: list[tuple[int, int, int, int | None]], max_num_seqs: int,
                               max_batched_tokens: int, prefill_chunk: int, block_size: int,
                               num_blocks: int) -> None:
@@ -100,7 +100,7 @@ def test_scheduler_invariants(smollm2_tokenizer: Tokenizer, model: LlamaModel,
 
 
 def test_prompt_that_cannot_fit_is_refused_before_taking_blocks(
-        smollm2_tokenizer: Tokenizer, model: LlamaModel) -> None:
+        smollm2_tokenizer: Tokenizer, model: DecoderModel) -> None:
     engine = tiny_engine(smollm2_tokenizer, model, num_blocks=10, block_size=4,
                          max_model_len=100)
     for length in (40, 100, 1000):  # past the cache (40 tokens), max_model_len, both

@@ -10,7 +10,7 @@ from qworker.engine.request import Request, SamplingParams
 from qworker.engine.sampler import SampleRow, sample
 from qworker.engine.sequence import Sequence
 from qworker.engine.text import TextStream
-from qworker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from qworker.model.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 

@@ -16,20 +16,20 @@ from qworker.engine.request import Request, RequestRejectedError, SamplingParams
 from qworker.engine.sampler import SampleRow, sample
 from qworker.engine.simulated import SimulatedEngine
 from qworker.engine.validation import max_token_chars
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 VOCAB = 49152  # SmolLM2's
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_tokenizer: Tokenizer) -> LlamaModel:
+def model(smollm2_tokenizer: Tokenizer) -> DecoderModel:
     return tiny_model(smollm2_tokenizer.vocab_size)
 
 
 @pytest.fixture
-def real(smollm2_tokenizer: Tokenizer, model: LlamaModel) -> Engine:
+def real(smollm2_tokenizer: Tokenizer, model: DecoderModel) -> Engine:
     return tiny_engine(smollm2_tokenizer, model, max_model_len=128)
 
 
@@ -101,7 +101,7 @@ def test_the_edges_of_the_vocabulary_and_context_still_run(
     assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "longest") == 2
 
 
-def test_real_engine_vocabulary_is_the_embeddings(real: Engine, model: LlamaModel) -> None:
+def test_real_engine_vocabulary_is_the_embeddings(real: Engine, model: DecoderModel) -> None:
     assert real.limits.vocab_size == model.embed_tokens.weight.shape[0] == VOCAB
 
 

@@ -15,8 +15,8 @@ from qworker.cli import build_parser
 from qworker.commands.serve import build_engine
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
-from qworker.model.llama import load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client import Producer
 from tests.gateway_harness import gateway, live_worker
 from tests.service_harness import check_stream

@@ -10,8 +10,9 @@ import gguf
 import numpy as np
 import pytest
 
-from qworker.model.gguf_file import GGUFFile, GGUFFormatError
-from qworker.model.loader import LoaderError, open_gguf
+from qworker.model.loading.gguf_checkpoint import open_gguf
+from qworker.model.loading.gguf_file import GGUFFile, GGUFFormatError
+from qworker.model.loading.tensors import LoaderError
 
 
 def _write(path: Path) -> Path:

@@ -22,8 +22,8 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
 from qworker.engine.sequence import Sequence
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client.protocol import DoneEvent, ErrorEvent, Job, TokenEvent
 from tests.service_harness import (
     KEYS,
@@ -79,16 +79,16 @@ def chat(topic: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path: Path) -> LlamaModel:
+def model(smollm2_path: Path) -> DecoderModel:
     return load_model(smollm2_path, dtype=torch.float64)
 
 
-def engine(model: LlamaModel, tokenizer: Tokenizer) -> Engine:
+def engine(model: DecoderModel, tokenizer: Tokenizer) -> Engine:
     return Engine(model, tokenizer, EngineConfig(requeue_preempted=True, max_num_seqs=16,
                                                  block_size=16, num_blocks=256))
 
 
-def greedy_ids(model: LlamaModel, tokenizer: Tokenizer, messages: list[str]) -> list[list[int]]:
+def greedy_ids(model: DecoderModel, tokenizer: Tokenizer, messages: list[str]) -> list[list[int]]:
     prompts = [tokenizer.encode_chat(json.loads(m)) for m in messages]
     done = engine(model, tokenizer).generate(
         prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
@@ -124,7 +124,7 @@ def token_ids(client: redis.Redis, job_id: str) -> list[int]:
 
 @pytest.mark.internal_errors_expected  # the injected fault, and only it
 def test_hostile_entries_cost_only_themselves_on_the_real_model(
-        redis_url: str, model: LlamaModel, smollm2_tokenizer: Tokenizer,
+        redis_url: str, model: DecoderModel, smollm2_tokenizer: Tokenizer,
         monkeypatch: pytest.MonkeyPatch) -> None:
     innocents = {**{f"innocent-{k}": chat(t) for k, t in INNOCENT.items()},
                  "orphan": chat("rivers"), "tiny-temperature": chat("salt")}

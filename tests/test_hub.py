@@ -1,4 +1,4 @@
-"""qworker.model.hub and `qworker model`: resolving names, fetching a model once, atomically."""
+"""qworker.model.loading.hub and `qworker model`: resolving names, fetching a model once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from qworker.commands import model as model_command
-from qworker.model import hub
+from qworker.model.home import qworker_home
+from qworker.model.loading import hub
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 FAKE = hub.ModelSource(
@@ -49,9 +50,9 @@ def downloads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_qworker_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("QWORKER_HOME", str(tmp_path))
-    assert hub.qworker_home() == tmp_path
+    assert qworker_home() == tmp_path
     monkeypatch.delenv("QWORKER_HOME")
-    assert hub.qworker_home() == Path.home() / ".cache" / "qworker"
+    assert qworker_home() == Path.home() / ".cache" / "qworker"
 
 
 def test_existing_path_is_returned_as_is(tmp_path: Path, home: Path) -> None:

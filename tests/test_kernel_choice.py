@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qworker.model import kernel_choice, native
-from qworker.model.kernel_choice import BUCKETS, bucket, fastest
-from qworker.model.linear import Linear
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels.kernel_choice import BUCKETS, bucket, fastest
+from qworker.model.kernels.linear import Linear
 
 NATIVE_HERE = native.library() is not None
 MACHINE_LOAD = kernel_choice.machine_load  # the real one, before the fixture replaces it

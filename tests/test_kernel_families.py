@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qworker.model import native_build as nb
+from qworker.model.kernels import native_build as nb
 from tests.model_harness import RUNNABLE_FAMILIES, skip_unless_runnable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # file): a 40-token prefill, then 12 single-token decode steps of the same tokens (the graph's path)
 PROBE = r"""
 import sys, torch
-from qworker.model import native
-from qworker.model.hub import resolve_model
-from qworker.model.llama import load_model
+from qworker.model.kernels import native
+from qworker.model.loading.hub import resolve_model
+from qworker.model.decoder import load_model
 from tests.model_harness import run_schedule
 tokens = [1, 504, 3458, 282, 4649, 314, 4447, 30, 378, 3458, 282, 4649, 314] * 4
 schedule = [[(0, 40)]] + [[(0, 1)] for _ in range(12)]
@@ -79,7 +79,7 @@ def test_the_installed_build_runs_without_a_compiler_or_a_writable_home(tmp_path
     blocker.write_text("")
     env = {**os.environ, "QWORKER_HOME": str(blocker / "home"), "CXX": "no-such-compiler",
            "PATH": str(Path(sys.executable).parent), "QWORKER_KERNELS": "auto"}
-    code = ("from qworker.model import native; s = native.status(); "
+    code = ("from qworker.model.kernels import native; s = native.status(); "
             "import json; print(json.dumps([s.level, s.origin, s.reason]))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                           capture_output=True, text=True, timeout=120)
@@ -92,7 +92,7 @@ def test_without_any_build_the_reason_is_reported(tmp_path: Path) -> None:
     blocker.write_text("")
     env = {**os.environ, "QWORKER_HOME": str(blocker / "home"), "CXX": "no-such-compiler",
            "PATH": str(Path(sys.executable).parent)}
-    code = ("from qworker.model import native, native_build as nb; "
+    code = ("from qworker.model.kernels import native, native_build as nb; "
             "nb.INSTALLED = nb.INSTALLED / 'gone'; "
             "s = native.status(); print(s.level, '|', s.reason)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
@@ -107,7 +107,8 @@ def test_a_forced_family_the_cpu_cannot_run_says_so(tmp_path: Path) -> None:
     if not missing:
         pytest.skip(f"this CPU ({nb.cpu_model()}) runs every native family")
     env = {**os.environ, "QWORKER_KERNELS": missing[0]}
-    code = "from qworker.model import native; s = native.status(); print(s.level, '|', s.reason)"
+    code = ("from qworker.model.kernels import native; s = native.status(); "
+            "print(s.level, '|', s.reason)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == f"None | this CPU runs no native kernel level of {missing[0]}"

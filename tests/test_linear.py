@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qworker.model import native
-from qworker.model import native_build as nb
-from qworker.model.linear import Linear, onednn_packs, packing_available
+from qworker.model.kernels import native
+from qworker.model.kernels import native_build as nb
+from qworker.model.kernels.linear import Linear, onednn_packs, packing_available
 
 
 def test_this_cpu_takes_the_fast_paths() -> None:

@@ -1,4 +1,4 @@
-"""qworker.model.loader: HF safetensors folders and GGUF files -> ModelConfig + HF-named tensors."""
+"""Loading: HF safetensors folders and GGUF files -> ModelConfig + HF-named tensors."""
 
 from __future__ import annotations
 
@@ -6,15 +6,18 @@ import json
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from qworker.model import loader
 from qworker.model.config import ModelConfig, UnsupportedModelError
-from qworker.model.loader import LoaderError, expected_shapes, load_checkpoint
+from qworker.model.loading import gguf_checkpoint
+from qworker.model.loading.checkpoint import load_checkpoint
+from qworker.model.loading.hf_folder import hf_config
+from qworker.model.loading.tensors import LoaderError, expected_shapes
+from tests.gguf_writer import Q, write_gguf
 from tests.quant_fixtures import KEPT, write_tiny_gguf
 
 TINY = dict(
@@ -95,14 +98,14 @@ def test_hf_sharded_folder(tmp_path: Path) -> None:
 def test_qwen2_folder_has_biases(tmp_path: Path) -> None:
     model = tiny_qwen2()
     config, tensors = load_checkpoint(save(model, tmp_path))
-    assert config.architecture == "qwen2" and config.attention_bias
+    assert config.arch.name == "qwen2" and config.attention_bias
     assert "model.layers.1.self_attn.k_proj.bias" in tensors
     assert_same_tensors(tensors, hf_state(model, tie=True))
 
 
 def test_expected_shapes_match_transformers() -> None:
     model = tiny_qwen2()
-    config = ModelConfig.from_hf(model.config.to_dict())
+    config = hf_config(model.config.to_dict())
     want = {k: tuple(v.shape) for k, v in hf_state(model, tie=True).items()}
     assert expected_shapes(config) == want
 
@@ -175,6 +178,61 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     assert str(tmp_path / "config.json") in str(err.value) and "'mixtral'" in str(err.value)
 
 
+@pytest.mark.parametrize("other", ["BertConfig", "T5Config", "Gemma3Config"])
+def test_another_kind_of_model_is_refused_for_what_it_is(tmp_path: Path, other: str) -> None:
+    config = getattr(transformers, other)()
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    with pytest.raises(UnsupportedModelError) as err:
+        load_checkpoint(tmp_path)
+    assert f"config.json: unsupported architecture {config.model_type!r}; supported: " in str(
+        err.value)
+
+
+@pytest.mark.parametrize(("fields", "windows"), [
+    ({"model_type": "mistral", "sliding_window": 48}, (48, 48)),
+    ({"model_type": "mistral", "sliding_window": None}, ()),
+    ({"model_type": "qwen2", "sliding_window": 48, "use_sliding_window": False}, ()),
+    ({"model_type": "qwen2", "sliding_window": 48, "use_sliding_window": True,
+      "max_window_layers": 1}, (48,)),
+    ({"model_type": "qwen2", "sliding_window": 48, "use_sliding_window": True,
+      "layer_types": ["sliding_attention", "full_attention"]}, (48,)),
+])
+def test_sliding_windows_are_read_as_transformers_reads_them(
+        fields: dict[str, object], windows: tuple[int, ...]) -> None:
+    config = hf_config(TINY | {"tie_word_embeddings": False} | fields)
+    assert config.windows == windows
+    assert config.context_length == min((128, *windows))
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"partial_rotary_factor": 0.75}, "partial rotary embeddings"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}},
+     "rope scaling 'longrope'"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope scaling 'dynamic'"),
+    ({"hidden_act": "relu"}, "activation 'relu'"),
+    ({"layer_types": ["full_attention", "chunked_attention"], "sliding_window": 8},
+     "layer types ['chunked_attention']"),
+])
+def test_what_the_layers_do_not_run_is_refused_at_the_config(
+        tmp_path: Path, fields: dict[str, object], says: str) -> None:
+    save(tiny_llama(), tmp_path)
+    edit_json(tmp_path / "config.json", **fields)
+    with pytest.raises(UnsupportedModelError) as err:
+        load_checkpoint(tmp_path)
+    assert f"config.json: {says}" in str(err.value) or f"unsupported {says}" in str(err.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("hidden_size", 0), ("num_hidden_layers", -1),
+                                              ("vocab_size", "many"), ("num_key_value_heads", 3)])
+def test_a_config_of_impossible_sizes_says_which(tmp_path: Path, field: str,
+                                                 value: object) -> None:
+    save(tiny_llama(), tmp_path)
+    edit_json(tmp_path / "config.json", **{field: value})
+    with pytest.raises(LoaderError, match="config.json: "):
+        load_checkpoint(tmp_path)
+
+
 def test_missing_paths(tmp_path: Path) -> None:
     with pytest.raises(LoaderError, match="no such file or directory"):
         load_checkpoint(tmp_path / "nope")
@@ -195,73 +253,6 @@ def test_broken_config_json(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # GGUF files written here from a tiny HF model
 
-Q = gguf.GGMLQuantizationType
-_LAYER_PARTS = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_GLOBALS = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def gguf_name(hf: str) -> str:
-    if hf in _GLOBALS:
-        return _GLOBALS[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER_PARTS[part]}.{kind}"
-
-
-def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows (HF's half-split RoPE -> interleaved pairs)."""
-    pairs = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
-    return pairs.swapaxes(1, 2).reshape(w.shape)
-
-
-def write_gguf(
-    path: Path, state: dict[str, torch.Tensor], arch: str = "llama", qtype: Q = Q.F32,
-    types: dict[str, Q] | None = None,
-) -> Path:
-    """A GGUF of `state` (HF names) the way llama.cpp's converter lays it out."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(TINY["max_position_embeddings"])
-    writer.add_embedding_length(TINY["hidden_size"])
-    writer.add_block_count(TINY["num_hidden_layers"])
-    writer.add_feed_forward_length(TINY["intermediate_size"])
-    writer.add_head_count(TINY["num_attention_heads"])
-    writer.add_head_count_kv(TINY["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
-    writer.add_rope_freq_base(TINY["rope_theta"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(TINY["vocab_size"])])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, tensor in state.items():
-        array = tensor.float().numpy()
-        if arch == "llama" and ".q_proj." in name:
-            array = llama_cpp_permute(array, TINY["num_attention_heads"])
-        elif arch == "llama" and ".k_proj." in name:
-            array = llama_cpp_permute(array, TINY["num_key_value_heads"])
-        kind = (types or {}).get(name, qtype if array.ndim == 2 else Q.F32)
-        if kind == Q.I32:
-            writer.add_tensor(gguf_name(name), array.astype(np.int32))
-        elif kind == Q.F16:
-            writer.add_tensor(gguf_name(name), array.astype(np.float16))
-        elif kind == Q.F32:
-            writer.add_tensor(gguf_name(name), array)
-        else:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def roundtrip(tensor: torch.Tensor, kind: Q) -> torch.Tensor:
     if tensor.ndim == 1 or kind == Q.F32:
         return tensor.float()
@@ -277,8 +268,9 @@ def roundtrip(tensor: torch.Tensor, kind: Q) -> torch.Tensor:
 def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
     model = tiny_llama()
     state = hf_state(model, tie=False)
-    config, tensors = load_checkpoint(write_gguf(tmp_path / "tiny.gguf", state, qtype=kind))
-    assert config == ModelConfig.from_hf(model.config.to_dict())
+    config, tensors = load_checkpoint(write_gguf(tmp_path / "tiny.gguf", model.config, state,
+                                                 qtype=kind))
+    assert config == hf_config(model.config.to_dict())
     assert_same_tensors(tensors, {k: roundtrip(v, kind) for k, v in state.items()})
     stored = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(kind, torch.float32)
     assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == stored
@@ -288,9 +280,9 @@ def test_gguf_llama_roundtrip(tmp_path: Path, kind: Q) -> None:
 def test_native_expansion_equals_gguf_s_dequantization_bit_for_bit(
         tmp_path: Path, kind: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", kind)
-    assert loader.native_loaded(), "the native build is installed (make install)"
+    assert gguf_checkpoint.native_loaded(), "the native build is installed (make install)"
     _, native = load_checkpoint(path)
-    monkeypatch.setattr(loader, "native_loaded", lambda: False)
+    monkeypatch.setattr(gguf_checkpoint, "native_loaded", lambda: False)
     _, reference = load_checkpoint(path)
     assert_same_tensors(native, reference)  # type: ignore[arg-type]
 
@@ -298,17 +290,16 @@ def test_native_expansion_equals_gguf_s_dequantization_bit_for_bit(
 def test_gguf_qwen2_is_not_permuted(tmp_path: Path) -> None:
     model = tiny_qwen2()
     state = hf_state(model, tie=True)
-    write_gguf(tmp_path / "qwen.gguf", state, arch="qwen2")
+    write_gguf(tmp_path / "qwen.gguf", model.config, state)
     config, tensors = load_checkpoint(tmp_path)  # a folder holding one .gguf
-    assert config.architecture == "qwen2" and config.attention_bias and config.tie_word_embeddings
+    assert config.arch.name == "qwen2" and config.attention_bias and config.tie_word_embeddings
     assert_same_tensors(tensors, state)
 
 
 def test_gguf_unsupported_tensor_type(tmp_path: Path) -> None:
-    state = hf_state(tiny_llama(), tie=False)
-    path = write_gguf(
-        tmp_path / "odd.gguf", state, types={"model.layers.1.input_layernorm.weight": Q.I32}
-    )
+    model = tiny_llama()
+    path = write_gguf(tmp_path / "odd.gguf", model.config, hf_state(model, tie=False),
+                      types={"model.layers.1.input_layernorm.weight": Q.I32})
     with pytest.raises(LoaderError) as err:
         load_checkpoint(path)
     message = str(err.value)
@@ -326,7 +317,8 @@ def test_gguf_corrupt_and_ambiguous(tmp_path: Path) -> None:
 
 
 def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "x.gguf", hf_state(tiny_llama(), tie=False), arch="gemma")
+    model = tiny_llama()
+    path = write_gguf(tmp_path / "x.gguf", model.config, hf_state(model, tie=True), arch="gemma")
     with pytest.raises(UnsupportedModelError, match="x.gguf: unsupported architecture 'gemma'"):
         load_checkpoint(path)
 

@@ -239,7 +239,7 @@ def test_missing_native_kernels_are_said_at_start_in_metrics_and_in_stats(
 def test_a_real_engine_reports_its_kernels(smollm2_tokenizer: Any) -> None:
     import torch
 
-    from qworker.model import native
+    from qworker.model.kernels import native
     from tests.engine_fixtures import tiny_engine, tiny_model
 
     engine = tiny_engine(smollm2_tokenizer, tiny_model(128, dtype=torch.float32, seed=1))

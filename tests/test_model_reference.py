@@ -1,16 +1,29 @@
-"""Our paged, packed Llama equals transformers' logits on tiny random checkpoints."""
+"""Our paged, packed decoder equals transformers' logits on tiny random checkpoints of every
+family (a HF safetensors folder each)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from qworker.model.llama import load_model
-from tests.model_harness import TEST_DEVICE, Step, run_schedule
+from qworker.model.arch import ARCHITECTURES
+from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.kernels import native
+from tests.gguf_writer import write_gguf
+from tests.model_harness import (
+    RUNNABLE_FAMILIES,
+    TEST_DEVICE,
+    Step,
+    greedy,
+    kernel_family,
+    run_schedule,
+)
 
 VOCAB = 96
 VARIANTS = {
@@ -29,24 +42,51 @@ VARIANTS = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, use_sliding_window=False,
     ),
+    # a window wider than every test sequence: the context is capped at it, nothing else changes
+    "mistral-window": lambda: transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=64, tie_word_embeddings=False,
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(  # q/k norms; head_dim 128, not hidden / heads
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+    "phi3": lambda: transformers.Phi3Config(  # q/k/v and gate/up stored fused
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    "llama-gelu-tanh": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+    ),
 }
+# each architecture's variant for the tests that run one of each (every supported one has one)
+OF_ARCHITECTURE = {"llama": "llama-gqa-tied", "mistral": "mistral-window", "qwen2": "qwen2-bias",
+                   "qwen3": "qwen3", "phi3": "phi3"}
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
 
 
-def _hf_model_class(config: transformers.PretrainedConfig) -> type:
-    return (transformers.Qwen2ForCausalLM if config.model_type == "qwen2"
-            else transformers.LlamaForCausalLM)
+def hf_model(variant: str, seed: int) -> transformers.PreTrainedModel:
+    """The variant's model with random weights, biases and norms (so a missing or misplaced one
+    shows)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(VARIANTS[variant]())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.eval()
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(hash(request.param) % 1000)
-    config = VARIANTS[request.param]()
-    model = _hf_model_class(config)(config)
-    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
-        for layer in model.model.layers:  # random biases, so a missing one shows
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
+    model = hf_model(request.param, seed=sorted(VARIANTS).index(request.param))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -54,8 +94,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def reference_logits(path: Path, sequences: list[list[int]],
                      dtype: torch.dtype) -> list[torch.Tensor]:
-    config = transformers.AutoConfig.from_pretrained(path)
-    hf = _hf_model_class(config).from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                           attn_implementation="sdpa")
     hf.to(TEST_DEVICE)  # the same device as ours: libm's cos/sin differ between CPU and GPU
     with torch.no_grad():
         return [hf(torch.tensor([s], device=TEST_DEVICE)).logits[0].cpu() for s in sequences]
@@ -108,3 +148,76 @@ def test_packed_batch_mixing_prefill_chunks_and_decodes(checkpoint: Path, dtype:
         [(3, 1), (0, 16), (4, 5), (2, 8)],
     ]
     check(checkpoint, dtype, sequences, schedule, block_size)
+
+
+def test_a_sliding_window_caps_the_context(checkpoint: Path) -> None:
+    model = load_model(checkpoint)
+    windowed = checkpoint.name.rstrip("0123456789") == "mistral-window"
+    assert model.config.windows == ((64, 64) if windowed else ())
+    assert model.config.context_length == (64 if windowed else 256)
+    assert model.rope.cos.shape[0] == model.config.context_length
+
+
+@pytest.mark.parametrize("declared", [{"post_norms": True}, {"experts": True},
+                                      {"norm_offset": 1.0}, {"embed_scale": True}])
+def test_a_declaration_the_layers_do_not_run_is_refused(declared: dict[str, object]) -> None:
+    arch = replace(ARCHITECTURES["llama"], name="test", **declared)  # type: ignore[arg-type]
+    config = ModelConfig(VOCAB, 64, 96, 1, 4, 2, 16, arch=arch)
+    with pytest.raises(UnsupportedModelError, match="test: not implemented: "):
+        DecoderModel(config)
+
+
+def test_every_supported_architecture_has_a_variant() -> None:
+    assert set(OF_ARCHITECTURE) == set(ARCHITECTURES)
+    assert all(VARIANTS[v]().model_type == arch for arch, v in OF_ARCHITECTURE.items())
+
+
+def _hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+FAMILY_TOLERANCE = 1e-4  # float32 logits: a native GEMM adds in another order than torch's
+
+
+@pytest.mark.parametrize("family", RUNNABLE_FAMILIES)
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+@pytest.mark.parametrize("arch", sorted(OF_ARCHITECTURE))
+def test_each_architecture_from_each_source_on_each_kernel_family(
+        arch: str, source: str, family: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Teacher-forced logits within FAMILY_TOLERANCE of transformers' on the same file (a GGUF
+    read by transformers' own GGUF loader), greedy tokens identical, and on a native family the
+    decode steps through the decode graph."""
+    variant = OF_ARCHITECTURE[arch]
+    original = hf_model(variant, seed=len(arch))
+    if source == "gguf":
+        state = {k: v for k, v in original.state_dict().items()
+                 if not (k == "lm_head.weight" and original.config.tie_word_embeddings)}
+        write_gguf(tmp_path / "m.gguf", original.config, state)
+        path = tmp_path / "m.gguf"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    else:
+        original.save_pretrained(tmp_path, safe_serialization=True)
+        path, hf = tmp_path, original
+    sequences = [random_tokens(n, seed=20 + n) for n in (23, 30)]
+    schedule: list[Step] = [[(0, 15), (1, 22)]] + [[(0, 1), (1, 1)] for _ in range(8)]
+    calls: list[int] = []
+    with kernel_family(family):
+        real = native.decode_step
+        monkeypatch.setattr(native, "decode_step",
+                            lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+        model = load_model(path, dtype=torch.float32)
+        results = run_schedule(model, sequences, schedule, block_size=4)
+        ours = greedy(model, sequences[0][:9], 10)
+    assert calls == ([] if family == "torch" else [2] * 8 + [1] * 9)  # greedy: a prefill first
+    with torch.no_grad():
+        reference = [hf(torch.tensor([s])).logits[0] for s in sequences]
+    for seq, pos, logits in results:
+        err = (logits - reference[seq][pos]).abs().max().item()
+        assert err < FAMILY_TOLERANCE, f"seq {seq} pos {pos}: max abs error {err:.3g}"
+    assert ours == _hf_greedy(hf, sequences[0][:9], 10)

@@ -11,8 +11,8 @@ import transformers
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams, StepOutput
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.model_harness import TEST_DEVICE, run_schedule
 
 CHATS = [
@@ -26,7 +26,7 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_path: Path) -> LlamaModel:
+def ours(smollm2_path: Path) -> DecoderModel:
     return load_model(smollm2_path, dtype=torch.float32, device=TEST_DEVICE)
 
 
@@ -40,7 +40,7 @@ def prompts(smollm2_tokenizer: Tokenizer) -> list[list[int]]:
     return [smollm2_tokenizer.encode_chat(chat) for chat in CHATS]
 
 
-def test_teacher_forced_logits_match(ours: LlamaModel, reference: transformers.PreTrainedModel,
+def test_teacher_forced_logits_match(ours: DecoderModel, reference: transformers.PreTrainedModel,
                                      prompts: list[list[int]]) -> None:
     # prefill in chunks of 16 with all four prompts packed in each step
     longest = max(len(p) for p in prompts)
@@ -55,7 +55,7 @@ def test_teacher_forced_logits_match(ours: LlamaModel, reference: transformers.P
         assert err < 1e-3, f"prompt {seq} position {pos}: max abs error {err:.3g}"
 
 
-def test_greedy_tokens_match(ours: LlamaModel, reference: transformers.PreTrainedModel,
+def test_greedy_tokens_match(ours: DecoderModel, reference: transformers.PreTrainedModel,
                              prompts: list[list[int]], smollm2_tokenizer: Tokenizer) -> None:
     engine = Engine(ours, smollm2_tokenizer, EngineConfig(num_blocks=128, max_num_seqs=4))
     # min_tokens bans EOS as min_new_tokens does in transformers
@@ -68,7 +68,7 @@ def test_greedy_tokens_match(ours: LlamaModel, reference: transformers.PreTraine
         assert completion.token_ids == out[0, len(prompt):].tolist()
 
 
-def test_logprobs_equal_transformers_log_softmax(ours: LlamaModel,
+def test_logprobs_equal_transformers_log_softmax(ours: DecoderModel,
                                                  reference: transformers.PreTrainedModel,
                                                  prompts: list[list[int]],
                                                  smollm2_tokenizer: Tokenizer) -> None:

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qworker.model import native
-from qworker.model import native_build as nb
-from qworker.model.attention import DecodePlan, _decode, write_kv
 from qworker.model.batch import DecodeGroup
-from qworker.model.llama import RMSNorm
-from qworker.model.rope import RotaryTable, rotate
+from qworker.model.decoder import RMSNorm
+from qworker.model.kernels import native
+from qworker.model.kernels import native_build as nb
+from qworker.model.layers.paged_attention import DecodePlan, _decode, write_kv
+from qworker.model.layers.rope import RotaryTable, rotate
 from tests.engine_fixtures import tiny_model
 from tests.model_harness import run_schedule
 

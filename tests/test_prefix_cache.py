@@ -21,8 +21,8 @@ from qworker.engine.scheduler import ScheduledStep
 from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimOptions, SimulatedEngine, run_offline
 from qworker.engine.text import TextStream
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
 
 PREFIX = [(5 * i + 3) % 200 + 1 for i in range(40)]
@@ -173,13 +173,13 @@ def test_a_salt_keeps_its_blocks_apart() -> None:
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
+def model() -> DecoderModel:
     return tiny_model(256)
 
 
 @pytest.mark.parametrize("seeded", [False, True])
 def test_tiny_model_across_preemption_equals_no_cache(smollm2_tokenizer: Tokenizer,
-                                                      model: LlamaModel, seeded: bool) -> None:
+                                                      model: DecoderModel, seeded: bool) -> None:
     """A pool of 20 blocks of 4 for 6 sequences of 51-56 tokens: they preempt each other and come
     back through their own cached blocks (float64: the same tokens, exactly)."""
     def engine(caching: bool) -> Engine:
@@ -194,7 +194,7 @@ def test_tiny_model_across_preemption_equals_no_cache(smollm2_tokenizer: Tokeniz
 
 
 def test_a_job_requeued_to_a_second_engine_reuses_its_cache(smollm2_tokenizer: Tokenizer,
-                                                           model: LlamaModel) -> None:
+                                                           model: DecoderModel) -> None:
     """Half of a job's tokens on one engine, the rest on another that has the prefix cached from
     other jobs: the job's tokens are those of an uninterrupted run without the cache."""
     first, *others = requests(3, seeded=True)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from qworker.model import kernel_choice, native
-from qworker.model import quant_interleave as interleave
-from qworker.model.quant_linear import QuantLinear, quant_lookup
-from qworker.model.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels import quant_interleave as interleave
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.kernels.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight
+from qworker.model.layers.embedding import quant_lookup
 from tests.quant_fixtures import KEPT, random_blocks
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")

@@ -9,29 +9,35 @@ import gguf
 import pytest
 import torch
 
-from qworker.model import loader, native
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.kernels import native
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.loader import is_quantized_file, load_checkpoint
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.quant_weight import QuantWeight
+from qworker.model.loading import gguf_checkpoint
+from qworker.model.loading.checkpoint import load_checkpoint
+from qworker.model.loading.gguf_checkpoint import is_quantized_file
+from tests.gguf_writer import write_gguf
 from tests.model_harness import Step, run_schedule
 from tests.quant_fixtures import KEPT, SIZES, write_tiny_gguf
+from tests.test_model_reference import OF_ARCHITECTURE, hf_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
 
 
-def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+def _logits(model: DecoderModel, tokens: list[int]) -> torch.Tensor:
     cache = KVCache.allocate(model.config, 4, 16, model.dtype, model.device)
     batch = build_batch([SequenceInput(tokens, 0, [0, 1], need_logits=True)], 16, model.device)
     return model(batch, cache)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v
 @pytest.mark.parametrize("kind", KEPT, ids=lambda k: k.name)
 def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
-                                                      kind: gguf.GGMLQuantizationType) -> None:
-    path = write_tiny_gguf(tmp_path / f"{kind.name}.gguf", kind, seed=int(kind))
+                                                      kind: gguf.GGMLQuantizationType,
+                                                      arch: str) -> None:
+    path = write_tiny_gguf(tmp_path / f"{kind.name}.gguf", kind, seed=int(kind), arch=arch)
     assert is_quantized_file(path)
     _, tensors = load_checkpoint(path, keep_quantized=True)
     assert isinstance(tensors["model.layers.0.mlp.down_proj.weight"], QuantWeight)
@@ -40,6 +46,8 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
     linears = [m for m in quant.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 5 and quant.lm_head in linears  # 4 projections + the tied head
     assert quant.embed_tokens.quant is quant.lm_head.quant  # one copy for both
+    qkv = quant.layers[0].self_attn.qkv_proj
+    assert (qkv.bias is not None) == (arch == "qwen2")
     file_bytes = path.stat().st_size
     assert quant.weight_bytes() <= file_bytes < dense.weight_bytes()
     if kind.name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):  # the x8 layout: measured on a copy, not kept
@@ -134,16 +142,16 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
 def test_auto_keeps_the_blocks_only_where_the_expanded_weights_would_not_fit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", gguf.GGMLQuantizationType.Q8_0)
-    expanded = loader.expanded_bytes(path, 4)
+    expanded = gguf_checkpoint.expanded_bytes(path, 4)
     assert expanded > path.stat().st_size
     assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # it fits
-    monkeypatch.setattr(loader, "available_memory", lambda: 3 * expanded)  # 2x packs > half
+    monkeypatch.setattr(gguf_checkpoint, "available_memory", lambda: 3 * expanded)  # 2x > half
     assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
 
 
 def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from qworker.model import kernel_choice
+    from qworker.model.kernels import kernel_choice
 
     path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_1, seed=3)
     model = load_model(path, weights="quantized")
@@ -162,3 +170,34 @@ def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,
     tokens = [5, 9, 1, 33, 60, 2, 17]
     want = _logits(dense, tokens)
     assert (_logits(model, tokens) - want).abs().max() <= 5e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0], ids=lambda k: k.name)
+@pytest.mark.parametrize("arch", sorted(OF_ARCHITECTURE))
+def test_every_architecture_kept_quantized_computes_its_file_expanded(
+        tmp_path: Path, arch: str, kind: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF of each architecture (fused q/k/v and gate/up, q/k norms, biases as the family has
+    them) kept in its blocks: logits those of the file expanded to float32, and its decode steps
+    through the graph bit for bit as layer by layer."""
+    original = hf_model(OF_ARCHITECTURE[arch], seed=3)
+    state = {k: v for k, v in original.state_dict().items()
+             if not (k == "lm_head.weight" and original.config.tie_word_embeddings)}
+    path = write_gguf(tmp_path / "m.gguf", original.config, state, qtype=kind)
+    quant = load_model(path, weights="quantized")
+    assert all(isinstance(m.self_attn.qkv_proj, QuantLinear) for m in quant.layers)
+    dense = load_model(path, weights="float32")
+    tokens = [5, 9, 1, 33, 60, 2, 17, 40, 41, 7]
+    want = _logits(dense, tokens)
+    assert (_logits(quant, tokens) - want).abs().max() <= 5e-4 * want.abs().max()
+    calls: list[int] = []
+    real = native.decode_step
+    monkeypatch.setattr(native, "decode_step",
+                        lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    sequences = [tokens, tokens[::-1] + [3, 4]]
+    schedule: list[Step] = [[(0, 6), (1, 8)]] + [[(0, 1), (1, 1)] for _ in range(4)]
+    got = run_schedule(quant, sequences, schedule, block_size=4)
+    assert calls == [2] * 4
+    quant.decode_graph.enabled = False
+    for (seq, pos, a), (_, _, b) in zip(got, run_schedule(quant, sequences, schedule, 4),
+                                        strict=True):
+        assert torch.equal(a, b), f"seq {seq} pos {pos}: {(a - b).abs().max()}"

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams
-from qworker.model import kernel_choice
-from qworker.model.linear import Linear
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.quant_linear import QuantLinear
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.kernels import kernel_choice
+from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_model
 from tests.model_harness import RUNNABLE_FAMILIES, kernel_family
 from tests.quant_fixtures import write_tiny_gguf
@@ -44,7 +44,7 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for name in FORMATS if name.startswith("Q")}
 
 
-def model_of(weight_format: str, files: dict[str, Path]) -> LlamaModel:
+def model_of(weight_format: str, files: dict[str, Path]) -> DecoderModel:
     if weight_format in files:  # kept in its blocks where native kernels run, else expanded
         return load_model(files[weight_format], weights="quantized")
     return tiny_model(256, dtype=getattr(torch, weight_format), seed=2)
@@ -63,7 +63,7 @@ def drawn_measure(seed: int) -> Measure:
     return measure
 
 
-def prepared(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig, seed: int) -> Engine:
+def prepared(model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig, seed: int) -> Engine:
     """The engine as `Engine.from_config` readies it, over a home of its own (no cached choice
     read or written) and with drawn timings."""
     engine = Engine(model, tokenizer, config)

@@ -13,8 +13,8 @@ import torch
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
 from qworker.engine.request import SamplingParams
-from qworker.model.llama import LlamaModel, load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel, load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client import Producer
 from tests.service_harness import (
     KEYS,
@@ -39,11 +39,11 @@ def chat(topic: str) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path: Path) -> LlamaModel:
+def model(smollm2_path: Path) -> DecoderModel:
     return load_model(smollm2_path, dtype=torch.float64)
 
 
-def engine(model: LlamaModel, tokenizer: Tokenizer, **settings: object) -> Engine:
+def engine(model: DecoderModel, tokenizer: Tokenizer, **settings: object) -> Engine:
     defaults: dict[str, object] = dict(requeue_preempted=True, max_num_seqs=8, block_size=16,
                                        num_blocks=512)
     config = EngineConfig(**{**defaults, **settings})  # type: ignore[arg-type]
@@ -51,7 +51,7 @@ def engine(model: LlamaModel, tokenizer: Tokenizer, **settings: object) -> Engin
 
 
 @pytest.fixture(scope="module")
-def offline(model: LlamaModel, smollm2_tokenizer: Tokenizer) -> dict[str, list[int]]:
+def offline(model: DecoderModel, smollm2_tokenizer: Tokenizer) -> dict[str, list[int]]:
     """What an uninterrupted run gives, once for the module: the offline engine, greedy, no
     Redis, every topic at once, 32 tokens (a shorter job's tokens are a prefix of these)."""
     prompts = [smollm2_tokenizer.encode_chat(chat(t)) for t in TOPICS]
@@ -68,7 +68,7 @@ def offline_texts(offline: dict[str, list[int]], tokenizer: Tokenizer, topics: l
             for t in topics}
 
 
-def test_twelve_producer_jobs_on_one_worker(redis_url: str, model: LlamaModel,
+def test_twelve_producer_jobs_on_one_worker(redis_url: str, model: DecoderModel,
                                             smollm2_tokenizer: Tokenizer,
                                             offline: dict[str, list[int]]) -> None:
     want = offline_texts(offline, smollm2_tokenizer, TOPICS, max_tokens=16)
@@ -87,7 +87,7 @@ def test_twelve_producer_jobs_on_one_worker(redis_url: str, model: LlamaModel,
     assert group_pending(client) == 0
 
 
-def test_kill_9_one_of_two_real_workers(redis_url: str, model: LlamaModel,
+def test_kill_9_one_of_two_real_workers(redis_url: str, model: DecoderModel,
                                         smollm2_tokenizer: Tokenizer, smollm2_path: Path,
                                         tmp_path: Path, offline: dict[str, list[int]]) -> None:
     topics = TOPICS[:6]
@@ -124,7 +124,7 @@ def test_kill_9_one_of_two_real_workers(redis_url: str, model: LlamaModel,
     assert group_pending(client) == 0
 
 
-def test_tiny_kv_cache_requeues_and_keeps_texts(redis_url: str, model: LlamaModel,
+def test_tiny_kv_cache_requeues_and_keeps_texts(redis_url: str, model: DecoderModel,
                                                 smollm2_tokenizer: Tokenizer,
                                                 offline: dict[str, list[int]]) -> None:
     topics = TOPICS[:8]

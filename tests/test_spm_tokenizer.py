@@ -27,8 +27,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qworker.model.spm_tokenizer import SPACE
-from qworker.model.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from qworker.model.tokenizer.sentencepiece import SPACE
+from qworker.model.tokenizer.tokenizer import REPLACEMENT_CHAR, Tokenizer
 from tests.detok_check import assert_stream_exact, stream
 
 USER_TOKEN = "<|tool|>"  # a user-defined piece: matched whole in text, not special
@@ -390,7 +390,7 @@ def test_tiny_llama_generates_like_transformers(bpe: Fixture) -> None:
     from transformers import AutoModelForCausalLM
 
     from qworker.engine.request import SamplingParams
-    from qworker.model.llama import load_model
+    from qworker.model.decoder import load_model
     from tests.engine_fixtures import tiny_engine
 
     engine = tiny_engine(bpe.ours, load_model(bpe.path, dtype=torch.float32))
@@ -409,7 +409,7 @@ def test_the_worker_gives_a_plain_prompt_its_bos_and_a_chat_none_on_top(
         bpe: Fixture, redis_url: str) -> None:
     import torch
 
-    from qworker.model.llama import load_model
+    from qworker.model.decoder import load_model
     from qworker_client import Producer
     from tests.engine_fixtures import tiny_engine
     from tests.service_harness import thread_worker

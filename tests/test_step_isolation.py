@@ -16,8 +16,8 @@ from qworker.engine.engine import Engine
 from qworker.engine.request import Request, SamplingParams, StepOutput
 from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import SimulatedEngine
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import DecoderModel
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client.protocol import DoneEvent, ErrorEvent
 from tests.engine_fixtures import tiny_engine, tiny_model
 from tests.service_harness import (
@@ -37,7 +37,7 @@ TEXTS = ["The sky", "Seven small owls", "A river runs", "Bread and", "Chess is a
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_tokenizer: Tokenizer) -> LlamaModel:
+def model(smollm2_tokenizer: Tokenizer) -> DecoderModel:
     return tiny_model(smollm2_tokenizer.vocab_size)
 
 
@@ -70,7 +70,7 @@ def ids(outputs: list[StepOutput]) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
 
 
-def clean_run(tokenizer: Tokenizer, model: LlamaModel) -> dict[str, list[int]]:
+def clean_run(tokenizer: Tokenizer, model: DecoderModel) -> dict[str, list[int]]:
     return {rid: ids(outs) for rid, outs in run(tiny_engine(tokenizer, model),
                                                 requests(tokenizer)).items()}
 
@@ -94,7 +94,7 @@ def failing_runner(engine: Engine, fails: Callable[[Sequence], bool],
 
 
 def test_a_request_that_fails_mid_run_costs_only_itself(smollm2_tokenizer: Tokenizer,
-                                                        model: LlamaModel) -> None:
+                                                        model: DecoderModel) -> None:
     want = clean_run(smollm2_tokenizer, model)
     engine = tiny_engine(smollm2_tokenizer, model)
     calls = failing_runner(engine, lambda s: s.request_id == "r3" and s.num_output_tokens >= 4,
@@ -116,7 +116,7 @@ def test_a_request_that_fails_mid_run_costs_only_itself(smollm2_tokenizer: Token
 
 
 def test_real_out_of_vocabulary_fault_is_found_and_the_others_finish(
-        smollm2_tokenizer: Tokenizer, model: LlamaModel) -> None:
+        smollm2_tokenizer: Tokenizer, model: DecoderModel) -> None:
     """A token id past the embedding (slipped past the front door) raises IndexError in the
     embedding lookup itself: two such culprits in one batch, both found, nothing else lost."""
     want = clean_run(smollm2_tokenizer, model)
@@ -135,7 +135,7 @@ def test_real_out_of_vocabulary_fault_is_found_and_the_others_finish(
             assert ids(outs) == want[rid], rid
 
 
-def test_no_failure_costs_nothing_extra(smollm2_tokenizer: Tokenizer, model: LlamaModel) -> None:
+def test_no_failure_costs_nothing_extra(smollm2_tokenizer: Tokenizer, model: DecoderModel) -> None:
     engine = tiny_engine(smollm2_tokenizer, model)
     calls = failing_runner(engine, lambda s: False, RuntimeError())
     run(engine, requests(smollm2_tokenizer))
@@ -143,7 +143,7 @@ def test_no_failure_costs_nothing_extra(smollm2_tokenizer: Tokenizer, model: Lla
 
 
 def test_a_step_that_always_fails_fails_each_request_once(smollm2_tokenizer: Tokenizer,
-                                                          model: LlamaModel) -> None:
+                                                          model: DecoderModel) -> None:
     engine = tiny_engine(smollm2_tokenizer, model)
     failing_runner(engine, lambda s: True, MemoryError("no memory"))
     got = run(engine, requests(smollm2_tokenizer))
@@ -152,7 +152,7 @@ def test_a_step_that_always_fails_fails_each_request_once(smollm2_tokenizer: Tok
 
 
 def test_an_isolated_request_runs_alone_until_its_first_token(smollm2_tokenizer: Tokenizer,
-                                                               model: LlamaModel) -> None:
+                                                               model: DecoderModel) -> None:
     want = clean_run(smollm2_tokenizer, model)
     engine = tiny_engine(smollm2_tokenizer, model, prefill_chunk=2)  # r6: 4 chunks, each alone
     reqs = requests(smollm2_tokenizer, isolate="r6")
@@ -172,7 +172,7 @@ def test_an_isolated_request_runs_alone_until_its_first_token(smollm2_tokenizer:
 
 
 def test_isolation_under_random_arrivals_keeps_its_invariant(smollm2_tokenizer: Tokenizer,
-                                                            model: LlamaModel) -> None:
+                                                            model: DecoderModel) -> None:
     """Random prompts, some isolated, a small cache (preemption): the scheduler's assertion holds
     every step, every request finishes and no block leaks (the model is stubbed out)."""
     rng = random.Random(7)
@@ -321,7 +321,7 @@ def test_worker_isolates_a_reclaimed_entry_and_not_a_fresh_one(redis_url: str) -
 
 
 def test_an_isolated_prompt_waits_for_room_and_nobody_starves(smollm2_tokenizer: Tokenizer,
-                                                              model: LlamaModel) -> None:
+                                                              model: DecoderModel) -> None:
     """A cache too small for everyone: the isolated request starts only once its whole prompt
     has room (so it never preempts itself between its chunks), and everyone finishes."""
     # no prefix cache: the prompts repeat one token, and iso would find a's blocks cached
@@ -351,7 +351,7 @@ def test_an_isolated_prompt_waits_for_room_and_nobody_starves(smollm2_tokenizer:
 
 
 def test_generate_reports_the_failed_one_and_completes_the_rest(smollm2_tokenizer: Tokenizer,
-                                                                model: LlamaModel) -> None:
+                                                                model: DecoderModel) -> None:
     want = clean_run(smollm2_tokenizer, model)
     engine = tiny_engine(smollm2_tokenizer, model)
     failing_runner(engine, lambda s: s.request_id == "generate-2", ValueError("bad row"))

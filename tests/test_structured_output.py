@@ -24,8 +24,8 @@ from qworker.engine.request import (
 from qworker.engine.sampler import Allowed, SampleRow, sample
 from qworker.engine.simulated import SimulatedEngine, run_offline
 from qworker.engine.structured import allowed_masks, mask_biases
-from qworker.model.llama import load_model
-from qworker.model.tokenizer import Tokenizer
+from qworker.model.decoder import load_model
+from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker_client.protocol import JobValidationError, parse_job_fields
 
 VOCAB = 64

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qworker.model.tokenizer import (
+from qworker.model.tokenizer.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerError,
@@ -134,7 +134,7 @@ def test_detokenizer_texts(tok: Tokenizer, skip: bool) -> None:
 
 def byte_tokens(tok: Tokenizer) -> dict[int, int]:
     """byte -> id of its single-byte token: sequences of them split characters anywhere."""
-    from qworker.model.tokenizer import _byte_alphabet
+    from qworker.model.tokenizer.tokenizer import _byte_alphabet
 
     ids = {b: tok.token_to_id(c) for b, c in _byte_alphabet().items()}
     return {b: i for b, i in ids.items() if i is not None}  # bytes never seen in UTF-8 are absent

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.kernels.linear import Linear
 from qworker.model.kv_cache import KVCache
-from qworker.model.linear import Linear
 from tests.engine_fixtures import tiny_model
 from tests.test_decode_graph import Step, run_schedule
 

@@ -262,7 +262,7 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from qworker.engine.simulated import is_simulated
-    from qworker.model.hub import resolve_model
+    from qworker.model.loading.hub import resolve_model
 
     if not is_simulated(args.model):
         say(f"model {args.model}: {resolve_model(args.model)}")

@@ -40,12 +40,17 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from qworker.commands.config_flags import config_values
     from qworker.commands.serve import engine_for
+    from qworker.model.errors import ModelInputError, one_line
 
-    engine = engine_for(EngineConfig(**config_values(args, EngineConfig), max_num_seqs=1,
-                                     kv_cache_gb=0.25))
-    tokenizer = engine.tokenizer
-    prompt = (tokenizer.encode(args.prompt) if args.raw
-              else tokenizer.encode_chat([{"role": "user", "content": args.prompt}]))
+    try:
+        engine = engine_for(EngineConfig(**config_values(args, EngineConfig), max_num_seqs=1,
+                                         kv_cache_gb=0.25))
+        tokenizer = engine.tokenizer
+        prompt = (tokenizer.encode(args.prompt) if args.raw
+                  else tokenizer.encode_chat([{"role": "user", "content": args.prompt}]))
+    except ModelInputError as exc:  # a bad model: one line, no traceback
+        print(f"qworker generate: {one_line(exc)}", file=sys.stderr)
+        return 2
     params = SamplingParams(**config_values(args, SamplingParams))
     engine.add(Request("generate", prompt, params))
     while engine.has_unfinished():

@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
-    from qworker.model.hub import ModelFetchError, UnknownModelError, resolve_model
+    from qworker.model.loading.hub import ModelFetchError, UnknownModelError, resolve_model
 
     try:
         print(resolve_model(args.name))
@@ -32,7 +32,7 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 
 def run_path(args: argparse.Namespace) -> int:
-    from qworker.model.hub import UnknownModelError, local_path
+    from qworker.model.loading.hub import UnknownModelError, local_path
 
     try:
         path = local_path(args.name)

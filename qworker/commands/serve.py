@@ -77,6 +77,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qworker.model.errors import ModelInputError, one_line
     from qworker.service.logs import configure_logging, get_logger
     from qworker.service.metrics import Metrics
     from qworker.service.on_done import OnDone
@@ -91,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:
         log.error("bad --on-done-rq-* flags", error=str(exc))
         return 2
-    worker = Worker(build_engine(args), config, on_done=on_done,
+    try:
+        engine = build_engine(args)
+    except ModelInputError as exc:  # a bad model: one line, no traceback (qworker/model/errors.py)
+        log.error("model_not_loaded", model=args.model, error=one_line(exc))
+        return 2
+    worker = Worker(engine, config, on_done=on_done,
                     metrics=Metrics(stall_s=config.stall_timeout_s, host=config.metrics_host))
 
     def on_signal(_signum: int, _frame: object) -> None:

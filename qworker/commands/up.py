@@ -168,7 +168,7 @@ NO_REDIS = """qworker up: no Redis to be had: {error}
 
 
 def default_data_dir() -> Path:
-    from qworker.model.hub import qworker_home  # stdlib only
+    from qworker.model.home import qworker_home  # stdlib only
 
     return qworker_home() / "redis"
 

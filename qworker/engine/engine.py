@@ -8,15 +8,15 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.core import EngineCore, Vocabulary
 from qworker.engine.runner import Runner
 from qworker.engine.validation import max_token_chars
+from qworker.model.decoder import DecoderModel
 from qworker.model.kv_cache import KVCache, blocks_for_budget
-from qworker.model.llama import LlamaModel
-from qworker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from qworker.model.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class Engine(EngineCore):
     runner: Runner
 
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         mc = model.config
         num_blocks = config.num_blocks or blocks_for_budget(
             mc, config.block_size, model.dtype, config.kv_cache_gb)
@@ -28,9 +28,9 @@ class Engine(EngineCore):
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
+        from qworker.model.decoder import load_model
         from qworker.model.dtypes import resolve_dtype
-        from qworker.model.hub import resolve_model
-        from qworker.model.llama import load_model
+        from qworker.model.loading.hub import resolve_model
 
         path = resolve_model(config.model)
         dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(
@@ -50,7 +50,7 @@ class Engine(EngineCore):
         """Chooses each linear layer's matmul by measuring them on this CPU (cached in the
         qworker home), runs one tiny forward and makes one detokenizer (its tables take the
         tokenizer's JSON apart, 0.15 s for SmolLM2), so no request pays for any of them."""
-        from qworker.model.hub import qworker_home
+        from qworker.model.home import qworker_home
 
         config = self.config
         self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qworker.engine.request import TokenLogprobs
-from qworker.model import native
+from qworker.model.kernels import native
 
 
 def token_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int], top: list[int],

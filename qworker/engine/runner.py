@@ -11,12 +11,12 @@ from qworker.engine.sampler import Allowed, SampleRow, sample
 from qworker.engine.sequence import Sequence
 from qworker.engine.structured import MaskFuture
 from qworker.model.batch import SequenceInput, build_batch
+from qworker.model.decoder import DecoderModel
 from qworker.model.kv_cache import KVCache
-from qworker.model.llama import LlamaModel
 
 
 class Runner:
-    def __init__(self, model: LlamaModel, cache: KVCache, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: DecoderModel, cache: KVCache, eos_token_ids: tuple[int, ...]) -> None:
         self.model = model
         self.cache = cache
         self.eos_token_ids = eos_token_ids
@@ -28,10 +28,10 @@ class Runner:
 
     @property
     def max_context(self) -> int:
-        return self.model.config.max_position_embeddings
+        return self.model.config.context_length
 
     def kernel_report(self) -> dict[str, str]:
-        """Which kernel runs each op (`LlamaModel.kernel_report`)."""
+        """Which kernel runs each op (`DecoderModel.kernel_report`)."""
         return self.model.kernel_report()
 
     def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:

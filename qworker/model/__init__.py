@@ -1,1 +1,2 @@
-"""The model layer: a Llama-family decoder over a paged KV cache. Knows nothing of scheduling."""
+"""The model layer: decoders of several families over a paged KV cache (rooms: arch/, layers/,
+loading/, kernels/, tokenizer/; docs/architecture.md). Knows nothing of scheduling."""

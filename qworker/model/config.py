@@ -1,15 +1,30 @@
-"""The architecture hyper-parameters of a Llama-family model, read from a HF config or GGUF."""
+"""A decoder's hyper-parameters as one checkpoint states them: its family's declaration (`arch/`),
+its sizes, and what differs between checkpoints of a family. Read from a HF config or a GGUF's
+metadata by `loading/`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from qworker.model.arch.architecture import Architecture
+from qworker.model.arch.llama import LLAMA
+from qworker.model.errors import ModelInputError
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("linear", "llama3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ValueError, ModelInputError):
     """The checkpoint describes a model this loader cannot run."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, where a model's layers differ."""
+
+    window: int | None = None  # a token sees itself and the window - 1 before it; None: all
+    rope_theta: float | None = None  # the layer's RoPE base; None: the model's
 
 
 @dataclass(frozen=True)
@@ -21,52 +36,60 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    arch: Architecture = LLAMA
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    architecture: str = "llama"
+    activation: str = "silu"
+    layer_attention: tuple[LayerAttention, ...] = ()  # one per layer; () where all attend alike
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} is {value!r}, not a positive integer")
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"an odd head_dim ({self.head_dim}): RoPE rotates pairs")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        if self.activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported activation {self.activation!r} "
+                                        f"(supported: {', '.join(ACTIVATIONS)})")
+        kind = None if self.rope_scaling is None else self.rope_scaling.get(
+            "rope_type", self.rope_scaling.get("type"))
+        if kind is not None and kind not in ROPE_SCALINGS:
+            raise UnsupportedModelError(f"unsupported rope scaling {kind!r} "
+                                        f"(supported: {', '.join(ROPE_SCALINGS)})")
+        needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor",
+                                                   "high_freq_factor",
+                                                   "original_max_position_embeddings")}
+        for key in needs.get(str(kind), ()):
+            value = (self.rope_scaling or {}).get(key)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"rope scaling {kind!r}: {key} is {value!r}, "
+                                 "not a positive number")
+        if any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.windows):
+            raise ValueError(f"sliding windows {self.windows} are not positive integers")
+        if self.layer_attention and len(self.layer_attention) != self.num_layers:
+            raise UnsupportedModelError(f"{len(self.layer_attention)} layers' attention for "
+                                        f"{self.num_layers} layers")
 
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict."""
-        model_type = cfg.get("model_type", "llama")
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        # transformers >= 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
-            rope_scaling=scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            architecture=model_type,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The sliding windows of the layers that have one."""
+        return tuple(a.window for a in self.layer_attention if a.window is not None)
+
+    @property
+    def context_length(self) -> int:
+        """The positions a sequence may take: the checkpoint's, but no more than its smallest
+        sliding window. The layers do not run windows yet: within the smallest, a windowed layer
+        sees every position before a token, as the whole-context layers do."""
+        return min((self.max_position_embeddings, *self.windows))

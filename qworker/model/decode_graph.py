@@ -8,19 +8,25 @@ single-token decode, at a row count for which every projection and the LM head r
 kernel (as `kernel_choice` measured, or by default): the native GEMM of a dense layer, or the
 chosen kernel of a layer kept in GGUF blocks (`QuantLinear`, float32 activations only, as that
 layer runs them). Others (and any step it declines) go layer by layer.
+
+It reads the architecture's declaration (`ModelConfig.arch`): what the graph runs (q/k biases and
+norms, SiLU) it runs; a model that asks for anything else is refused once, with one log line, and
+every step of it goes layer by layer (`refusal`). A new feature of a declaration is refused here
+until decoder.cpp runs it.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
-from qworker.model import kernel_choice, native
+from qworker.model.batch import DecodeGroup
 from qworker.model.config import ModelConfig
-from qworker.model.decode_abi import (
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels.decode_abi import (
     GEMM_KERNELS,
     DecodeDims,
     DecodeLayer,
@@ -28,14 +34,30 @@ from qworker.model.decode_abi import (
     DecodeQuantSegment,
     field_names,
 )
+from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
-from qworker.model.quant_linear import QuantLinear
+from qworker.model.layers.decoder_layer import DecoderLayer
+from qworker.model.layers.norm import RMSNorm
+from qworker.model.layers.paged_attention import AttentionPlan
 
-if TYPE_CHECKING:
-    from qworker.model.attention import AttentionPlan
-    from qworker.model.batch import DecodeGroup
-    from qworker.model.linear import Linear
-    from qworker.model.llama import DecoderLayer, RMSNorm
+log = structlog.get_logger(__name__)
+
+
+def refusal(config: ModelConfig) -> str | None:
+    """Why the graph cannot run this model's decode steps as the layers do; None where it can.
+    (Embedding scale is the embedding's, before the graph; sliding windows cap the context,
+    `ModelConfig.context_length`, so every position a layer sees is one the graph sees too.)"""
+    arch = config.arch
+    unrun = {
+        f"activation {config.activation}": config.activation != "silu",
+        "norms after attention and MLP": arch.post_norms,
+        f"norms scaled by {arch.norm_offset} + w": arch.norm_offset != 0.0,
+        "routed experts": arch.experts,
+        "per-layer RoPE bases": any(a.rope_theta is not None for a in config.layer_attention),
+    }
+    reasons = [what for what, asked in unrun.items() if asked]
+    return f"{arch.name}: {', '.join(reasons)}" if reasons else None
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,9 @@ class DecodeGraph:
         self.lm_head = lm_head
         self.config = config
         self.enabled = True  # off: every step goes layer by layer (benchmarks compare the two)
+        self.refused = refusal(config)  # not None: every step goes layer by layer
+        if self.refused is not None:
+            log.info("decode_graph_refused", reason=self.refused, fallback="layer by layer")
         self._tables: _Tables | None = None
         # every module whose parameters the tables point at (their parameters read afresh each
         # step from _parameters: Module.parameters()' walk was ~4% of a Q4_1 decode step)
@@ -78,7 +103,7 @@ class DecodeGraph:
         batch = plan.batch
         served = (plan.fused and batch.decodes and not batch.prefills
                   and x.dtype in native.GEMM_DTYPES)
-        if not (self.enabled and served):
+        if not (self.enabled and self.refused is None and served):
             return None
         rows = batch.logits_indices
         current = self._current(cache)
@@ -129,8 +154,11 @@ class DecodeGraph:
             if not native.serves(k) or any(p is None for p in projs):
                 return _BucketTable(None, head, tuple(keep))
             qkv, o, gate_up, down = projs
+            q_norm, k_norm = attn.q_norm, attn.k_norm
             tensors: dict[str, torch.Tensor | None] = {
                 "input_norm": layer.input_layernorm.weight, "qkv_bias": attn.qkv_proj.bias,
+                "q_norm": None if q_norm is None else q_norm.weight,
+                "k_norm": None if k_norm is None else k_norm.weight,
                 "post_norm": layer.post_attention_layernorm.weight, "k_cache": k, "v_cache": v}
             entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down))
             keep.extend(t for t in tensors.values() if t is not None)

@@ -1,5 +1,5 @@
 // The elementwise ops of fused_ops.h for the model's layer-by-layer path
-// (`qworker.model.native.add_rms_norm`, `rope_store`, `silu_mul`).
+// (`qworker.model.kernels.native.add_rms_norm`, `rms_norm_heads`, `rope_store`, `silu_mul`).
 #include "fused_ops.h"
 
 namespace {
@@ -14,6 +14,14 @@ constexpr int64_t kParallelElements = 1 << 15;  // below this, threads cost more
     _Pragma("omp parallel if (n * hidden >= kParallelElements)")                               \
     qw::add_rms_norm(static_cast<T*>(x), static_cast<const T*>(delta),                        \
                      static_cast<const T*>(weight), static_cast<T*>(out), n, hidden, eps);    \
+  }                                                                                            \
+  extern "C" void qw_rms_norm_heads_##suffix(void* qkv, const void* q_weight,                \
+                                             const void* k_weight, int64_t stride, int64_t n,  \
+                                             int64_t heads, int64_t kv_heads, int64_t d,       \
+                                             double eps) {                                     \
+    _Pragma("omp parallel if (n * stride >= kParallelElements)")                               \
+    qw::rms_norm_heads(static_cast<T*>(qkv), stride, static_cast<const T*>(q_weight),         \
+                       static_cast<const T*>(k_weight), n, heads, kv_heads, d, eps);           \
   }                                                                                            \
   extern "C" void qw_rope_store_##suffix(                                                     \
       void* qkv, const void* cos, const void* sin, const int64_t* positions,                   \

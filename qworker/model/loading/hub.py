@@ -19,12 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from qworker.model.errors import ModelInputError
+from qworker.model.home import qworker_home
 
-class UnknownModelError(LookupError):
+
+class UnknownModelError(LookupError, ModelInputError):
     """Neither an existing path nor a model name this worker knows."""
 
 
-class ModelFetchError(RuntimeError):
+class ModelFetchError(RuntimeError, ModelInputError):
     """Fetching a known model failed."""
 
 
@@ -52,12 +55,6 @@ KNOWN_MODELS: dict[str, ModelSource] = {
 }
 ALIASES = {"SmolLM2-135M-Instruct": "smollm2"}  # matched case-insensitively
 DEFAULT_MODEL = "smollm2"
-
-
-def qworker_home() -> Path:
-    """`$QWORKER_HOME`, or `~/.cache/qworker`."""
-    home = os.environ.get("QWORKER_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "qworker"
 
 
 def known_names() -> list[str]:

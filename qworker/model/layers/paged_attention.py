@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qworker.model import native
 from qworker.model.batch import DecodeGroup, ForwardBatch
-from qworker.model.rope import RotaryTable
+from qworker.model.kernels import native
+from qworker.model.layers.rope import RotaryTable
 
 
 @dataclass(frozen=True)

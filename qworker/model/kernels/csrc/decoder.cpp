@@ -50,6 +50,8 @@ struct Layer {
   const void* input_norm;
   Proj qkv;
   const void* qkv_bias;  // or null
+  const void* q_norm;    // each q head's RMSNorm weight [head_dim], or null (then k_norm too)
+  const void* k_norm;
   Proj o;
   const void* post_norm;
   Proj gate_up;
@@ -149,6 +151,9 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
       qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m,
                        d.hidden, eps);
       project(w.qkv, h.data(), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden, shared);
+      if (w.q_norm != nullptr)
+        qw::rms_norm_heads(qkv.data(), qkv_width, cast(w.q_norm), cast(w.k_norm), m, d.heads,
+                           d.kv_heads, d.head_dim, eps);
       qw::rope_store(qkv.data(), qkv_width, cos, sin, positions, slots, k_cache, v_cache, m,
                      d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
       qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
@@ -208,7 +213,8 @@ const AbiEntry kAbi[] = {
     QW_SIZE(Proj), QW_FIELD(Proj, pack), QW_FIELD(Proj, segments),
     QW_FIELD(Proj, num_segments), QW_FIELD(Proj, kernel),
     QW_SIZE(Layer), QW_FIELD(Layer, input_norm), QW_FIELD(Layer, qkv),
-    QW_FIELD(Layer, qkv_bias), QW_FIELD(Layer, o), QW_FIELD(Layer, post_norm),
+    QW_FIELD(Layer, qkv_bias), QW_FIELD(Layer, q_norm), QW_FIELD(Layer, k_norm),
+    QW_FIELD(Layer, o), QW_FIELD(Layer, post_norm),
     QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
     QW_FIELD(Layer, v_cache),
     QW_SIZE(Dims), QW_FIELD(Dims, hidden), QW_FIELD(Dims, heads), QW_FIELD(Dims, kv_heads),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qworker.model import quant_interleave as interleave
+from qworker.model.kernels import quant_interleave as interleave
 
 # ggml type id -> (name, values per block, bytes per block)
 FORMATS: dict[int, tuple[str, int, int]] = {

@@ -4,7 +4,7 @@ first use into the qworker home where no installed build fits.
 
 A build for a level never uses instructions beyond it, so an image built on one CPU runs on any
 other: at run time `native.py` loads the highest level this CPU has (`QWORKER_KERNELS` forces
-one). `python -m qworker.model.native_build [DIR]` builds every level.
+one). `python -m qworker.model.kernels.native_build [DIR]` builds every level.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from qworker.model import native_build as nb
-from qworker.model.decode_abi import DecodeDims, DecodeLayer, DecodeProj
-from qworker.model.hub import qworker_home
+from qworker.model.home import qworker_home
+from qworker.model.kernels import native_build as nb
+from qworker.model.kernels.decode_abi import DecodeDims, DecodeLayer, DecodeProj
 
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -32,6 +32,7 @@ SIGNATURES = {
     "qw_decode_attention": [_P] * 6 + [_I] * 8 + [_D],
     "qw_prefill_attention": [_P] * 5 + [_I] * 8 + [_I, _I, _D],
     "qw_add_rms_norm": [_P] * 4 + [_I, _I, _D],
+    "qw_rms_norm_heads": [_P] * 3 + [_I] * 5 + [_D],
     "qw_rope_store": [_P] * 7 + [_I] * 6,
     "qw_silu_mul": [_P, _P, _I, _I],
 }
@@ -79,7 +80,8 @@ def _loaded() -> tuple[ctypes.CDLL | None, NativeStatus]:
             reason = _build_in_home(level, path)
             if reason:
                 log.error("native_kernels_missing", level=level.name, reason=reason,
-                          fix="run `make install` (or python -m qworker.model.native_build)")
+                          fix="run `make install` "
+                              "(or python -m qworker.model.kernels.native_build)")
                 return None, NativeStatus(None, "", reason, forced)
     lib = ctypes.CDLL(str(path))
     _declare(lib)
@@ -294,6 +296,18 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         out.data_ptr(), x.shape[0], x.shape[1], eps,
     )
     return out
+
+
+def rms_norm_heads(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
+                   kv_heads: int, eps: float) -> None:
+    """Normalises in place each of the q heads of qkv [n, (heads + 2 kv_heads) * d] by an RMSNorm
+    of weight q_weight [d], and each of the k heads by one of k_weight [d]."""
+    assert qkv.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
+    assert qkv.dtype == q_weight.dtype == k_weight.dtype
+    _kernel("qw_rms_norm_heads", qkv.dtype)(
+        qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), qkv.stride(0), qkv.shape[0],
+        heads, kv_heads, q_weight.shape[0], eps,
+    )
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

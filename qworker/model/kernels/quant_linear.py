@@ -1,5 +1,5 @@
-"""A linear layer over a weight kept in its GGUF block format (`QuantWeight`), and the lookup of
-a quantized embedding. Activations run in float32 (converted from and back to the model's dtype).
+"""A linear layer over a weight kept in its GGUF block format (`QuantWeight`). Activations run
+in float32 (converted from and back to the model's dtype).
 
 The kernels ("kinds"):
 - "int16": the native integer dot on activations quantized per 32-block to 16 bits (d =
@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.model import kernel_choice, native
-from qworker.model.embedding import RowLookup
-from qworker.model.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight, Segment
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels.quant_weight import INT8_DOT_TYPES, INT16_DOT_TYPES, QuantWeight
 
 X8_TWINS = {"int16": "int16x8", "dequant": "dequantx8"}  # file layout kind -> its x8 kind
 
@@ -132,21 +131,3 @@ class QuantLinear(nn.Module):
 
     def packed(self, kind: str) -> None:  # the decode graph's question: no native GEMM pack
         return None
-
-
-def quant_lookup(weight: QuantWeight, dtype: torch.dtype) -> RowLookup:
-    """Token ids -> rows of a quantized embedding, dequantized, in `dtype`."""
-    assert len(weight.segments) == 1
-    seg = weight.segments[0]
-    k = weight.in_features
-
-    def lookup(ids: torch.Tensor) -> torch.Tensor:
-        if native.library() is not None:
-            rows = native.quant_rows(seg.type_id, seg.raw, ids.reshape(-1), k, x8=seg.x8)
-        else:
-            assert not seg.x8, "the x8 layout is only made where the native kernels run"
-            picked = Segment(seg.type_id, seg.raw[ids.reshape(-1)].contiguous())
-            rows = QuantWeight((picked,), k).dequantize()
-        return rows.to(dtype).reshape(*ids.shape, k)
-
-    return lookup

@@ -8,6 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from qworker.model.kernels import native
+from qworker.model.kernels.quant_weight import QuantWeight, Segment
+
 RowLookup = Callable[[torch.Tensor], torch.Tensor]  # token ids [t] -> rows [t, hidden]
 
 
@@ -32,3 +35,21 @@ class Embedding(nn.Embedding):
         stand_in = torch.zeros((), dtype=weight.dtype, device=where).expand(weight.shape)
         self.weight = nn.Parameter(stand_in, requires_grad=False)
         self.lookup = lookup
+
+
+def quant_lookup(weight: QuantWeight, dtype: torch.dtype) -> RowLookup:
+    """Token ids -> rows of a quantized embedding, dequantized, in `dtype`."""
+    assert len(weight.segments) == 1
+    seg = weight.segments[0]
+    k = weight.in_features
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        if native.library() is not None:
+            rows = native.quant_rows(seg.type_id, seg.raw, ids.reshape(-1), k, x8=seg.x8)
+        else:
+            assert not seg.x8, "the x8 layout is only made where the native kernels run"
+            picked = Segment(seg.type_id, seg.raw[ids.reshape(-1)].contiguous())
+            rows = QuantWeight((picked,), k).dequantize()
+        return rows.to(dtype).reshape(*ids.shape, k)
+
+    return lookup

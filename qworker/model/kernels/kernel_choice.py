@@ -21,19 +21,13 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import Protocol
 
 import structlog
 import torch
 
-from qworker.model import native
-from qworker.model import native_build as nb
-
-if TYPE_CHECKING:
-    from qworker.model.linear import Linear
-    from qworker.model.quant_linear import QuantLinear
-
-Layer: TypeAlias = "Linear | QuantLinear"  # what takes a measured choice
+from qworker.model.kernels import native
+from qworker.model.kernels import native_build as nb
 
 BUCKETS = (1, 8, 32, 128, 512)  # rows a step's matmul is timed at
 _EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
@@ -56,6 +50,25 @@ GRAPH_KINDS = frozenset({*native.PACKED_KINDS, *native.QUANT_METHODS})  # the de
 GRAPH_MARGIN = 0.25
 
 log = structlog.get_logger(__name__)
+
+
+class Layer(Protocol):
+    """What takes a measured choice (`linear.Linear`, `quant_linear.QuantLinear`)."""
+
+    out_features: int
+    in_features: int
+
+    @property
+    def input_dtype(self) -> torch.dtype: ...
+
+    @property
+    def weight_format(self) -> str: ...
+
+    def kernels(self) -> tuple[str, ...]: ...
+
+    def run(self, kind: str, x: torch.Tensor) -> torch.Tensor: ...
+
+    def set_choice(self, choice: tuple[str, ...]) -> None: ...
 
 
 def bucket(rows: int) -> int:
@@ -194,9 +207,10 @@ def shape_key(layer: Layer) -> str:
 
 
 def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
-           timer: Timer = one_call) -> dict[str, tuple[str, ...]]:
+           timer: Timer = one_call, graph: bool = True) -> dict[str, tuple[str, ...]]:
     """Sets every layer's `choice` (layers given with the most rows a step gives each); returns
-    the choice by shape. Layers of one shape share one measurement."""
+    the choice by shape. Layers of one shape share one measurement. `graph`: the decode graph
+    may run this model (else its kernels are not favoured at one row)."""
     by_shape: dict[str, list[Layer]] = {}
     rows_of: dict[str, int] = {}
     for layer, rows in layers:
@@ -204,14 +218,16 @@ def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
             key = shape_key(layer)
             by_shape.setdefault(key, []).append(layer)
             rows_of[key] = max(rows_of.get(key, 0), rows)
-    path = _cache_path(cache_dir, rows_of)
+    path = _cache_path(cache_dir, rows_of, graph)
     chosen = _read(path) or (_unsaved.get(path) if path is not None else None)
     if chosen is None or set(chosen) != set(by_shape) or any(
             not set(chosen[key]) <= set(group[0].kernels()) for key, group in by_shape.items()):
         load = machine_load()
         timings = {key: measure(group[0], rows_of[key], timer) for key, group in by_shape.items()}
-        chosen = keep_graph_kernels({key: fastest(t) for key, t in timings.items()}, timings,
-                                    {key: len(group) for key, group in by_shape.items()})
+        chosen = {key: fastest(t) for key, t in timings.items()}
+        if graph:
+            chosen = keep_graph_kernels(chosen, timings,
+                                        {key: len(group) for key, group in by_shape.items()})
         noisy = {key: [BUCKETS[b] for b in buckets] for key, t in timings.items()
                  if (buckets := undecided(t))}
         if noisy or load > BUSY_LOAD:  # one file holds every shape: none is kept
@@ -231,13 +247,14 @@ def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
 _unsaved: dict[Path, dict[str, tuple[str, ...]]] = {}
 
 
-def _cache_path(cache_dir: Path | None, rows_of: Mapping[str, int]) -> Path | None:
+def _cache_path(cache_dir: Path | None, rows_of: Mapping[str, int],
+                graph: bool) -> Path | None:
     if cache_dir is None:
         return None
     status = native.status()
     parts = [nb.cpu_model(), " ".join(sorted(nb.cpu_flags())), str(torch.get_num_threads()),
              torch.__version__, str(status.level), nb.source_hash(),
-             json.dumps(sorted(rows_of.items())), str(BUCKETS)]
+             json.dumps(sorted(rows_of.items())), str(BUCKETS)] + ([] if graph else ["no graph"])
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return cache_dir / f"kernels-{key}.json"
 

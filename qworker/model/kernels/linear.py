@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qworker.model import kernel_choice, native
+from qworker.model.kernels import kernel_choice, native
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # rows oneDNN tunes its layout for; any row count works

@@ -20,13 +20,14 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from qworker.model.spm_tokenizer import sentencepiece_bpe
+from qworker.model.errors import ModelInputError
+from qworker.model.tokenizer.sentencepiece import sentencepiece_bpe
 
 REPLACEMENT_CHAR = "\ufffd"
 Message = dict[str, Any]
 
 
-class TokenizerError(Exception):
+class TokenizerError(ModelInputError):
     """A tokenizer could not be built or used; the message names the file and the problem."""
 
 
@@ -121,7 +122,8 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its metadata: byte-level BPE ("gpt2") or
         SentencePiece ("llama")."""
-        from qworker.model.loader import LoaderError, gguf_eos_token_ids, gguf_value, open_gguf
+        from qworker.model.loading.gguf_checkpoint import gguf_eos_token_ids, gguf_value, open_gguf
+        from qworker.model.loading.tensors import LoaderError
 
         path = Path(path)
         try:

@@ -1,5 +1,5 @@
-// The elementwise steps of a decoder layer, one pass each: residual add + RMSNorm, rotary embedding
-// + KV-cache store, SiLU-and-multiply. Each rounds to the model dtype where the torch path does,
+// The elementwise steps of a decoder layer, one pass each: residual add + RMSNorm, the q/k heads'
+// RMSNorm, rotary embedding + KV-cache store, SiLU-and-multiply. Each rounds to the model dtype where the torch path does,
 // so both paths agree to the last bit or one rounding. Each shares its rows among the
 // threads of the enclosing OpenMP region (called outside one: all on the calling thread).
 #pragma once
@@ -14,8 +14,25 @@ namespace qw {
 
 
 
+// out = weight * T(row / rms(row)) over `size` values, the norm taken in float32 as the reference
+// implementation does; out may be row itself.
+template <typename T>
+void rms_norm_row(const T* row, const T* weight, T* out, int64_t size, double eps) {
+  float squares = 0;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < size; ++i) {
+    const float v = static_cast<float>(load(row[i]));
+    squares += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(size) + static_cast<float>(eps));
+  for (int64_t i = 0; i < size; ++i) {
+    const T normed = round_to<T>(static_cast<float>(load(row[i])) * inv);
+    store(out + i, load(weight[i]) * load(normed));
+  }
+}
+
 // x: [n, hidden], the residual stream. With a delta, x += delta first (in place). Then
-// out = weight * T(x / rms(x)), the norm taken in float32 as the reference implementation does.
+// out = the RMSNorm of x (rms_norm_row).
 template <typename T>
 void add_rms_norm(T* x, const T* delta, const T* weight, T* out, int64_t n, int64_t hidden,
                   double eps) {
@@ -24,17 +41,21 @@ void add_rms_norm(T* x, const T* delta, const T* weight, T* out, int64_t n, int6
     T* row = x + r * hidden;
     if (delta != nullptr)
       for (int64_t i = 0; i < hidden; ++i) row[i] = round_to<T>(load(row[i]) + load(delta[r * hidden + i]));
-    float squares = 0;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float v = static_cast<float>(load(row[i]));
-      squares += v * v;
-    }
-    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
-    for (int64_t i = 0; i < hidden; ++i) {
-      const T normed = round_to<T>(static_cast<float>(load(row[i])) * inv);
-      store(out + r * hidden + i, load(weight[i]) * load(normed));
-    }
+    rms_norm_row(row, weight, out + r * hidden, hidden, eps);
+  }
+}
+
+// qkv: [n, (heads + 2 kv_heads) * d] rows `stride` apart. Each q head normed in place by an
+// RMSNorm of weight q_weight [d], each k head by one of k_weight [d] (Qwen3's q/k norms).
+template <typename T>
+void rms_norm_heads(T* qkv, int64_t stride, const T* q_weight, const T* k_weight, int64_t n,
+                    int64_t heads, int64_t kv_heads, int64_t d, double eps) {
+  const int64_t per_token = heads + kv_heads;
+#pragma omp for
+  for (int64_t r = 0; r < n * per_token; ++r) {
+    const int64_t h = r % per_token;
+    T* head = qkv + (r / per_token) * stride + h * d;
+    rms_norm_row(head, h < heads ? q_weight : k_weight, head, d, eps);
   }
 }
 

@@ -30,10 +30,11 @@ GEMM_KERNELS = {"native": 0, "amx": 1}  # C kVectorGemm, kAmxGemm
 
 
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer's tensors (C `Layer`); qkv_bias may be null."""
+    """One decoder layer's tensors (C `Layer`); qkv_bias may be null, and q_norm with k_norm."""
 
     _fields_ = [
-        ("input_norm", _P), ("qkv", DecodeProj), ("qkv_bias", _P), ("o", DecodeProj),
+        ("input_norm", _P), ("qkv", DecodeProj), ("qkv_bias", _P), ("q_norm", _P),
+        ("k_norm", _P), ("o", DecodeProj),
         ("post_norm", _P), ("gate_up", DecodeProj), ("down", DecodeProj), ("k_cache", _P),
         ("v_cache", _P),
     ]

@@ -1,7 +1,9 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""A decoder of any supported architecture (`arch/`: Llama, Mistral, Qwen2, ...) over a paged KV
+cache, built from its declaration (`ModelConfig.arch`).
 
 q/k/v and gate/up projections are fused into one matmul each; every dense layer runs once over the
-packed tokens of a step, and logits are computed only for the rows the caller asks for.
+packed tokens of a step, and logits are computed only for the rows the caller asks for. A
+decode-only step runs in one native call where the decode graph serves it (`decode_graph.py`).
 """
 
 from __future__ import annotations
@@ -11,122 +13,54 @@ from pathlib import Path
 
 import structlog
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from qworker.model import kernel_choice, native
-from qworker.model.attention import AttentionPlan, paged_attention, write_kv
 from qworker.model.batch import ForwardBatch
-from qworker.model.config import ModelConfig
+from qworker.model.config import ModelConfig, UnsupportedModelError
 from qworker.model.decode_graph import DecodeGraph
-from qworker.model.embedding import Embedding
+from qworker.model.kernels import kernel_choice, native
+from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.quant_linear import QuantLinear
+from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
-from qworker.model.linear import Linear
-from qworker.model.loader import Weight
-from qworker.model.quant_linear import QuantLinear, quant_lookup
-from qworker.model.quant_weight import QuantWeight
-from qworker.model.rope import RotaryTable, rotate
+from qworker.model.layers.decoder_layer import DecoderLayer
+from qworker.model.layers.embedding import Embedding, quant_lookup
+from qworker.model.layers.norm import RMSNorm
+from qworker.model.layers.paged_attention import AttentionPlan
+from qworker.model.layers.rope import RotaryTable
+from qworker.model.loading.tensors import Weight
 
 log = structlog.get_logger(__name__)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalised in float32 whatever the model dtype, as the reference implementation does
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
-                     fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm); `fused` updates x in place in one native pass. float64 (a
-        reference-test dtype) keeps torch's float32 norm, bit for bit the reference's."""
-        if fused and x.dtype != torch.float64:
-            return x, native.add_rms_norm(x, delta, self.weight, self.eps)
-        x = x if delta is None else x + delta
-        return x, self(x)
+def unimplemented(config: ModelConfig) -> list[str]:
+    """What the model's declaration asks that these layers do not run yet."""
+    arch = config.arch
+    unrun = {
+        "norms after attention and MLP (post_norms)": arch.post_norms,
+        f"norms scaled by {arch.norm_offset} + w (norm_offset)": arch.norm_offset != 0.0,
+        "scaled embeddings (embed_scale)": arch.embed_scale,
+        "routed experts (experts)": arch.experts,
+        "per-layer RoPE bases": any(a.rope_theta is not None for a in config.layer_attention),
+    }
+    return [what for what, asked in unrun.items() if asked]
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_heads, config.num_kv_heads, config.head_dim,
-        )
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.split = (q_size + kv_size, kv_size)  # q and k are rotated together
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size,
-                                  bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
-
-    def forward(
-        self, x: torch.Tensor, plan: AttentionPlan, cache_k: torch.Tensor, cache_v: torch.Tensor,
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if plan.fused:
-            native.rope_store(qkv, plan.rope.cos, plan.rope.sin, plan.batch.positions,
-                              plan.batch.slot_mapping, cache_k, cache_v, self.heads)
-            qk, v = qkv.split(self.split, dim=-1)
-            qk = qk.view(n, self.heads + self.kv_heads, self.head_dim)
-        else:
-            qk, v = qkv.split(self.split, dim=-1)
-            qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim), *plan.rotation)
-        q, k = qk[:, : self.heads], qk[:, self.heads :]
-        v = v.view(n, self.kv_heads, self.head_dim)
-        if not plan.fused:
-            write_kv(cache_k, cache_v, k, v, plan.batch.slot_mapping)
-        out = paged_attention(q, k, v, cache_k, cache_v, plan, self.scale)
-        return self.o_proj(out.reshape(n, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused:
-            return self.down_proj(native.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(
-        self, x: torch.Tensor, pending: torch.Tensor | None, plan: AttentionPlan,
-        cache_k: torch.Tensor, cache_v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the residual stream; pending: the previous layer's output, not yet added to it (so
-        that the add fuses with this layer's norm). Returns both for the next layer."""
-        x, h = self.input_layernorm.add_and_norm(x, pending, plan.fused)
-        x, h = self.post_attention_layernorm.add_and_norm(
-            x, self.self_attn(h, plan, cache_k, cache_v), plan.fused)
-        return x, self.mlp(h, plan.fused)
-
-
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu", init_weights: bool = True,
     ) -> None:
         """With init_weights=False the parameters stay on the meta device until
-        `load_hf_weights` (which allocates only what it does not keep quantized)."""
+        `load_hf_weights` (which allocates only what it does not keep quantized). A declaration
+        these layers do not run is refused (UnsupportedModelError)."""
         super().__init__()
+        if missing := unimplemented(config):
+            raise UnsupportedModelError(f"{config.arch.name}: not implemented: "
+                                        f"{', '.join(missing)}")
+        if config.windows:
+            log.info("context_capped_at_sliding_window", window=min(config.windows),
+                     context_length=config.context_length)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -140,7 +74,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.decode_graph = DecodeGraph(layers, self.norm, self.lm_head, config)
         self.rope = RotaryTable(
-            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.head_dim, config.context_length, config.rope_theta,
             config.rope_scaling, dtype, device,
         )
         self.to(dtype=dtype, device=device if init_weights else "meta")
@@ -173,7 +107,8 @@ class LlamaModel(nn.Module):
         tokens, `max_logit_rows` of which sample; the choice by shape, logged once."""
         layers = [(m, max_rows) for m in self.modules()
                   if isinstance(m, Linear | QuantLinear) and m is not self.lm_head]
-        chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir)
+        chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir,
+                                      graph=self.decode_graph.refused is None)
         self._follow_repacked_head()
         self.decode_graph.reset()
         log.info("kernels_chosen", **self.kernel_report())
@@ -278,7 +213,7 @@ class LlamaModel(nn.Module):
             if self.config.tie_word_embeddings:
                 self._set_module("lm_head", QuantLinear(quant, None))
             return
-        bias = given.pop(f"{module_name}.bias", None)
+        bias = given.get(f"{module_name}.bias")  # left in `given`: copied in as any tensor is
         assert bias is None or isinstance(bias, torch.Tensor)
         self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float()))
 
@@ -318,20 +253,23 @@ def _cat(parts: list[Weight]) -> Weight:
 
 
 def _fused(weights: Mapping[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+    """Checkpoint names -> this model's: q/k/v and gate/up joined where the checkpoint holds
+    them apart (a Phi-3 checkpoint holds them joined already)."""
     out = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
     for i in range(config.num_layers):
-        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        for kind in ("weight", "bias"):
-            parts = [out.pop(f"{attn}{p}_proj.{kind}", None) for p in "qkv"]
-            present = [p for p in parts if p is not None]
-            if len(present) == len(parts):
-                out[f"{attn}qkv_proj.{kind}"] = _cat(present)
-        out[f"{mlp}gate_up_proj.weight"] = _cat(
-            [out.pop(f"{mlp}gate_proj.weight"), out.pop(f"{mlp}up_proj.weight")]
-        )
+        _join(out, f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        _join(out, f"layers.{i}.mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _join(weights: dict[str, Weight], prefix: str, parts: tuple[str, ...], whole: str) -> None:
+    for kind in ("weight", "bias"):
+        found = [weights.pop(name) for p in parts if (name := f"{prefix}{p}.{kind}") in weights]
+        if found:
+            assert len(found) == len(parts), f"{prefix}{whole}.{kind}: parts missing"
+            weights[f"{prefix}{whole}.{kind}"] = _cat(found)
 
 
 WEIGHTS = ("auto", "quantized", "bfloat16", "float32")  # --weights
@@ -340,19 +278,20 @@ WEIGHTS = ("auto", "quantized", "bfloat16", "float32")  # --weights
 def load_model(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu", weights: str = "dense",
-) -> LlamaModel:
+) -> DecoderModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
-    the CPU, whose expanded weights would not fit in memory; loader.keep_quantized_by_default);
+    the CPU, whose expanded weights would not fit in memory; `keep_quantized_by_default`);
     anything else dequantizes them to `dtype`."""
-    from qworker.model.hub import resolve_model
-    from qworker.model.loader import keep_quantized_by_default, load_checkpoint
+    from qworker.model.loading.checkpoint import load_checkpoint
+    from qworker.model.loading.gguf_checkpoint import keep_quantized_by_default
+    from qworker.model.loading.hub import resolve_model
 
     path = resolve_model(str(name_or_path))
     itemsize = torch.empty(0, dtype=dtype).element_size()
     keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
                                       and keep_quantized_by_default(path, itemsize))
     config, weights_ = load_checkpoint(path, keep_quantized=keep)
-    model = LlamaModel(config, dtype=dtype, device=device, init_weights=False)
+    model = DecoderModel(config, dtype=dtype, device=device, init_weights=False)
     model.load_hf_weights(weights_)
     return model

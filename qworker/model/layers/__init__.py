@@ -1,0 +1,1 @@
+"""Layers of a decoder: norms, attention over the paged cache, MLP, embedding, rotary tables."""

@@ -1,0 +1,34 @@
+"""A decoder layer's gated MLP: the fused gate/up projection, act(gate) * up, then down. The
+native path fuses SiLU with the product; another activation runs as torch's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qworker.model.config import ModelConfig
+from qworker.model.kernels import native
+from qworker.model.kernels.linear import Linear
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda gate: F.gelu(gate, approximate="tanh"),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.activation = config.activation
+
+    def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused and self.activation == "silu":
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)

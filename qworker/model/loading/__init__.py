@@ -1,0 +1,1 @@
+"""Checkpoints in: Hugging Face safetensors folders, GGUF files, known model names."""

@@ -1,0 +1,321 @@
+"""GGUF files: the metadata read as a ModelConfig (by the family's declaration), the tensor table
+named as Hugging Face names them and checked before any tensor is read, then the tensors,
+dequantized or kept in their blocks; and whether a quantized file is kept so (`--weights auto`)."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from qworker.model.arch import ARCHITECTURES
+from qworker.model.arch.architecture import Architecture
+from qworker.model.config import LayerAttention, ModelConfig, UnsupportedModelError
+from qworker.model.kernels.quant_weight import TYPE_IDS, QuantWeight
+from qworker.model.loading.tensors import (
+    LoaderError,
+    UnsupportedArchitectureError,
+    Weight,
+    validate,
+)
+
+if TYPE_CHECKING:
+    from qworker.model.loading.gguf_file import GGUFFile, GGUFTensor
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",  # gate and up as one, where the declaration says (`_hf_name`)
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", *TYPE_IDS)  # Q4_0 ... Q6_K
+# General end-of-generation tokens llama.cpp also stops on when a file marks them as control tokens.
+_EOG_TOKEN_TEXTS = frozenset(
+    {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
+)
+_CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens such as <|im_end|>
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The GGUF file at `path`, with any parse failure as a LoaderError."""
+    from qworker.model.loading.gguf_file import (  # imports gguf: only when used
+        GGUFFile,
+        GGUFFormatError,
+    )
+
+    try:
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, UnicodeDecodeError, struct.error) as exc:
+        raise LoaderError(f"{path}: not a readable GGUF file: {exc}") from exc
+
+
+def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """A metadata value (int, float, str, bool or list), or `default` when the key is absent."""
+    return reader.get(key, default)
+
+
+def gguf_eos_token_ids(reader: GGUFFile) -> tuple[int, ...]:
+    """The file's eos / eot / eom ids, then any other control token that ends generation."""
+    ids = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens", [])
+    types = gguf_value(reader, "tokenizer.ggml.token_type", [])
+    pairs = enumerate(zip(tokens, types, strict=False))
+    ids += [i for i, (text, kind) in pairs if text in _EOG_TOKEN_TEXTS and kind == _CONTROL_TOKEN]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
+    """Config and tensors, the tensor table checked against the config before any is read."""
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    _check_gguf_types(reader, path)
+    names = {t.name: _hf_name(t.name, config.arch, path) for t in reader.tensors}
+    shapes = {names[t.name]: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    validate(config, shapes, dict.fromkeys(shapes, path), path)
+    tensors = {names[t.name]: _gguf_tensor(t, keep_quantized) for t in reader.tensors}
+    if config.arch.gguf_permuted_qk:
+        _unpermute_qk(tensors, config)
+    return config, tensors
+
+
+def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    """The ModelConfig a GGUF's metadata describes."""
+    arch = gguf_value(reader, "general.architecture")
+    if arch is None:
+        raise LoaderError(f"{path}: no general.architecture in the GGUF metadata")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path}: unsupported architecture {arch!r}; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    family = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = gguf_value(reader, f"{arch}.{key}", default)
+        if isinstance(value, list):
+            raise UnsupportedArchitectureError(f"{path}: per-layer {arch}.{key} is not supported")
+        return value
+
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise LoaderError(f"{path}: no {arch}.{key} in the GGUF metadata")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UnsupportedArchitectureError(
+            f"{path}: rope_freqs (Llama 3 RoPE scaling) is not supported"
+        )
+    if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise UnsupportedArchitectureError(f"{path}: rope_factors (LongRoPE) are not supported")
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+        raise LoaderError(f"{path}: {arch}.embedding_length {hidden!r} or "
+                          f"{arch}.attention.head_count {heads!r} is not a positive integer")
+    head_dim = get("attention.key_length", hidden // heads)
+    if get("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedArchitectureError(f"{path}: values and keys of different sizes")
+    if get("rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedArchitectureError(f"{path}: partial rotary embeddings are not supported")
+    window = get("attention.sliding_window")
+    layers = need("block_count")
+    try:
+        return ModelConfig(
+            vocab_size=_gguf_vocab_size(reader),
+            hidden_size=hidden,
+            intermediate_size=need("feed_forward_length"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=get("attention.head_count_kv", heads),
+            head_dim=head_dim,
+            max_position_embeddings=get("context_length", 2048),
+            rms_norm_eps=_shortest_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_shortest_f32(get("rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(reader, arch),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias=bool(names & {"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"}),
+            activation=family.activation,
+            arch=family,
+            layer_attention=(LayerAttention(window),) * layers if window else (),
+            bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=gguf_eos_token_ids(reader),
+        )
+    except UnsupportedModelError as exc:
+        raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise LoaderError(f"{path}: invalid metadata: {exc}") from exc
+
+
+def _shortest_f32(value: float) -> float:
+    """GGUF stores float32: give 1e-05 back rather than 9.999999747378752e-06 (same float32)."""
+    return float(str(np.float32(value)))
+
+
+def _gguf_vocab_size(reader: GGUFFile) -> int:
+    tokens = reader.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens)
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    return 0 if embed is None else int(embed.shape[-1])
+
+
+def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
+    kind = gguf_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = gguf_value(reader, f"{arch}.rope.scaling.factor")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
+    original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _check_gguf_types(reader: GGUFFile, path: Path) -> None:
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in SUPPORTED_GGUF_TYPES:
+            raise LoaderError(
+                f"{path}: tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which is "
+                f"not supported (supported: {', '.join(SUPPORTED_GGUF_TYPES)})"
+            )
+
+
+def _hf_name(gguf_name: str, arch: Architecture, path: Path) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    match = _GGUF_LAYER_RE.fullmatch(gguf_name)
+    if match and match[2] in _GGUF_LAYER_NAMES:
+        part = _GGUF_LAYER_NAMES[match[2]]
+        if match[2] == "ffn_up" and arch.fused_gate_up:
+            part = "mlp.gate_up_proj"
+        return f"model.layers.{match[1]}.{part}.{match[3]}"
+    raise LoaderError(f"{path}: unknown GGUF tensor {gguf_name!r}")
+
+
+def _gguf_tensor(tensor: GGUFTensor, keep_quantized: bool) -> Weight:
+    import gguf
+
+    kind = tensor.tensor_type
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    if keep_quantized and kind.name in TYPE_IDS and len(shape) == 2:
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1))
+        return QuantWeight.of(kind.name, raw, shape[1])
+    if kind == gguf.GGMLQuantizationType.F32:
+        array = np.array(tensor.data, dtype=np.float32)
+    elif kind == gguf.GGMLQuantizationType.F16:
+        array = np.array(tensor.data, dtype=np.float16)
+    elif kind == gguf.GGMLQuantizationType.BF16:
+        bits = np.array(tensor.data).view(np.int16)
+        return torch.from_numpy(bits).view(torch.bfloat16).reshape(shape)
+    elif kind.name in TYPE_IDS and len(shape) == 2 and native_loaded():
+        return _native_dequantize(tensor)
+    else:
+        array = gguf.quants.dequantize(tensor.data, kind)
+    return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
+
+
+def native_loaded() -> bool:
+    from qworker.model.kernels import native
+
+    return native.library() is not None
+
+
+def _native_dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    """float32 [n, k] by the native kernel: bit for bit gguf's numpy dequantization, 8x faster."""
+    from qworker.model.kernels import native
+
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+    rows = torch.arange(raw.shape[0])
+    return native.quant_rows(TYPE_IDS[tensor.tensor_type.name], raw, rows, tensor.shape[0])
+
+
+def _unpermute_qk(tensors: dict[str, Weight], config: ModelConfig) -> None:
+    """Undo the row interleaving llama.cpp's converter applies to q/k for its RoPE layout."""
+    for i in range(config.num_layers):
+        for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{i}.self_attn.{proj}.{kind}"
+                tensor = tensors.get(name)
+                if isinstance(tensor, QuantWeight):  # rows are whole runs of blocks
+                    tensors[name] = tensor.map_rows(lambda raw, h=heads: _unpermute_rows(raw, h))
+                elif tensor is not None:
+                    tensors[name] = _unpermute_rows(tensor, heads)
+
+
+def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    # Stored per head as (half, 2) pairs of rows; HF wants (2, half): first halves, then second.
+    rows = weight.shape[0]
+    if rows % (2 * heads):
+        return weight  # the shape check reports it
+    split = weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+    return split.transpose(1, 2).reshape(weight.shape).contiguous()
+
+
+def quantized_gguf(path: str | Path) -> Path | None:
+    """The GGUF file of a checkpoint, if it is one holding block-quantized matrices."""
+    path = Path(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1 or (path / "config.json").is_file():
+            return None
+        path = ggufs[0]
+    if path.suffix.lower() != ".gguf":
+        return None
+    return path if any(t.tensor_type.name in TYPE_IDS for t in open_gguf(path).tensors) else None
+
+
+def is_quantized_file(path: str | Path) -> bool:
+    return quantized_gguf(path) is not None
+
+
+def expanded_bytes(path: Path, itemsize: int) -> int:
+    """Bytes of a GGUF's matrices expanded to a dense dtype of `itemsize` bytes."""
+    return sum(int(t.n_elements) for t in open_gguf(path).tensors) * itemsize
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: MemAvailable, or the cgroup's limit if lower."""
+    available = 1 << 62
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            available = min(available, int(limit))
+    except OSError:
+        pass
+    return available
+
+
+def keep_quantized_by_default(path: str | Path, itemsize: int) -> bool:
+    """`--weights auto`: a quantized GGUF stays in its blocks only where its expanded weights
+    (with the packs made from them at load, up to twice as much) would not fit comfortably in
+    memory. Where they fit, the dense kernels are the faster ones (SmolLM2 Q4_1 on an AVX2 Zen 1:
+    workload v1 at 101 tok/s expanded to float32 against 67 kept in its blocks) and exact."""
+    file = quantized_gguf(path)
+    if file is None:
+        return False
+    return 2 * expanded_bytes(file, itemsize) > 0.5 * available_memory()

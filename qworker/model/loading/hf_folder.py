@@ -1,0 +1,166 @@
+"""Hugging Face checkpoints: a folder's `config.json` (read by its family's declaration) and its
+safetensors shards, one file or several with an index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qworker.model.arch import ARCHITECTURES
+from qworker.model.config import LayerAttention, ModelConfig, UnsupportedModelError
+from qworker.model.loading.tensors import LoaderError, UnsupportedArchitectureError, validate
+
+# HF `hidden_act` / `hidden_activation` names of the activations the layers run
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def hf_config(raw: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig a Hugging Face `config.json` describes; its family first, so a model of
+    another kind is refused for what it is, not for a field it lacks."""
+    name = raw.get("model_type", "llama")
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise UnsupportedModelError(f"unsupported architecture {name!r}; "
+                                    f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    num_heads = raw["num_attention_heads"]
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    # transformers >= 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    partial = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) "
+                                    "are not supported")
+    act = raw.get("hidden_act") or raw.get("hidden_activation") or arch.activation
+    if act not in _ACTIVATIONS and act not in _ACTIVATIONS.values():
+        raise UnsupportedModelError(f"unsupported activation {act!r} "
+                                    f"(supported: {', '.join(_ACTIVATIONS)})")
+    num_layers = raw["num_hidden_layers"]
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        arch=arch,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=raw.get("rope_theta") or rope.get("rope_theta", 10000.0),
+        rope_scaling=scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", arch.tied_embeddings),
+        attention_bias=raw.get("attention_bias", arch.qkv_bias),
+        activation=_ACTIVATIONS.get(act, act),
+        layer_attention=_windows(raw, num_layers),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _windows(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]:
+    """Each layer's sliding window, as transformers reads the config: `layer_types` where given;
+    else, with `use_sliding_window` (Qwen2, Qwen3), the layers from `max_window_layers` on; else
+    (Mistral, Phi-3) every layer, where `sliding_window` is set."""
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window") is False:
+        return ()
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 0) if "use_sliding_window" in raw else 0
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(num_layers)]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)}")
+    if "sliding_attention" not in types:
+        return ()
+    return tuple(LayerAttention(window if kind == "sliding_attention" else None) for kind in types)
+
+
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some older checkpoints saved alongside the weights; the model recomputes them.
+_IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config = _read_hf_config(folder / "config.json")
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    weight_map = _read_index(folder)
+    if weight_map:
+        files = sorted({folder / name for name in weight_map.values()})
+    else:
+        files = _plain_shards(folder)
+    for file in files:
+        for name, tensor in _read_safetensors(file).items():
+            if name in tensors:
+                raise LoaderError(f"{file}: tensor {name!r} also appears in {origin[name]}")
+            tensors[name], origin[name] = tensor, file
+    for name, shard in weight_map.items():
+        if origin.get(name) != folder / shard:
+            raise LoaderError(
+                f"{folder / INDEX_FILE}: lists tensor {name!r} in {shard}, which does not hold it"
+            )
+    for name in [n for n in tensors if n.endswith(_IGNORED_HF_SUFFIXES)]:
+        del tensors[name]
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some exporters save the tied copy anyway
+    validate(config, {n: tuple(t.shape) for n, t in tensors.items()}, origin, folder)
+    return config, tensors
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoaderError(f"{file}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise LoaderError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_hf_config(file: Path) -> ModelConfig:
+    raw = _read_json(file)
+    try:
+        return hf_config(raw)
+    except UnsupportedModelError as exc:
+        raise UnsupportedArchitectureError(f"{file}: {exc}") from exc
+    except KeyError as exc:
+        raise LoaderError(f"{file}: missing field {exc}") from exc
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise LoaderError(f"{file}: invalid config: {exc}") from exc
+
+
+def _read_index(folder: Path) -> dict[str, str]:
+    index_file = folder / INDEX_FILE
+    if not index_file.is_file():
+        return {}
+    weight_map = _read_json(index_file).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise LoaderError(f"{index_file}: no weight_map")
+    for file in sorted(set(weight_map.values())):
+        if not (folder / file).is_file():
+            raise LoaderError(f"{index_file}: shard {file} does not exist in {folder}")
+    return weight_map
+
+
+def _plain_shards(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LoaderError(f"{folder}: no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise LoaderError(f"{file}: not a readable safetensors file: {exc}") from exc

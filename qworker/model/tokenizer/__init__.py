@@ -1,0 +1,1 @@
+"""Text to token ids and back: tokenizers from HF folders or GGUF metadata, chat templates."""
