@@ -3,12 +3,12 @@ cancel flags of running jobs and, while the engine runs, the new entries it has 
 
 All jobs' events go in one `append` call. When Redis answers that call with an error that may be
 one job's (a foreign key of the wrong type, an ACL on a job's keys), the jobs are appended again one
-call each (the script is idempotent), so the culprit is found and only it fails (`FAILED`)."""
+call each (the script is idempotent), so the culprit is found and only it fails (`FAILED`).
+What a flush answers, per job, is `outcome.FlushResult`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -18,36 +18,15 @@ from qworker.service.errors import CannotWork, job_error
 from qworker.service.event_fields import event_fields
 from qworker.service.intake import capped_entries
 from qworker.service.job import ActiveJob, Entry
+from qworker.service.outcome import DONE as DONE  # the statuses of a flush, where tests look
+from qworker.service.outcome import FAILED as FAILED
+from qworker.service.outcome import FENCED, LOST_STATE, OK, REQUEUED, TERMINAL, FlushResult
+from qworker.service.outcome import GAP as GAP
 from qworker.service.scripts import JobAppend, Scripts, decode_status
 from qworker_client.protocol import Keys, band_of
 
-# Outcome of a flush, per job id:
-OK = "ok"  # events written (or already there); the job goes on
-DONE = "done"  # terminal event written, entry acked
-TERMINAL = "terminal"  # the stream was already finished (entry acked): drop the job
-FENCED = "fenced"  # another worker owns the job now: drop it, do not ack
-LOST_STATE = "lost_state"  # its owner hash is gone (Redis forgot it): ended with lost_state
-GAP = "gap"  # our next token is not the stream's next index: drop it, it will be reclaimed
-REQUEUED = "requeued"  # requeued (or, on a retry, found already requeued)
-FAILED = "failed"  # Redis refused this job's keys (see FlushResult.errors): fail the job alone
 # the requeue script's replies (a retry finds the job released: requeued before)
 REQUEUE_STATUS = {"ok": REQUEUED, "fenced": FENCED, "terminal": TERMINAL, "lost_state": LOST_STATE}
-
-
-@dataclass
-class FlushResult:
-    status: dict[str, str] = field(default_factory=dict)
-    cancelled: set[str] = field(default_factory=set)
-    errors: dict[str, str] = field(default_factory=dict)  # job id -> Redis' reply, when FAILED
-    entries: list[Entry] = field(default_factory=list)  # read, when the flush was given caps
-    # a worker-wide error (transient, group gone, cannot work) found after the writes: what the
-    # reply says of each job and the entries read still count; the caller raises it after them
-    error: Exception | None = None
-
-    def fail(self, job_id: str, error: str) -> None:
-        self.status[job_id] = FAILED
-        self.errors[job_id] = error
-
 
 class Publisher:
     def __init__(self, client: redis.Redis, keys: Keys, config: ServiceConfig, scripts: Scripts,
