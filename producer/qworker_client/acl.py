@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from qworker_client.protocol import DEFAULT_PREFIX, Keys
 
-ROLES = ("worker", "producer", "gateway", "keda")
+ROLES = ("worker", "producer", "gateway", "keda", "operator")
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,14 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
-                 sets: tuple[str, ...] = ()) -> tuple[Grant, ...]:
+                 sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
+                 ) -> tuple[Grant, ...]:
         return (
             # outputs, a job's status, and what `qworker batch` looks its earlier jobs up in
             Grant(("xread", "xrange", "xrevrange", "exists", "get", "hget", *read_commands),
                   (out, sub, owner, *work, batch, *reads), read_only=True),
             # the submit and cancel scripts (and the batch runner's): the keys they declare
-            Grant(("evalsha", "eval"), (*work, out, sub, cancel, batch)),
+            Grant(("evalsha", "eval"), (*work, out, sub, cancel, batch, *script_keys)),
             Grant(("xadd",), jobs),
             Grant(("set",), (sub, cancel, *sets)),  # submit markers, cancel flags
             Grant(("hset", "expire"), (batch,)),  # the batch runner's own hash
@@ -72,7 +73,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("xreadgroup", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
                    "xclaim", "xack", "xdel", "xpending", "xinfo|consumers", "xinfo|groups",
                    "xrange", "xlen", "exists"), work),
-            Grant(("xadd",), (k.requeue, k.model_stream_patterns[1], out, k.dead)),
+            Grant(("xadd",), (k.requeue, k.model_stream_patterns[1], out, k.dead, k.recent)),
             Grant(("xrange", "xrevrange", "expire"), (out,)),
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
@@ -85,6 +86,15 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
         "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
             Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),
                   (*work, k.dead, worker), read_only=True),
+        )),
+        # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
+        # letters (`qworker dead`): the retry script deletes the job's old output
+        "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
+                         producer(reads=(k.dead, k.recent, worker),
+                                  read_commands=("hmget", "mget", "xlen", "xinfo|groups"),
+                                  script_keys=(owner, k.dead)) + (
+            Grant(("del",), (out,)),
+            Grant(("xdel",), (k.dead,)),
         )),
     }
 

@@ -498,6 +498,11 @@ class Keys:
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 
+    @property
+    def recent(self) -> str:
+        """The jobs workers ended lately, newest last (`RecentJob`; capped, see `qworker jobs`)."""
+        return f"{self.prefix}:recent"
+
     def out(self, job_id: str) -> str:
         return f"{self.prefix}:out:{job_id}"
 
@@ -591,6 +596,22 @@ class Keys:
         return (f"{self.jobs}:*", f"{self.requeue}:*")
 
 
+class RecentJob(BaseModel):
+    """An entry of `<prefix>:recent`: a job a worker ended, written with its terminal event."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    model: Annotated[str, Field(description="the stream's model; empty: a model-less job")] = ""
+    status: Literal["done", "error"]
+    reason: Annotated[str, Field(description="the finish reason (done) or the error code")]
+    tokens: Annotated[int, Field(ge=0, description="tokens generated")] = 0
+    worker: Annotated[str, Field(description="the worker that ended it")] = ""
+
+    def to_fields(self) -> dict[str, str]:
+        return {name: encode_value(value) for name, value in self.model_dump().items()}
+
+
 class WorkerInfo(BaseModel):
     """Value of a live worker's key."""
 
@@ -638,6 +659,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "prompt_logprobs": PromptLogprobsEvent.model_json_schema(),
         "event": _EVENT_ADAPTER.json_schema(),
         "worker": WorkerInfo.model_json_schema(),
+        "recent": RecentJob.model_json_schema(),
     }
 
 
@@ -647,6 +669,7 @@ __all__ = [
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
     "DoneEvent", "ErrorEvent",
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
+    "RecentJob",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
     "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_event",
     "parse_job_fields",

@@ -61,6 +61,8 @@ class ServiceConfig:
         "longest wait between retries of Redis", flag=None))
     dead_maxlen: int = field(default=10_000, metadata=_flag(
         "the dead-letter stream is trimmed to about this many entries"))
+    recent_maxlen: int = field(default=1_000, metadata=_flag(
+        "the recent-jobs stream (`qworker jobs`) is trimmed to about this many entries"))
     # no finished loop turn for this long: the loop is stuck, so the heartbeat stops and peers
     # reclaim the jobs
     stall_timeout_s: float = field(default=60.0, metadata=_flag(
@@ -74,8 +76,8 @@ class ServiceConfig:
             raise ValueError("max_deliveries and max_crashes must be >= 1")
         if self.drain_timeout < 0 or self.result_ttl < 1 or self.block_ms < 1:
             raise ValueError("drain_timeout must be >= 0, result_ttl and block_ms >= 1")
-        if self.dead_maxlen < 1 or self.stall_timeout_s <= 0:
-            raise ValueError("dead_maxlen must be >= 1 and stall_timeout_s > 0")
+        if self.dead_maxlen < 1 or self.recent_maxlen < 1 or self.stall_timeout_s <= 0:
+            raise ValueError("dead_maxlen and recent_maxlen must be >= 1, stall_timeout_s > 0")
         if self.served_model is not None and not is_valid_model(self.served_model):
             raise ValueError(f"the served model name {self.served_model!r} cannot name a job "
                              f"stream (want {MODEL_PATTERN}): give --served-model-name")

@@ -22,7 +22,8 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
   stream is already terminal, or is not a stream we may write: a foreign key costs only the event),
   and only then XACK + XDEL the entry. Redis does not roll a script back, so the order matters: a
   script that fails halfway leaves the entry pending, never acked without its dead letter. Its
-  inputs are bounded by the caller (`dead_letters.dead_fields`), so `unpack` stays far from Lua's limit.
+  inputs are bounded by the caller (`dead_letters.dead_fields`), so `unpack` stays far from
+  Lua's limit.
 - `take_owner`: makes this worker a job's owner (field `worker`, its fencing token, and the job's
   first-queued and first-started times), unless the job's entry is pending to another consumer:
   a peer reclaimed it meanwhile, and a live worker's job is never taken from it. It settles the
@@ -80,16 +81,18 @@ end
 """
 
 # One call appends the events of every job a step touched, so readers wake once per step.
-# KEYS: per job out, owner, source stream. ARGV: token, ttl_s, group, then one JSON array with per
-# job [entry id, [event, ...]], each event a flat array field, value, ... (`type` and, for tokens,
-# `i` among the fields): one argument, decoded in C (cjson), not a thousand for the client to pack.
+# KEYS: per job out, owner, source stream. ARGV: token, group, then one JSON array with per job
+# [entry id, [event, ...], ttl_s], each event a flat array field, value, ... (`type` and, for
+# tokens, `i` among the fields): one argument, decoded in C (cjson), not a thousand for the client
+# to pack; `ttl_s`: how long the output lives after its last event. ARGV[4]: the lost_state error
+# event, a JSON flat array.
 # A prompt_logprobs event goes in only before any token.
-# ARGV[5]: the lost_state error event, a JSON flat array.
 # Returns per job {status, last index}: status ok | done (terminal event written) | terminal
 # (already finished, entry acked) | fenced (another worker owns it) | lost_state (the owner hash
 # is gone: the lost_state event written, entry acked) | gap (token i > last + 1).
 APPEND = _LAST_STATE + _UNOWNED + """
-local function append_job(out, owner, src, token, ttl, group, entry, events, lost_event)
+local function append_job(out, owner, src, token, group, job, lost_event)
+  local entry, events, ttl = job[1], job[2], tonumber(job[3])
   local last, terminal = last_state(out)
   if terminal then
     if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
@@ -136,13 +139,12 @@ local function append_job(out, owner, src, token, ttl, group, entry, events, los
   return {'ok', last}
 end
 
-local token, ttl, group = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local jobs, lost_event = cjson.decode(ARGV[4]), cjson.decode(ARGV[5])
+local token, group = ARGV[1], ARGV[2]
+local jobs, lost_event = cjson.decode(ARGV[3]), cjson.decode(ARGV[4])
 local results = {}
 for j, job in ipairs(jobs) do
   local k = 3 * j - 2
-  results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, ttl, group, job[1], job[2],
-                          lost_event)
+  results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, group, job, lost_event)
 end
 return results
 """

@@ -22,6 +22,7 @@ from qworker.service.outcome import DONE as DONE  # the statuses of a flush, whe
 from qworker.service.outcome import FAILED as FAILED
 from qworker.service.outcome import FENCED, LOST_STATE, OK, REQUEUED, TERMINAL, FlushResult
 from qworker.service.outcome import GAP as GAP
+from qworker.service.recent import Recent
 from qworker.service.scripts import JobAppend, Scripts, decode_status
 from qworker_client.protocol import Keys, band_of
 
@@ -36,6 +37,7 @@ class Publisher:
         self.config = config
         self.scripts = scripts
         self.token = token
+        self.recent = Recent(client, keys, config)
 
     def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
               read_caps: Sequence[tuple[str, int]] = (),
@@ -51,6 +53,7 @@ class Publisher:
             Scripts.load(self.client)  # Redis restarted (or flushed its script cache)
             result = self._flush(jobs, cancel_check, read_caps)
         on_read(result.entries)
+        self.recent.add(jobs, result.status)
         return result
 
     def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
@@ -129,12 +132,12 @@ class Publisher:
                 result.status[job.job_id] = decode_status(one[0])
 
     def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob]) -> None:
-        self.scripts.append(pipe, token=self.token, ttl_s=self.config.result_ttl,
-                            group=self.config.group, jobs=[
-                                JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
-                                          job.entry.stream, job.entry.entry_id,
-                                          [event_fields(e) for e in job.outbox])
-                                for job in jobs])
+        self.scripts.append(pipe, token=self.token, group=self.config.group,
+                            jobs=[JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
+                                            job.entry.stream, job.entry.entry_id,
+                                            [event_fields(e) for e in job.outbox],
+                                            self.config.result_ttl)
+                                  for job in jobs])
 
     def _requeue(self, pipe: redis.client.Pipeline, job: ActiveJob) -> None:
         fields = dict(job.entry.fields)

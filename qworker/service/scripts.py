@@ -48,13 +48,15 @@ LOST_STATE_EVENT = json.dumps(_flat(event_to_fields(ErrorEvent(code=LOST_STATE,
 
 @dataclass(frozen=True)
 class JobAppend:
-    """One job's share of an `append` call: its keys, its entry and its new events."""
+    """One job's share of an `append` call: its keys, its entry, its new events, and how long
+    its output lives after them."""
 
     out: str
     owner: str
     source: str
     entry_id: str
     events: Sequence[Mapping[str, str]]
+    ttl_s: int
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,13 @@ class Scripts:
         return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group, consumer,
                               *(cap for _, cap in caps))
 
-    def append(self, pipe: redis.client.Pipeline, *, token: str, ttl_s: int, group: str,
+    def append(self, pipe: redis.client.Pipeline, *, token: str, group: str,
                jobs: Sequence[JobAppend]) -> None:
         """One EVALSHA appending the events of all `jobs`; its reply has one status per job."""
         keys = [key for job in jobs for key in (job.out, job.owner, job.source)]
-        payload = [[job.entry_id, [_flat(fields) for fields in job.events]] for job in jobs]
-        pipe.evalsha(self.append_sha, len(keys), *keys, token, ttl_s, group,
+        payload = [[job.entry_id, [_flat(fields) for fields in job.events], job.ttl_s]
+                   for job in jobs]
+        pipe.evalsha(self.append_sha, len(keys), *keys, token, group,
                      json.dumps(payload, ensure_ascii=False, separators=(",", ":")),
                      LOST_STATE_EVENT)
 
