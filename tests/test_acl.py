@@ -253,11 +253,14 @@ ONLY_WORKERS = [
     ("HSET", KEYS.owner(JOB), "worker", "forged"), ("DEL", KEYS.owner(JOB)),
     ("EXPIRE", KEYS.owner(JOB), "0"), ("SET", KEYS.worker("fake"), WORKER_INFO),
     ("DEL", KEYS.worker("w1")), ("SET", KEYS.alone("t"), JOB),
+    ("ZADD", KEYS.delayed_of(None), "1", JOB), ("HSET", KEYS.delayed_jobs_of("sim"), JOB, "[]"),
 ]
+# what producers do, and workers too: a worker queues delayed jobs again (the promoter)
+ADD_JOBS = [("XADD", KEYS.jobs, "*", "id", "forged", "prompt", "x"),
+            ("XADD", KEYS.jobs_of("sim"), "*", "prompt", "x")]
 # what producers do, and workers may not
 NOT_WORKERS = [
-    ("XADD", KEYS.jobs, "*", "id", "forged", "prompt", "x"),
-    ("XADD", KEYS.jobs_of("sim"), "*", "prompt", "x"), ("SET", KEYS.cancel(JOB), "1"),
+    ("SET", KEYS.cancel(JOB), "1"),
     ("SET", KEYS.submitted(JOB), "1-1"), ("HSET", KEYS.batch("b"), JOB, "1-1"),
     ("SET", KEYS.gateway_job(JOB), "{}"),
 ]
@@ -285,7 +288,7 @@ HARMFUL = {
         ("XRANGE", KEYS.recent, "-", "+")],
     "gateway": NOBODY + ONLY_WORKERS + ONLY_OPERATORS + SCRIPTS + [
         ("XRANGE", KEYS.dead, "-", "+")],
-    "keda": NOBODY + ONLY_WORKERS + NOT_WORKERS + ONLY_OPERATORS + SCRIPTS + [
+    "keda": NOBODY + ONLY_WORKERS + NOT_WORKERS + ADD_JOBS + ONLY_OPERATORS + SCRIPTS + [
         ("XRANGE", KEYS.out(JOB), "-", "+"), ("XREAD", "STREAMS", KEYS.out(JOB), "0"),
         ("XRANGE", KEYS.jobs, "-", "+"), ("GET", KEYS.gateway_job(JOB)),
         ("EXISTS", KEYS.cancel(JOB))],

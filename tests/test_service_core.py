@@ -41,7 +41,7 @@ def running(core: ServiceCore, *ids: str, **fields: object) -> list[ActiveJob]:
     for job_id in ids:
         t = taken(job_id, **fields)
         job = core.open(t, LOG.bind(job_id=job_id))
-        assert not core.end_unstarted(job, t)
+        assert not core.end_unstarted(job, t, now_ms=1_600)
         core.started(job, t, "jobs", prompt_tokens=3)
         jobs.append(job)
     return jobs
@@ -116,7 +116,7 @@ def test_a_job_that_need_not_run_ends_at_once(core: ServiceCore) -> None:
     for t, reason in ((taken("cx", cancelled=True), "cancelled"),
                       (taken("full", tokens=[1, 2], text="ab", max_tokens=2), "length")):
         job = core.open(t, LOG)
-        assert core.end_unstarted(job, t)
+        assert core.end_unstarted(job, t, now_ms=2_000)
         done = job.outbox[-1]
         assert isinstance(done, DoneEvent) and done.finish_reason == reason
     assert core.running() == [] and set(core.jobs) == {"cx", "full"}
@@ -212,3 +212,22 @@ def test_the_core_knows_neither_redis_nor_the_engine() -> None:
         todo += [m for m in imports if m.startswith("qworker.") and _is_module(m)]
     assert {m for m in reached if m.startswith("qworker.engine")} == {"qworker.engine.request"}
     assert {"qworker.service.job", "qworker.service.outcome"} <= reached
+
+
+def test_a_job_past_its_run_time_ends_timeout(core: ServiceCore) -> None:
+    limited, free = running(core, "limited", "free", timeout_ms=500)[0], running(core, "free")[0]
+    core.apply([StepOutput("limited", [1, 2], "ab"), StepOutput("free", [1], "a")])
+    assert core.time_out(now_ms=1_999) == []  # started at 1,500: its limit is 2,000
+    assert core.time_out(now_ms=2_000) == ["limited"]
+    done = limited.outbox[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "timeout"
+    assert (done.text, done.completion_tokens) == ("ab", 2)  # its text so far
+    assert core.time_out(now_ms=10_000) == [] and free.in_engine
+
+
+def test_a_job_resumed_after_its_run_time_ends_at_once(core: ServiceCore) -> None:
+    t = taken("resumed", tokens=[1], text="a", timeout_ms=100)  # first started at 1,500
+    job = core.open(t, LOG)
+    assert core.end_unstarted(job, t, now_ms=1_600)
+    done = job.outbox[-1]
+    assert isinstance(done, DoneEvent) and (done.finish_reason, done.text) == ("timeout", "a")

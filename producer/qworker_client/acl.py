@@ -53,6 +53,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     work = (*jobs, k.requeue, k.model_stream_patterns[1])  # and requeued work
     out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
+    delayed = (k.delayed_of(None), k.delayed_pattern)  # the delayed sets and their hashes
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
                  sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
@@ -69,16 +70,20 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
         )
 
     return {
-        "worker": Role("qworker-worker", ("ping", "hello", "client|setname", "script|load"), (
+        "worker": Role("qworker-worker", ("ping", "hello", "client|setname", "script|load",
+                                          "time"), (
             Grant(("xreadgroup", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
                    "xclaim", "xack", "xdel", "xpending", "xinfo|consumers", "xinfo|groups",
                    "xrange", "xlen", "exists"), work),
-            Grant(("xadd",), (k.requeue, k.model_stream_patterns[1], out, k.dead, k.recent)),
+            # requeues, events, dead letters, recent jobs; delayed jobs queued again (promoter)
+            Grant(("xadd",), (*work, out, k.dead, k.recent)),
+            Grant(("zadd", "zrangebyscore", "zrange", "zrem", "hexists", "hset", "hget", "hdel"),
+                  delayed),
             Grant(("xrange", "xrevrange", "expire"), (out,)),
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
             Grant(("exists", "mget"), (cancel,), read_only=True),
-            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker)),
+            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan"), producer(
@@ -90,8 +95,9 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
         # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
         # letters (`qworker dead`): the retry script deletes the job's old output
         "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
-                         producer(reads=(k.dead, k.recent, worker),
-                                  read_commands=("hmget", "mget", "xlen", "xinfo|groups"),
+                         producer(reads=(k.dead, k.recent, worker, *delayed),
+                                  read_commands=("hmget", "mget", "xlen", "xinfo|groups",
+                                                 "zrange"),
                                   script_keys=(owner, k.dead)) + (
             Grant(("del",), (out,)),
             Grant(("xdel",), (k.dead,)),

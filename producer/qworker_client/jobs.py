@@ -1,6 +1,7 @@
 """What `qworker jobs` shows, from Redis alone (docs/protocol.md, "Listing jobs"): the jobs in the
-work streams (running, or waiting), and the jobs that ended lately (`<prefix>:recent`, written by
-the workers with each terminal event, and `<prefix>:dead`). Every read is bounded by `limit`."""
+work streams (running, or waiting), the delayed ones (`<prefix>:delayed*`), and the jobs that
+ended lately (`<prefix>:recent`, written by the workers with each terminal event, and
+`<prefix>:dead`). Every read is bounded by `limit`."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from qworker_client.stats import model_streams
 
 MAX_LIMIT = 1_000
 # the order rows are shown in: what holds a worker first, then what waits, then what ended
-ORDER = ("running", "queued", "done", "error", "dead")
+ORDER = ("running", "queued", "delayed", "done", "error", "dead")
 
 
 @dataclass(frozen=True)
 class JobRow:
     job_id: str
-    status: str  # running | queued | done | error | dead
+    status: str  # running | queued | delayed | done | error | dead
     model: str  # "" for a model-less job
     tokens: int | None  # generated so far (None: not known)
-    since_ms: int  # queued (running, queued); ended (done, error, dead)
+    since_ms: int  # queued (running, queued); due (delayed); ended (done, error, dead)
     detail: str = ""  # the finish reason or error code; the worker; the stream
 
     def to_dict(self) -> dict[str, Any]:
@@ -32,17 +33,19 @@ class JobRow:
 
 
 def list_jobs(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
-    """Up to `limit` jobs: running and waiting ones (oldest first), then those that ended
-    (newest first)."""
+    """Up to `limit` jobs: running and waiting ones (oldest first), delayed ones (soonest
+    first), then those that ended (newest first)."""
     limit = max(1, min(limit, MAX_LIMIT))
-    rows = queued(client, keys, limit) + recent(client, keys, limit) + dead(client, keys, limit)
+    rows = (queued(client, keys, limit) + delayed(client, keys, limit)
+            + recent(client, keys, limit) + dead(client, keys, limit))
     rows.sort(key=_shown_order)
     return rows[:limit]
 
 
 def _shown_order(row: JobRow) -> tuple[int, int]:
-    """Running, then waiting jobs, oldest first; then the ended ones, newest first."""
-    if row.status in ("running", "queued"):
+    """Running, then waiting jobs, oldest first; delayed ones, soonest first; then the ended
+    ones, newest first."""
+    if row.status in ("running", "queued", "delayed"):
         return ORDER.index(row.status), row.since_ms
     return len(ORDER), -row.since_ms
 
@@ -70,6 +73,22 @@ def queued(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
             fields.get("id") or entry_id, "running" if worker else "queued",
             keys.stream_model(stream) or fields.get("model", ""), _tokens(last),
             int(t0 or 0) or entry_ms(entry_id) or 0, f"{worker} {stream}".strip()))
+    return rows
+
+
+def delayed(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+    """The delayed jobs, the soonest of each delayed set (the model-less one, each model's)."""
+    sets = {keys.delayed_of(None): ""}
+    head = keys.delayed_of(None) + ":{"
+    for key in map(_text, client.scan_iter(match=keys.delayed_pattern, count=1000,
+                                           _type="zset")):
+        if key.startswith(head) and key.endswith("}"):
+            sets[key] = key[len(head):-1]
+    rows = []
+    for key, model in sets.items():
+        pairs: Any = client.zrange(key, 0, limit - 1, withscores=True)
+        rows += [JobRow(_text(job_id), "delayed", model, None, int(due), key)
+                 for job_id, due in pairs]
     return rows
 
 

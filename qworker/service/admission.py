@@ -13,6 +13,7 @@ from qworker.engine.request import Request, RequestRejectedError
 from qworker.service.alone import Alone
 from qworker.service.config import ServiceConfig
 from qworker.service.core import ServiceCore
+from qworker.service.deferral import Deferral
 from qworker.service.heartbeat import Heartbeat
 from qworker.service.intake import BAND_PRIORITY, Intake
 from qworker.service.job import Entry, Reject, Taken, now_ms
@@ -45,12 +46,13 @@ def prompt_ids(engine: AdmittingEngine, job: Job) -> list[int]:
 
 class Admission:
     def __init__(self, engine: AdmittingEngine, core: ServiceCore, intake: Intake,
-                 heartbeat: Heartbeat, alone: Alone, metrics: Metrics, config: ServiceConfig,
-                 log: Any, prompt_ids: Callable[[Job], list[int]],
+                 deferral: Deferral, heartbeat: Heartbeat, alone: Alone, metrics: Metrics,
+                 config: ServiceConfig, log: Any, prompt_ids: Callable[[Job], list[int]],
                  track: Callable[[], None]) -> None:
         self.engine = engine
         self.core = core
         self.intake = intake
+        self.deferral = deferral
         self.heartbeat = heartbeat
         self.alone = alone
         self.metrics = metrics
@@ -75,9 +77,10 @@ class Admission:
         rooms = self.rooms()
         return self.intake.caps(rooms) if max(rooms.values()) > 0 else []
 
-    def housekeeping(self) -> None:
+    def housekeeping(self, block_cap_s: float = float("inf")) -> None:
         """Drop dead consumers and reclaim idle entries now and then; with nothing to run, read
-        new entries (blocking while idle). While the engine runs they come with the round trip."""
+        new entries (blocking while idle, at most `block_cap_s`). While the engine runs they
+        come with the round trip."""
         now = time.monotonic()
         if self.inbox:  # an admission that a Redis error cut short: finish it first
             self.admit()
@@ -97,7 +100,8 @@ class Admission:
             self.metrics.reclaimed.inc(len(entries))
         if not self.engine.has_unfinished():
             idle = not self.core.jobs
-            block = self.config.block_ms if idle and not entries else None
+            block_ms = max(1, min(self.config.block_ms, int(block_cap_s * 1000)))
+            block = block_ms if idle and not entries else None
             entries += self.intake.read(
                 {band: room - len(entries) for band, room in rooms.items()}, block)
         self.admit(entries)
@@ -108,6 +112,8 @@ class Admission:
         self.inbox += entries
         self.track()
         good, rejects = self.intake.screen(self.inbox, set(self.core.jobs))
+        good, not_deferred = self.deferral.defer(good) if good else (good, [])
+        rejects += not_deferred
         taken, refused = self.intake.take(good) if good else ([], [])
         self.metrics.fenced.inc(len(good) - len(taken) - len(refused))  # a peer had them first
         self.metrics.redis_job_errors.inc(len(refused))
@@ -143,7 +149,7 @@ class Admission:
         """Put a taken job into the engine (continuing after what it already showed); it waited
         until `read_ms` before it reached this worker (ties in the engine go by arrival)."""
         job = self.core.open(t, self.log.bind(job_id=t.job_id))
-        if self.core.end_unstarted(job, t):
+        if self.core.end_unstarted(job, t, read_ms):
             return None
         if t.entry.deliveries > 1:  # tokenized and added alone: a crash in it is its own
             self.alone.move(t.job_id)  # (a Redis error ends the admission: retried later)
@@ -157,11 +163,12 @@ class Admission:
                                     priority=t.job.priority, isolate=t.entry.deliveries > 1,
                                     cache_salt=t.job.cache_salt))
         except RequestRejectedError as exc:
-            return Reject(t.entry, exc.code, str(exc), t.job_id, drop_owner=True)
+            return Reject(t.entry, exc.code, str(exc), t.job_id, drop_owner=True, job=t.job)
         except Exception as exc:  # a tokenizer / template failure must not stop the worker
             job.log.exception("could not start job")
             code = INVALID_REQUEST if isinstance(exc, (ValueError, KeyError)) else INTERNAL
-            return Reject(t.entry, code, f"could not start: {exc}", t.job_id, drop_owner=True)
+            return Reject(t.entry, code, f"could not start: {exc}", t.job_id, drop_owner=True,
+                          job=t.job)
         source = "reclaimed" if t.entry.reclaimed else (
             "requeue" if self.keys.is_requeue(t.entry.stream) else "jobs")
         self.core.started(job, t, source, len(prompt))

@@ -21,7 +21,7 @@ from qworker.service import outcome
 from qworker.service.job import ActiveJob, Reject, Taken
 from qworker.service.logprobs import TokenText, wire_logprobs
 from qworker.service.metrics import Metrics
-from qworker_client.protocol import INTERNAL, LOST_STATE, DoneEvent, ErrorEvent
+from qworker_client.protocol import INTERNAL, LOST_STATE, DoneEvent, ErrorEvent, FinishReason
 
 
 @dataclass
@@ -55,13 +55,17 @@ class ServiceCore:
                         tokens=job.next_index)
         return job
 
-    def end_unstarted(self, job: ActiveJob, t: Taken) -> bool:
-        """A job that need not run (cancelled before it started, or already at max_tokens) ends
-        at once: held until its `done` is written. False: it is to run."""
-        if not (t.cancelled or job.next_index >= t.job.max_tokens):
+    def end_unstarted(self, job: ActiveJob, t: Taken, now_ms: int) -> bool:
+        """A job that need not run (cancelled, already at max_tokens, out of run time: resumed
+        after its `timeout_ms`) ends at once: held until its `done` is written. False: it is to
+        run."""
+        reason: FinishReason | None = (
+            "cancelled" if t.cancelled else "length" if job.next_index >= t.job.max_tokens
+            else "timeout" if job.out_of_time(now_ms) else None)
+        if reason is None:
             return False
         self.jobs[job.job_id] = job
-        job.finish("cancelled" if t.cancelled else "length", job.next_index)
+        job.finish(reason, job.next_index)
         return True
 
     def started(self, job: ActiveJob, t: Taken, source: str, prompt_tokens: int) -> None:
@@ -140,6 +144,16 @@ class ServiceCore:
                 aborted.append(job_id)
         return aborted
 
+    def time_out(self, now_ms: int) -> list[str]:
+        """Running jobs past their run-time limit end `timeout` with their text so far; returned:
+        the engine must let go of them."""
+        ended = [job_id for job_id in self.running() if self.jobs[job_id].out_of_time(now_ms)]
+        for job_id in ended:
+            job = self.jobs[job_id]
+            job.finish("timeout", job.next_index)
+            job.log.info("timed out", tokens=job.next_index, timeout_ms=job.job.timeout_ms)
+        return ended
+
     def requeue_all(self) -> list[str]:
         """A stop that cannot wait: every running job goes back to its queue (returned: the
         engine must let go of them)."""
@@ -200,7 +214,7 @@ class ServiceCore:
         error event where its stream can take one)."""
         self.metrics.redis_job_errors.inc()
         return Reject(job.entry, INTERNAL, f"Redis refused this job's keys: {error}",
-                      job.job_id, drop_owner=True)
+                      job.job_id, drop_owner=True, job=job.job)
 
     def _record_end(self, job: ActiveJob) -> None:
         last = job.outbox[-1]

@@ -64,7 +64,7 @@ class DeadLetters:
         owner = self.keys.owner(r.job_id) if out and r.job_id and r.drop_owner else None
         self.scripts.dead_letter(pipe, source=r.entry.stream, dead=self.keys.dead,
                                  group=self.config.group, entry_id=r.entry.entry_id,
-                                 ttl_s=self.config.result_ttl,
+                                 ttl_s=self.config.result_ttl_of(r.job),
                                  dead_maxlen=self.config.dead_maxlen, dead_fields=fields,
                                  out=out, error_fields=error, owner=owner)
 

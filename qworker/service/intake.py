@@ -216,7 +216,7 @@ class Intake:
             job_id = job.id or entry.entry_id
             misplaced = self._misplaced(entry, job)
             if misplaced:
-                rejects.append(Reject(entry, INVALID_REQUEST, misplaced, job_id))
+                rejects.append(Reject(entry, INVALID_REQUEST, misplaced, job_id, job=job))
             elif job_id in busy_job_ids:
                 rejects.append(Reject(entry, INVALID_REQUEST,
                                       f"duplicate: job {job_id} is already running here", None))
@@ -273,7 +273,7 @@ class Intake:
             error = next((e for e in map(job_error, mine) if e is not None), None)
             if error is not None:
                 rejects.append(Reject(entry, INTERNAL, f"Redis refused this job's keys: {error}",
-                                      job.id or entry.entry_id, drop_owner=True))
+                                      job.id or entry.entry_id, drop_owner=True, job=job))
                 continue
             if mine[0] is None:  # pending to another consumer: a peer reclaimed it meanwhile
                 self.log.warning("fenced out: a peer reclaimed the entry before it was taken",
@@ -298,25 +298,32 @@ class Intake:
             return Reject(t.entry, TOO_MANY_DELIVERIES,
                           f"its worker died {t.crashes} times while it ran this job alone "
                           f"(max_crashes {self.config.max_crashes}): a poison job", job_id,
-                          drop_owner=True)
+                          drop_owner=True, job=t.job)
         deliveries = t.entry.deliveries - t.excused - t.crashes
         if deliveries > self.config.max_deliveries:
             return Reject(t.entry, TOO_MANY_DELIVERIES,
                           f"delivered {deliveries} times (max_deliveries "
                           f"{self.config.max_deliveries}; not counted: {t.crashes} after a "
                           f"crash of its own, {t.excused} after another job's); its workers "
-                          f"kept dying or stalling", job_id, drop_owner=True)
+                          f"kept dying or stalling", job_id, drop_owner=True, job=t.job)
         return None
 
     @staticmethod
     def expired(t: Taken) -> Reject | None:
-        """Past its deadline and never started by anyone: not run. A job that started (drained,
-        preempted, reclaimed) is resumed whatever the time."""
-        deadline = t.job.deadline_ms
-        if t.started_before or deadline is None or deadline >= now_ms():
+        """Past its start deadline (`deadline_ms`, or `start_within_ms` after it was first
+        queued) and never started by anyone: not run. A job that started (drained, preempted,
+        reclaimed) is resumed whatever the time."""
+        job, now = t.job, now_ms()
+        if t.started_before:
             return None
-        return Reject(t.entry, EXPIRED, f"deadline_ms {deadline} passed before it started",
-                      t.job.id or t.entry.entry_id, drop_owner=True)
+        if job.deadline_ms is not None and job.deadline_ms < now:
+            why = f"deadline_ms {job.deadline_ms} passed before it started"
+        elif job.start_within_ms is not None and t.t0_ms + job.start_within_ms < now:
+            why = (f"not started within start_within_ms {job.start_within_ms} of its queueing "
+                   f"(waited {now - t.t0_ms} ms)")
+        else:
+            return None
+        return Reject(t.entry, EXPIRED, why, t.job_id, drop_owner=True, job=job)
 
     def ack(self, entries: Iterable[Entry]) -> None:
         pipe = self.client.pipeline(transaction=False)

@@ -83,6 +83,7 @@ class Reject:
     message: str
     job_id: str | None
     drop_owner: bool = False  # the job's owner hash goes too (we or a dead worker set it)
+    job: Job | None = None  # the job, where it parsed (how long its error event lives)
 
 
 @dataclass
@@ -142,6 +143,11 @@ class ActiveJob:
     @property
     def in_engine(self) -> bool:
         return not (self.finished or self.requeue)
+
+    def out_of_time(self, now: int) -> bool:
+        """Past its run-time limit (`timeout_ms`), counted from when a worker first started it."""
+        limit = self.job.timeout_ms
+        return limit is not None and now >= self.started_ms + limit
 
     def add_tokens(self, first_index: int, token_ids: list[int], text: str,
                    logprobs: list[TokenLogprob] | None = None) -> None:

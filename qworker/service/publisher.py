@@ -136,7 +136,7 @@ class Publisher:
                             jobs=[JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
                                             job.entry.stream, job.entry.entry_id,
                                             [event_fields(e) for e in job.outbox],
-                                            self.config.result_ttl)
+                                            self.config.result_ttl_of(job.job))
                                   for job in jobs])
 
     def _requeue(self, pipe: redis.client.Pipeline, job: ActiveJob) -> None:
@@ -150,4 +150,4 @@ class Publisher:
         self.scripts.requeue(pipe, owner=self.keys.owner(job.job_id), source=job.entry.stream,
                              requeue=requeue, out=self.keys.out(job.job_id), token=self.token,
                              group=self.config.group, entry_id=job.entry.entry_id,
-                             ttl_s=self.config.result_ttl, fields=fields)
+                             ttl_s=self.config.result_ttl_of(job.job), fields=fields)

@@ -7,7 +7,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -21,6 +21,7 @@ from qworker.service.lua import (
     REQUEUE,
     TAKE_OWNER,
 )
+from qworker.service.lua_delayed import DEFER, PROMOTE
 from qworker_client.protocol import LOST_STATE, ErrorEvent, Keys, WireFields, event_to_fields
 
 
@@ -70,10 +71,13 @@ class Scripts:
     take_owner_sha: str = _sha(TAKE_OWNER)
     drop_consumer_sha: str = _sha(DROP_CONSUMER)
     read_sha: str = _sha(READ)
+    defer_sha: str = _sha(DEFER)
+    promote_sha: str = _sha(PROMOTE)
 
     @staticmethod
     def load(client: redis.Redis) -> None:
-        for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER, READ):
+        for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER, READ, DEFER,
+                     PROMOTE):
             client.script_load(text)
 
     def read(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
@@ -139,6 +143,23 @@ class Scripts:
                       consumer: str, min_idle_ms: int) -> bool:
         return bool(client.evalsha(self.drop_consumer_sha, 2, stream, worker_key, group,
                                    consumer, min_idle_ms))
+
+
+    def defer(self, pipe: redis.client.Pipeline, *, stream: str, delayed: str,
+              delayed_jobs: str, group: str, consumer: str, entry_id: str, job_id: str,
+              delay_ms: int, not_before_ms: int, job_json: str) -> None:
+        """Reply: [-1 (not ours) | 0 (due: run it) | 1 (delayed) | 2 (its id is delayed
+        already), the job's time in unix ms]."""
+        pipe.evalsha(self.defer_sha, 3, stream, delayed, delayed_jobs, group, consumer,
+                     entry_id, job_id, delay_ms, not_before_ms, job_json)
+
+    def promote(self, client: redis.Redis, *, delayed: str, delayed_jobs: str,
+                streams: Sequence[str], count: int) -> tuple[int, int]:
+        """(jobs moved, ms until the next one's time or -1) of one delayed set; `streams`: its
+        model's job streams of the bands high, normal, low."""
+        moved, wait_ms = cast(list[int], client.evalsha(self.promote_sha, 5, delayed,
+                                                        delayed_jobs, *streams, count))
+        return int(moved), int(wait_ms)
 
 
 def decode_status(value: object) -> str:

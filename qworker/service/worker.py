@@ -32,6 +32,7 @@ from qworker.service.alone import Alone
 from qworker.service.backoff import Backoff
 from qworker.service.config import ServiceConfig
 from qworker.service.core import ServiceCore
+from qworker.service.deferral import Deferral
 from qworker.service.drain import EXIT_GRACE_S as EXIT_GRACE_S  # where deploy tests look
 from qworker.service.drain import Drain
 from qworker.service.engine_api import EngineLike
@@ -52,6 +53,7 @@ from qworker.service.logprobs import token_text
 from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics
 from qworker.service.on_done import OnDone
+from qworker.service.promoter import Promoter
 from qworker.service.publisher import Publisher
 from qworker.service.round_trip import RoundTrip
 from qworker.service.sampling import JOB_NOT_SAMPLING as JOB_NOT_SAMPLING  # their old home
@@ -91,8 +93,10 @@ class Worker:
         self.core = ServiceCore(self.metrics, token_text(engine.tokenizer))
         self.alone = Alone(self.client, config.prefix, self.token, config.owner_ttl_s)
         self.drain = Drain(config.drain_timeout, self.log)
-        self.admission = Admission(engine, self.core, self.intake, self.heartbeat, self.alone,
-                                   self.metrics, config, self.log,
+        self.promoter = Promoter(self.client, self.keys, config, scripts)
+        deferral = Deferral(self.client, self.keys, config, scripts)
+        self.admission = Admission(engine, self.core, self.intake, deferral, self.heartbeat,
+                                   self.alone, self.metrics, config, self.log,
                                    prompt_ids=lambda job: self._prompt_ids(job),
                                    track=self._track)
         self.trip = RoundTrip(self.publisher, self.heartbeat.hold, config.name)
@@ -188,6 +192,7 @@ class Worker:
         if self.drain.requeue_due():
             self._abort(self.core.requeue_all())
             self.drain.requeued()
+        self._abort(self.core.time_out(now_ms()))
         stepped = self.engine.has_unfinished() and self._step()
         now = time.monotonic()
         if not self.backoff.ready(now):
@@ -301,8 +306,12 @@ class Worker:
         self.admission.admit()
 
     def _housekeeping(self) -> None:
+        """Delayed jobs whose time has come back to their streams, then intake (an idle read
+        waits no longer than the next of them)."""
         if not self.draining:
-            self.admission.housekeeping()
+            now = time.monotonic()
+            self.promoter.promote(now)
+            self.admission.housekeeping(block_cap_s=self.promoter.wait_s(now))
 
     def _track(self) -> None:
         """Tell the heartbeat which entries this worker holds, its jobs' and its inbox's (and, now

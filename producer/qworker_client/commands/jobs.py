@@ -1,5 +1,5 @@
-"""`qworker jobs`: the jobs running and waiting, then those that ended lately, with status, model,
-tokens and age (docs/protocol.md, "Listing jobs"); bounded by --limit."""
+"""`qworker jobs`: the jobs running, waiting and delayed, then those that ended lately, with status,
+model, tokens and age (docs/protocol.md, "Listing jobs"); bounded by --limit."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from qworker_client.jobs import MAX_LIMIT, ORDER, JobRow, age, list_jobs, server
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "jobs", help="running, waiting and recently ended jobs",
-        description="List the jobs in the queue (running or waiting, oldest first) and those "
-                    "that ended lately (done, error, dead-lettered; newest first).")
+        description="List the jobs in the queue (running or waiting, oldest first; delayed, "
+                    "soonest first) and those that ended lately (done, error, dead-lettered; "
+                    "newest first).")
     parser.add_argument("--limit", type=int, default=50,
                         help=f"at most this many jobs (default 50, at most {MAX_LIMIT})")
     parser.add_argument("--status", action="append", choices=ORDER, default=None,
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
 def render(rows: list[JobRow], now_ms: int) -> str:
     lines = [("ID", "STATUS", "MODEL", "TOKENS", "AGE", "DETAIL")]
     lines += [(row.job_id, row.status, row.model or "-",
-               "-" if row.tokens is None else str(row.tokens), age(now_ms - row.since_ms),
-               row.detail) for row in rows]
+               "-" if row.tokens is None else str(row.tokens),
+               f"in {age(row.since_ms - now_ms)}" if row.status == "delayed"
+               else age(now_ms - row.since_ms), row.detail) for row in rows]
     return table(lines)
