@@ -22,11 +22,10 @@ from qworker.service.job import Reject as Reject  # where intake's callers find 
 from qworker.service.job import Taken as Taken
 from qworker.service.logs import get_logger
 from qworker.service.scripts import Scripts
+from qworker.service.verdicts import expired, poisoned
 from qworker_client.protocol import (
-    EXPIRED,
     INTERNAL,
     INVALID_REQUEST,
-    TOO_MANY_DELIVERIES,
     Job,
     JobValidationError,
     Keys,
@@ -289,41 +288,13 @@ class Intake:
         return taken, rejects
 
     def poisoned(self, t: Taken) -> Reject | None:
-        """A poison job: its workers died (or stalled) `max_crashes` times while they ran it
-        alone; or, last resort, delivered more than `max_deliveries` times not counting the
-        deliveries after a death already charged to a job (itself or another). So the jobs that
-        merely shared a batch or a worker with a poison job are never charged for it."""
-        job_id = t.job.id or t.entry.entry_id
-        if t.crashes >= self.config.max_crashes:
-            return Reject(t.entry, TOO_MANY_DELIVERIES,
-                          f"its worker died {t.crashes} times while it ran this job alone "
-                          f"(max_crashes {self.config.max_crashes}): a poison job", job_id,
-                          drop_owner=True, job=t.job)
-        deliveries = t.entry.deliveries - t.excused - t.crashes
-        if deliveries > self.config.max_deliveries:
-            return Reject(t.entry, TOO_MANY_DELIVERIES,
-                          f"delivered {deliveries} times (max_deliveries "
-                          f"{self.config.max_deliveries}; not counted: {t.crashes} after a "
-                          f"crash of its own, {t.excused} after another job's); its workers "
-                          f"kept dying or stalling", job_id, drop_owner=True, job=t.job)
-        return None
+        """See `verdicts.poisoned`."""
+        return poisoned(t, self.config.max_crashes, self.config.max_deliveries)
 
     @staticmethod
     def expired(t: Taken) -> Reject | None:
-        """Past its start deadline (`deadline_ms`, or `start_within_ms` after it was first
-        queued) and never started by anyone: not run. A job that started (drained, preempted,
-        reclaimed) is resumed whatever the time."""
-        job, now = t.job, now_ms()
-        if t.started_before:
-            return None
-        if job.deadline_ms is not None and job.deadline_ms < now:
-            why = f"deadline_ms {job.deadline_ms} passed before it started"
-        elif job.start_within_ms is not None and t.t0_ms + job.start_within_ms < now:
-            why = (f"not started within start_within_ms {job.start_within_ms} of its queueing "
-                   f"(waited {now - t.t0_ms} ms)")
-        else:
-            return None
-        return Reject(t.entry, EXPIRED, why, t.job_id, drop_owner=True, job=job)
+        """See `verdicts.expired`."""
+        return expired(t, now_ms())
 
     def ack(self, entries: Iterable[Entry]) -> None:
         pipe = self.client.pipeline(transaction=False)
