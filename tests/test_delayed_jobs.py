@@ -72,11 +72,13 @@ def test_delayed_jobs_run_no_sooner_than_their_time_and_at_most_a_poll_late(
         ended = wait_terminal(client, wanted, timeout=30)
     assert {row["id"] for row in listed} <= {"soon", "later", "at", "raw"} and listed
     assert all(row["since_ms"] == wanted[row["id"]] for row in listed)
+    late = {}
     for job_id, due_ms in wanted.items():
         assert isinstance(ended[job_id], DoneEvent), (job_id, ended[job_id])
         check_stream(client, job_id)
-        late = first_token_ms(client, job_id) - due_ms
-        assert 0 <= late < 1000, (job_id, late)
+        late[job_id] = first_token_ms(client, job_id) - due_ms
+    assert all(0 <= ms < 1000 for ms in late.values()), late
+    print(f"\ndelayed jobs on an idle worker, first token after their time (ms): {late}")
     assert client.zcard(KEYS.delayed_of(None)) == 0
     assert client.hlen(KEYS.delayed_jobs_of(None)) == 0
 
