@@ -148,8 +148,13 @@ def spawn_worker(url: str, name: str, *args: str, log_path: Path | None = None
     cmd = [sys.executable, "-m", "qworker.cli", "serve", "--redis-url", url, "--name", name,
            *args]
     out = open(internal_errors.worker_log(log_path), "wb")  # noqa: SIM115
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=ROOT, env=env)
+    return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=ROOT, env=checkout_env())
+
+
+def checkout_env() -> dict[str, str]:
+    """This process' environment with this checkout's packages first on the path, the worker's
+    and the client's (an editable install may point at another checkout)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "producer")])}
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

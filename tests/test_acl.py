@@ -20,6 +20,7 @@ import redis
 from qworker_client import JobError, Producer
 from qworker_client.acl import ROLES, main, roles
 from qworker_client.batch import run_batch
+from qworker_client.cli import main as cli_main
 from qworker_client.local_redis import RedisProcess
 from qworker_client.protocol import Keys
 from tests.gateway_harness import gateway
@@ -168,6 +169,50 @@ def test_a_gateway_serves_as_its_acl_user(acl_redis: AclRedis, tmp_path: Path) -
     assert acl_redis.refused() == []
 
 
+def test_an_operator_runs_its_verbs_as_its_acl_user(acl_redis: AclRedis,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`qworker jobs | cancel | dead ...` as the operator user, nothing refused; a producer may
+    not read, retry or purge dead letters (one line, exit 3)."""
+    admin = acl_redis.admin
+    admin.xgroup_create(KEYS.jobs, "workers", id="0", mkstream=True)
+    entry = admin.xadd(KEYS.jobs, {"id": "unlucky", "prompt": "p", "max_tokens": "3"})
+    admin.xreadgroup("workers", "ghost", {KEYS.jobs: ">"}, count=1)
+    for _ in range(3):  # delivered 4 times: past --max-deliveries 3
+        admin.xclaim(KEYS.jobs, "workers", "ghost", 0, [entry])
+    admin.xadd(KEYS.dead, {"reason": "r", "code": "expired", "source": KEYS.jobs,
+                           "source_id": "1-1", "worker": "w", "id": "old", "prompt": "p"})
+
+    def run(role: str, *args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli_main([*args, "--redis-url", acl_redis.url(role)])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    with thread_worker(acl_redis.url("worker"), "acl-op", claim_idle_ms=300,
+                       max_deliveries=3) as worker:
+        wait_for(lambda: admin.xlen(KEYS.dead) == 2, what="the poison job's dead letter")
+        with Producer(acl_redis.url("producer")) as prod:
+            long = prod.submit("long", max_tokens=20000, ignore_eos=True)
+        wait_for(lambda: admin.xlen(KEYS.out(long.id)) >= 2, what="tokens")
+        jobs = run("operator", "jobs", "--json")
+        assert jobs[0] == 0 and f'"id": "{long.id}", "status": "running"' in jobs[1]
+        assert run("operator", "dead", "list")[0] == 0
+        assert "code: too_many_deliveries" in run("operator", "dead", "show", "unlucky")[1]
+        assert run("operator", "dead", "retry", "unlucky")[0] == 0
+        assert prod.job("unlucky").result(timeout=30).usage.completion_tokens == 3
+        assert run("operator", "cancel", long.id)[0] == 0
+        assert prod.job(long.id).result(timeout=30).finish_reason == "cancelled"
+        assert worker.stop() == 0
+    assert acl_redis.refused() == []
+    for verb in (("dead", "list"), ("dead", "retry", "old"), ("dead", "purge", "--yes")):
+        code, out, err = run("producer", *verb)
+        assert (code, out) == (3, "") and err.count("\n") == 1 and "NoPermission" in err, verb
+    acl_redis.admin.acl_log_reset()
+    assert run("operator", "dead", "purge", "--yes")[1] == "purged 1 dead letter(s)\n"
+    assert admin.xlen(KEYS.dead) == 0
+    assert acl_redis.refused() == []
+
+
 def _ended(batch: dict[str, object]) -> dict[str, object] | None:
     return batch if batch["status"] in ("completed", "failed", "expired") else None
 
@@ -192,7 +237,7 @@ NOBODY = [
     ("EXPIRE", KEYS.jobs, "0"), ("PEXPIRE", KEYS.jobs, "1"), ("RENAME", KEYS.jobs, "qw:x"),
     ("COPY", KEYS.jobs, "qw:x"), ("MOVE", KEYS.jobs, "1"), ("XTRIM", KEYS.jobs, "MAXLEN", "0"),
     ("XGROUP", "DESTROY", KEYS.jobs, "workers"), ("XGROUP", "SETID", KEYS.jobs, "workers", "$"),
-    ("RESTORE", "qw:x", "0", "junk"), ("SET", KEYS.out(JOB), "x"), ("DEL", KEYS.out(JOB)),
+    ("RESTORE", "qw:x", "0", "junk"), ("SET", KEYS.out(JOB), "x"),
     ("XTRIM", KEYS.out(JOB), "MAXLEN", "0"), ("DEL", KEYS.dead), ("XTRIM", KEYS.dead, "MAXLEN",
                                                                    "0"),
     ("SET", KEYS.requeue, "x"), ("DEL", KEYS.requeue),
@@ -208,14 +253,19 @@ ONLY_WORKERS = [
     ("HSET", KEYS.owner(JOB), "worker", "forged"), ("DEL", KEYS.owner(JOB)),
     ("EXPIRE", KEYS.owner(JOB), "0"), ("SET", KEYS.worker("fake"), WORKER_INFO),
     ("DEL", KEYS.worker("w1")), ("SET", KEYS.alone("t"), JOB),
+    ("ZADD", KEYS.delayed_of(None), "1", JOB), ("HSET", KEYS.delayed_jobs_of("sim"), JOB, "[]"),
 ]
+# what producers do, and workers too: a worker queues delayed jobs again (the promoter)
+ADD_JOBS = [("XADD", KEYS.jobs, "*", "id", "forged", "prompt", "x"),
+            ("XADD", KEYS.jobs_of("sim"), "*", "prompt", "x")]
 # what producers do, and workers may not
 NOT_WORKERS = [
-    ("XADD", KEYS.jobs, "*", "id", "forged", "prompt", "x"),
-    ("XADD", KEYS.jobs_of("sim"), "*", "prompt", "x"), ("SET", KEYS.cancel(JOB), "1"),
+    ("SET", KEYS.cancel(JOB), "1"),
     ("SET", KEYS.submitted(JOB), "1-1"), ("HSET", KEYS.batch("b"), JOB, "1-1"),
     ("SET", KEYS.gateway_job(JOB), "{}"),
 ]
+# what operators do (retry and purge dead letters), and no other role
+ONLY_OPERATORS = [("DEL", KEYS.out(JOB)), ("XDEL", KEYS.dead, "1-1")]
 # scripts bounded like the commands they run
 SCRIPTS = [
     ("EVAL", "return redis.call('XADD', KEYS[1], '*', unpack(ARGV))", "1", KEYS.out(JOB),
@@ -227,16 +277,25 @@ SCRIPTS = [
     ("EVAL", "return redis.call('SET', 'qw:worker:fake', 'x')", "0"),
     ("EVAL", "return redis.call('FLUSHALL')", "0"),
 ]
+DELETES_OUTPUT = SCRIPTS[3]  # what the operator's retry script does, and only with it
+assert DELETES_OUTPUT[1] == "return redis.call('DEL', KEYS[1])"
 HARMFUL = {
-    "worker": NOBODY + NOT_WORKERS + [("GET", KEYS.gateway_job(JOB)), ("SCAN", "0")],
-    "producer": NOBODY + ONLY_WORKERS + SCRIPTS + [
+    "worker": NOBODY + NOT_WORKERS + ONLY_OPERATORS + [("GET", KEYS.gateway_job(JOB)),
+                                                       ("SCAN", "0")],
+    "producer": NOBODY + ONLY_WORKERS + ONLY_OPERATORS + SCRIPTS + [
         ("SET", KEYS.gateway_job(JOB), "{}"), ("GET", KEYS.gateway_job(JOB)), ("SCAN", "0"),
-        ("MGET", KEYS.worker("w1")), ("XRANGE", KEYS.dead, "-", "+")],
-    "gateway": NOBODY + ONLY_WORKERS + SCRIPTS + [("XRANGE", KEYS.dead, "-", "+")],
-    "keda": NOBODY + ONLY_WORKERS + NOT_WORKERS + SCRIPTS + [
+        ("MGET", KEYS.worker("w1")), ("XRANGE", KEYS.dead, "-", "+"),
+        ("XRANGE", KEYS.recent, "-", "+")],
+    "gateway": NOBODY + ONLY_WORKERS + ONLY_OPERATORS + SCRIPTS + [
+        ("XRANGE", KEYS.dead, "-", "+")],
+    "keda": NOBODY + ONLY_WORKERS + NOT_WORKERS + ADD_JOBS + ONLY_OPERATORS + SCRIPTS + [
         ("XRANGE", KEYS.out(JOB), "-", "+"), ("XREAD", "STREAMS", KEYS.out(JOB), "0"),
         ("XRANGE", KEYS.jobs, "-", "+"), ("GET", KEYS.gateway_job(JOB)),
         ("EXISTS", KEYS.cancel(JOB))],
+    "operator": NOBODY + ONLY_WORKERS + [s for s in SCRIPTS if s != DELETES_OUTPUT] + [
+        ("SET", KEYS.gateway_job(JOB), "{}"), ("GET", KEYS.gateway_job(JOB)),
+        ("DEL", KEYS.recent), ("XDEL", KEYS.jobs, "1-1"), ("DEL", KEYS.owner(JOB)),
+        ("XADD", KEYS.recent, "*", "id", "forged", "status", "done")],
 }
 
 

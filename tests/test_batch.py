@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from qworker_client.batch import (
     run_batch,
 )
 from qworker_client.protocol import DoneEvent, Keys, TokenEvent, event_to_fields
-from tests.service_harness import ROOT, wait_for
+from tests.service_harness import ROOT, checkout_env, wait_for
 from tests.worker_process import sim_worker
 
 KEYS = Keys("qw")
@@ -71,8 +70,7 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 
 def batch_cli(*args: str, url: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "qworker.cli", "batch", "run", *args, "--redis-url", url]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
 
 

@@ -4,7 +4,6 @@ README's first Python example, and the extra that `qworker up`'s embedded Redis 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from qworker.engine.request import SamplingParams
 from qworker.service.logs import configure_logging, get_logger
 from qworker_client import Producer
 from qworker_client.protocol import Job, Keys
-from tests.service_harness import ROOT
+from tests.service_harness import ROOT, checkout_env
 from tests.worker_process import sim_worker
 
 SERVE = ["serve", "--redis-url", "redis://r:1/0", "--model", "sim"]
@@ -106,7 +105,7 @@ def test_the_readme_example_prints_the_answer_once(redis_url: str) -> None:
     code = code.replace("redis://localhost:6379/0", redis_url)
     with sim_worker(redis_url, "readme-1"):
         ran = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             text=True, timeout=60, env=checkout_env())
     assert ran.returncode == 0, ran.stderr
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     (key,) = client.scan_iter(match=Keys().out("*"))

@@ -10,7 +10,6 @@ count above 1, or a second consumer) is a double delivery.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from tests.service_harness import (
     KEYS,
     ROOT,
     check_stream,
+    checkout_env,
     expected,
     group_pending,
     sim_engine,
@@ -236,8 +236,7 @@ def _spawn_poison_worker(url: str, name: str, crash_log: Path, log_dir: Path
                          ) -> subprocess.Popen[bytes]:
     out = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115
     cmd = [sys.executable, "-m", "tests.poison_worker", url, name, str(crash_log)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=ROOT, env=env)
+    return subprocess.Popen(cmd, stdout=out, stderr=out, cwd=ROOT, env=checkout_env())
 
 
 def test_poison_jobs_that_kill_their_worker_are_dead_lettered_and_their_batch_mates_finish(

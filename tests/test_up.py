@@ -20,7 +20,7 @@ import redis
 
 from qworker_client import Producer
 from qworker_client.local_redis import RedisProcess
-from tests.service_harness import ROOT, wait_for
+from tests.service_harness import ROOT, checkout_env, wait_for
 
 URL_LINE = re.compile(r"qworker up: Redis at (redis://\S+) \((.*)\)$")
 
@@ -61,8 +61,7 @@ def _pump(stream: object, into: queue.Queue[str]) -> None:
 def start_up(*args: str, timeout: float = 60) -> Up:
     cmd = [sys.executable, "-m", "qworker.cli", "up", "--model", "sim:step_ms=2", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                                   "PYTHONFAULTHANDLER": "1"})
+                            cwd=ROOT, env={**checkout_env(), "PYTHONFAULTHANDLER": "1"})
     out: queue.Queue[str] = queue.Queue()
     err: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True).start()
@@ -228,7 +227,7 @@ def test_sigterm_while_a_log_line_is_written_still_drains(redis_url: str) -> Non
         [sys.executable, "-c", TRIPWIRE, "up", "--redis-url", redis_url, "--model",
          "sim:step_ms=2", "--name", "up-test-5"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"})
+        env={**checkout_env(), "PYTHONFAULTHANDLER": "1"})
     try:
         client = redis.Redis.from_url(redis_url)
         wait_for(lambda: client.exists("qw:worker:up-test-5"), 30, what="the worker")

@@ -3,7 +3,6 @@ key), stopped with SIGTERM; and an `rq worker --burst` run with the JSON seriali
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from tests.service_harness import KEYS, ROOT, spawn_worker, wait_for
+from tests.service_harness import KEYS, ROOT, checkout_env, spawn_worker, wait_for
 
 RQ_SERIALIZER = "rq.serializers.JSONSerializer"
 
@@ -51,7 +50,7 @@ def rq_burst(url: str, *queues: str, timeout: float = 60.0) -> subprocess.Comple
     connection."""
     cmd = [sys.executable, "-m", "rq.cli", "worker", "--burst", "--url", url,
            "--serializer", RQ_SERIALIZER, "--worker-class", "rq.SimpleWorker", *queues]
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "QWORKER_REDIS_URL")}
-    env["PYTHONPATH"] = str(ROOT)
+    env = {k: v for k, v in checkout_env().items()
+           if k not in ("REDIS_URL", "QWORKER_REDIS_URL")}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)

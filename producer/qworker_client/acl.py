@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from qworker_client.protocol import DEFAULT_PREFIX, Keys
 
-ROLES = ("worker", "producer", "gateway", "keda")
+ROLES = ("worker", "producer", "gateway", "keda", "operator")
 
 
 @dataclass(frozen=True)
@@ -53,31 +53,37 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     work = (*jobs, k.requeue, k.model_stream_patterns[1])  # and requeued work
     out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
+    delayed = (k.delayed_of(None), k.delayed_pattern)  # the delayed sets and their hashes
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
-                 sets: tuple[str, ...] = ()) -> tuple[Grant, ...]:
+                 sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
+                 ) -> tuple[Grant, ...]:
         return (
             # outputs, a job's status, and what `qworker batch` looks its earlier jobs up in
             Grant(("xread", "xrange", "xrevrange", "exists", "get", "hget", *read_commands),
                   (out, sub, owner, *work, batch, *reads), read_only=True),
             # the submit and cancel scripts (and the batch runner's): the keys they declare
-            Grant(("evalsha", "eval"), (*work, out, sub, cancel, batch)),
+            Grant(("evalsha", "eval"), (*work, out, sub, cancel, batch, *script_keys)),
             Grant(("xadd",), jobs),
             Grant(("set",), (sub, cancel, *sets)),  # submit markers, cancel flags
             Grant(("hset", "expire"), (batch,)),  # the batch runner's own hash
         )
 
     return {
-        "worker": Role("qworker-worker", ("ping", "hello", "client|setname", "script|load"), (
+        "worker": Role("qworker-worker", ("ping", "hello", "client|setname", "script|load",
+                                          "time"), (
             Grant(("xreadgroup", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
                    "xclaim", "xack", "xdel", "xpending", "xinfo|consumers", "xinfo|groups",
                    "xrange", "xlen", "exists"), work),
-            Grant(("xadd",), (k.requeue, k.model_stream_patterns[1], out, k.dead)),
+            # requeues, events, dead letters, recent jobs; delayed jobs queued again (promoter)
+            Grant(("xadd",), (*work, out, k.dead, k.recent)),
+            Grant(("zadd", "zrangebyscore", "zrange", "zrem", "hexists", "hset", "hget", "hdel"),
+                  delayed),
             Grant(("xrange", "xrevrange", "expire"), (out,)),
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
             Grant(("exists", "mget"), (cancel,), read_only=True),
-            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker)),
+            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan"), producer(
@@ -85,6 +91,16 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
         "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
             Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),
                   (*work, k.dead, worker), read_only=True),
+        )),
+        # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
+        # letters (`qworker dead`): the retry script deletes the job's old output
+        "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
+                         producer(reads=(k.dead, k.recent, worker, *delayed),
+                                  read_commands=("hmget", "mget", "xlen", "xinfo|groups",
+                                                 "zrange"),
+                                  script_keys=(owner, k.dead)) + (
+            Grant(("del",), (out,)),
+            Grant(("xdel",), (k.dead,)),
         )),
     }
 

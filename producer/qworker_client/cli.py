@@ -9,7 +9,7 @@ import functools
 import importlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
@@ -33,6 +33,9 @@ CLIENT_COMMANDS = (
     "qworker_client.commands.stats",
     "qworker_client.commands.batch",
     "qworker_client.commands.status",
+    "qworker_client.commands.cancel",
+    "qworker_client.commands.jobs",
+    "qworker_client.commands.dead",
     "qworker_client.commands.gateway",
 )
 EXIT_JOB_ERROR = 1
@@ -74,6 +77,13 @@ def print_event(event: TokenEvent | DoneEvent | ErrorEvent | PromptLogprobsEvent
     elif isinstance(event, TokenEvent) and event.text:
         sys.stdout.write(event.text)
         sys.stdout.flush()
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows (the first a header) as left-aligned columns."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
 
 
 def report_error(message: str) -> None:

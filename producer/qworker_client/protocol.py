@@ -46,6 +46,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 1_000_000
 MAX_DEADLINE_MS = 2**53  # far beyond any real unix time in ms; keeps JSON numbers exact
+MAX_WAIT_MS = 30 * 24 * 3600 * 1000  # `delay_ms`, `start_within_ms`, `timeout_ms`: 30 days
+MAX_RESULT_TTL_S = 30 * 24 * 3600  # `result_ttl_s` (a worker caps it at its --max-result-ttl)
 MAX_CACHE_SALT_CHARS = 256
 MAX_STRUCTURED_CHARS = 65_536  # a `structured_outputs` schema (as compact JSON), regex or grammar
 MAX_CHOICES = 256  # strings of `structured_outputs.choice`
@@ -69,7 +71,7 @@ LOST_STATE = "lost_state"  # the job's state vanished from Redis (wiped, restart
 # field whose name collides with one of them is kept as `original.<name>`.
 DEAD_META_FIELDS = ("reason", "code", "source", "source_id", "worker")
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "timeout"]
 
 # one stream entry's fields, as read with or without decode_responses, or as written
 WireFields = Mapping[str, str] | Mapping[bytes, bytes] | Mapping[bytes | str, bytes | str]
@@ -184,9 +186,22 @@ class Job(BaseModel):
     priority: Annotated[
         int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="lower runs first")
     ] = 0
-    deadline_ms: Annotated[
-        int | None, Field(ge=0, le=MAX_DEADLINE_MS, description="unix ms; past it: error expired")
-    ] = None
+    deadline_ms: Annotated[int | None, Field(ge=0, le=MAX_DEADLINE_MS, description=(
+        "absolute start deadline, unix time in ms: not started by then, it ends with error "
+        "expired"))] = None
+    start_within_ms: Annotated[int | None, Field(ge=0, le=MAX_WAIT_MS, description=(
+        "relative start deadline: not started within this many ms of its queueing (a delayed "
+        "job: of its due time), it ends with error expired"))] = None
+    delay_ms: Annotated[int | None, Field(ge=0, le=MAX_WAIT_MS, description=(
+        "a delayed job: it runs no sooner than this many ms after it was queued"))] = None
+    not_before_ms: Annotated[int | None, Field(ge=0, le=MAX_DEADLINE_MS, description=(
+        "a delayed job: it runs no sooner than this unix time in ms"))] = None
+    timeout_ms: Annotated[int | None, Field(ge=1, le=MAX_WAIT_MS, description=(
+        "run-time limit, from when a worker first started it: past it, it ends with "
+        "finish_reason timeout and its text so far"))] = None
+    result_ttl_s: Annotated[int | None, Field(ge=1, le=MAX_RESULT_TTL_S, description=(
+        "seconds its output lives after its last event (default, and at most: the worker's "
+        "--result-ttl, --max-result-ttl)"))] = None
     cache_salt: Annotated[str | None, Field(
         min_length=1, max_length=MAX_CACHE_SALT_CHARS,
         description="prefix caching: only jobs with the same salt share cached prompt blocks")
@@ -240,7 +255,8 @@ _JOB_WIRE_KINDS: dict[str, str] = {
     "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",
     "ignore_eos": "bool", "min_tokens": "int", "repetition_penalty": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "priority": "int",
-    "deadline_ms": "int", "structured_outputs": "json",
+    "deadline_ms": "int", "start_within_ms": "int", "delay_ms": "int", "not_before_ms": "int",
+    "timeout_ms": "int", "result_ttl_s": "int", "structured_outputs": "json",
     "logprobs": "int", "prompt_logprobs": "int", "logprobs_text": "bool",
 }
 assert set(_JOB_WIRE_KINDS) == set(Job.model_fields)
@@ -498,6 +514,11 @@ class Keys:
     def dead(self) -> str:
         return f"{self.prefix}:dead"
 
+    @property
+    def recent(self) -> str:
+        """The jobs workers ended lately, newest last (`RecentJob`; capped, see `qworker jobs`)."""
+        return f"{self.prefix}:recent"
+
     def out(self, job_id: str) -> str:
         return f"{self.prefix}:out:{job_id}"
 
@@ -533,6 +554,21 @@ class Keys:
     def gateway_job(self, job_id: str) -> str:
         """The gateway's record of a job it submitted (JSON: its response's shape, its owner)."""
         return f"{self.prefix}:gw:{job_id}"
+
+    def delayed_of(self, model: str | None) -> str:
+        """The delayed jobs of a model (none: model-less), a sorted set: job id -> due unix ms
+        (`<prefix>:delayed`, `<prefix>:delayed:{<model>}`, in the model's hash slot)."""
+        return _work_stream(f"{self.prefix}:delayed", model, "")
+
+    def delayed_jobs_of(self, model: str | None) -> str:
+        """The delayed jobs' fields, a hash: job id -> JSON [band, field, value, ...]
+        (`<prefix>:delayed:jobs`, `<prefix>:delayed:jobs:{<model>}`)."""
+        return _work_stream(f"{self.prefix}:delayed:jobs", model, "")
+
+    @property
+    def delayed_pattern(self) -> str:
+        """SCAN pattern matching every model's delayed set (and its jobs' hash)."""
+        return f"{self.prefix}:delayed:*"
 
     def jobs_of(self, model: str | None, band: str = "") -> str:
         """The stream a job goes to: `<prefix>:jobs`, or `<prefix>:jobs:{<model>}` for a job that
@@ -589,6 +625,22 @@ class Keys:
         """SCAN patterns matching every per-model stream (new jobs, requeued work), and every
         stream of the high and low bands."""
         return (f"{self.jobs}:*", f"{self.requeue}:*")
+
+
+class RecentJob(BaseModel):
+    """An entry of `<prefix>:recent`: a job a worker ended, written with its terminal event."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    model: Annotated[str, Field(description="the stream's model; empty: a model-less job")] = ""
+    status: Literal["done", "error"]
+    reason: Annotated[str, Field(description="the finish reason (done) or the error code")]
+    tokens: Annotated[int, Field(ge=0, description="tokens generated")] = 0
+    worker: Annotated[str, Field(description="the worker that ended it")] = ""
+
+    def to_fields(self) -> dict[str, str]:
+        return {name: encode_value(value) for name, value in self.model_dump().items()}
 
 
 class WorkerInfo(BaseModel):
@@ -653,6 +705,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "prompt_logprobs": PromptLogprobsEvent.model_json_schema(),
         "event": _EVENT_ADAPTER.json_schema(),
         "worker": WorkerInfo.model_json_schema(),
+        "recent": RecentJob.model_json_schema(),
     }
 
 
@@ -662,6 +715,7 @@ __all__ = [
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
     "DoneEvent", "ErrorEvent",
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
+    "RecentJob",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
     "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_entry_id",
     "parse_event", "parse_job_fields",

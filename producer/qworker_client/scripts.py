@@ -1,6 +1,7 @@
-"""The producer's server-side scripts: a job id is queued once, a finished job is not flagged.
+"""The clients' server-side scripts: a job id is queued once, a finished job is not flagged, a
+dead letter is retried once under its id.
 
-Both are in docs/protocol.md word for word, for producers in other languages (a test checks it).
+Each is in docs/protocol.md word for word, for clients in other languages (a test checks it).
 """
 
 from __future__ import annotations
@@ -45,6 +46,32 @@ if last then
 end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
 return 1
+"""
+
+
+# KEYS: the dead-letter stream, the stream the job goes back to, the job's output stream, its owner
+# hash, its submit marker. ARGV: the dead letter's entry id, the marker's TTL in seconds, then the
+# job's field / value pairs. The job goes back under its id, afresh: a new entry (delivered once),
+# its old output (the error event) deleted, no owner hash (dead-lettering dropped it, and with it
+# the crash counts), the dead letter deleted, all in one step. Returns {1, new entry id}, or
+# {0, why}: `gone` (no such dead letter: retried or purged before), `held` (its owner hash exists:
+# the id is queued or running again), `running` (its output stream does not end).
+RETRY_SCRIPT = """\
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return {0, 'gone'} end
+if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 'held'} end
+local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)[1]
+if last then
+  local ended = false
+  for j = 1, #last[2], 2 do
+    if last[2][j] == 'type' then ended = last[2][j + 1] == 'done' or last[2][j + 1] == 'error' end
+  end
+  if not ended then return {0, 'running'} end
+end
+redis.call('DEL', KEYS[3])
+local entry = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+redis.call('SET', KEYS[5], entry, 'EX', ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[1])
+return {1, entry}
 """
 
 

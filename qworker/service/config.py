@@ -7,7 +7,13 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from qworker_client.protocol import DEFAULT_GROUP, DEFAULT_PREFIX, MODEL_PATTERN, is_valid_model
+from qworker_client.protocol import (
+    DEFAULT_GROUP,
+    DEFAULT_PREFIX,
+    MODEL_PATTERN,
+    Job,
+    is_valid_model,
+)
 
 
 def default_worker_name() -> str:
@@ -49,7 +55,13 @@ class ServiceConfig:
     drain_timeout: float = field(default=30.0, metadata=_flag(
         "seconds to finish running jobs after SIGTERM before requeueing them"))
     result_ttl: int = field(default=3_600, metadata=_flag(
-        "seconds an output stream lives after its last event"))
+        "seconds an output stream lives after its last event, for a job that sets no "
+        "result_ttl_s"))
+    max_result_ttl: int = field(default=86_400, metadata=_flag(
+        "the longest a job's own result_ttl_s keeps its output (longer ones are cut to it)"))
+    delayed_poll_ms: int = field(default=250, metadata=_flag(
+        "how often a worker looks for delayed jobs whose time has come (sooner when it knows the "
+        "next one's time)"))
     metrics_port: int = field(default=0, metadata=_flag(
         "port of /metrics (Prometheus), /healthz and /livez (0: off)"))
     metrics_host: str = field(default="127.0.0.1", metadata=_flag(
@@ -61,6 +73,8 @@ class ServiceConfig:
         "longest wait between retries of Redis", flag=None))
     dead_maxlen: int = field(default=10_000, metadata=_flag(
         "the dead-letter stream is trimmed to about this many entries"))
+    recent_maxlen: int = field(default=1_000, metadata=_flag(
+        "the recent-jobs stream (`qworker jobs`) is trimmed to about this many entries"))
     # no finished loop turn for this long: the loop is stuck, so the heartbeat stops and peers
     # reclaim the jobs
     stall_timeout_s: float = field(default=60.0, metadata=_flag(
@@ -74,11 +88,20 @@ class ServiceConfig:
             raise ValueError("max_deliveries and max_crashes must be >= 1")
         if self.drain_timeout < 0 or self.result_ttl < 1 or self.block_ms < 1:
             raise ValueError("drain_timeout must be >= 0, result_ttl and block_ms >= 1")
-        if self.dead_maxlen < 1 or self.stall_timeout_s <= 0:
-            raise ValueError("dead_maxlen must be >= 1 and stall_timeout_s > 0")
+        if self.max_result_ttl < 1 or self.delayed_poll_ms < 1:
+            raise ValueError("max_result_ttl and delayed_poll_ms must be >= 1")
+        if self.dead_maxlen < 1 or self.recent_maxlen < 1 or self.stall_timeout_s <= 0:
+            raise ValueError("dead_maxlen and recent_maxlen must be >= 1, stall_timeout_s > 0")
         if self.served_model is not None and not is_valid_model(self.served_model):
             raise ValueError(f"the served model name {self.served_model!r} cannot name a job "
                              f"stream (want {MODEL_PATTERN}): give --served-model-name")
+
+    def result_ttl_of(self, job: Job | None) -> int:
+        """How long a job's output lives after its last event: its own result_ttl_s, within
+        max_result_ttl; else result_ttl."""
+        if job is None or job.result_ttl_s is None:
+            return self.result_ttl
+        return min(job.result_ttl_s, self.max_result_ttl)
 
     @property
     def served_model(self) -> str | None:

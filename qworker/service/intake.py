@@ -6,82 +6,39 @@ dead-letter what cannot run."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 from redis.typing import KeyT, StreamIdT, StreamRangeResponse
 
 from qworker.service.config import ServiceConfig
+from qworker.service.dead_letters import MAX_DEAD_FIELDS as MAX_DEAD_FIELDS  # their old home
+from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_BYTES
+from qworker.service.dead_letters import DeadLetters
+from qworker.service.dead_letters import dead_fields as dead_fields
 from qworker.service.errors import job_error
-from qworker.service.job import Entry, RawFields, Readback, now_ms
+from qworker.service.job import Entry, Readback, now_ms
+from qworker.service.job import Reject as Reject  # where intake's callers find them
+from qworker.service.job import Taken as Taken
 from qworker.service.logs import get_logger
 from qworker.service.scripts import Scripts
+from qworker.service.verdicts import expired, poisoned
 from qworker_client.protocol import (
-    DEAD_META_FIELDS,
-    EXPIRED,
     INTERNAL,
     INVALID_REQUEST,
-    TOO_MANY_DELIVERIES,
-    ErrorEvent,
     Job,
     JobValidationError,
     Keys,
     entry_ms,
-    event_to_fields,
     parse_job_fields,
 )
 
-MAX_REASON_CHARS = 1_000
-# A dead letter copies at most this much of an entry (a hostile one may hold thousands of fields
-# or values of many MiB); what is cut is noted: `<name>_truncated_bytes` (the original size) and
-# `dropped_fields` (how many fields were left out).
-MAX_DEAD_FIELDS = 64
-MAX_DEAD_VALUE_BYTES = 4_096
-MAX_DEAD_NAME_BYTES = 256
-MAX_DEAD_BYTES = 32_768  # all copied values together
 # Pending entries looked at per reclaim call, whatever the free slots (Redis filters by idle time
 # while it scans, so entries of live workers cost no round trips).
 RECLAIM_SCAN = 100
 # The priority whose room (engine free_slots) a band's entries are read by: its least urgent one;
 # None: the free slots alone (a low job displaces nothing it could be sure to outrank).
 BAND_PRIORITY: dict[str, int | None] = {"high": -1, "": 0, "low": None}
-
-
-@dataclass
-class Reject:
-    """An entry that will not run: acked, dead-lettered, and an error event when `job_id`."""
-
-    entry: Entry
-    code: str
-    message: str
-    job_id: str | None
-    drop_owner: bool = False  # the job's owner hash goes too (we or a dead worker set it)
-
-
-@dataclass
-class Taken:
-    """A job now owned by this worker, with what its output stream already holds."""
-
-    entry: Entry
-    job: Job
-    readback: Readback
-    cancelled: bool
-    t0_ms: int
-    started_ms: int
-    started_before: bool = False  # some worker took it before (it may have streamed tokens)
-    crashes: int = 0  # its workers that died (or stalled) while they ran it alone
-    excused: int = 0  # its workers that died (or stalled) while they ran another job alone
-    requeued: bool = False  # read from a requeue stream (preempted, or at a worker's shutdown)
-
-    def waited_ms(self, now: int) -> int:
-        """How long it has waited, not counting the time it ran (priority aging): a requeued job
-        until it first started plus since its requeue entry; any other since first queued.
-        Short: waits between a requeue and the next start before the last are not counted."""
-        since = entry_ms(self.entry.entry_id) if self.requeued else None
-        if since is None:
-            return max(0, now - self.t0_ms)
-        return max(0, self.started_ms - self.t0_ms) + max(0, now - since)
 
 
 def _s(value: object) -> str:
@@ -115,6 +72,7 @@ class Intake:
         self._bands = [keys.stream_band(stream) for stream in self.streams]
         self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
         self.log = get_logger(worker=config.name)
+        self.dead_letters = DeadLetters(client, keys, config, scripts)
 
     @property
     def consumer(self) -> str:
@@ -257,7 +215,7 @@ class Intake:
             job_id = job.id or entry.entry_id
             misplaced = self._misplaced(entry, job)
             if misplaced:
-                rejects.append(Reject(entry, INVALID_REQUEST, misplaced, job_id))
+                rejects.append(Reject(entry, INVALID_REQUEST, misplaced, job_id, job=job))
             elif job_id in busy_job_ids:
                 rejects.append(Reject(entry, INVALID_REQUEST,
                                       f"duplicate: job {job_id} is already running here", None))
@@ -314,7 +272,7 @@ class Intake:
             error = next((e for e in map(job_error, mine) if e is not None), None)
             if error is not None:
                 rejects.append(Reject(entry, INTERNAL, f"Redis refused this job's keys: {error}",
-                                      job.id or entry.entry_id, drop_owner=True))
+                                      job.id or entry.entry_id, drop_owner=True, job=job))
                 continue
             if mine[0] is None:  # pending to another consumer: a peer reclaimed it meanwhile
                 self.log.warning("fenced out: a peer reclaimed the entry before it was taken",
@@ -330,34 +288,13 @@ class Intake:
         return taken, rejects
 
     def poisoned(self, t: Taken) -> Reject | None:
-        """A poison job: its workers died (or stalled) `max_crashes` times while they ran it
-        alone; or, last resort, delivered more than `max_deliveries` times not counting the
-        deliveries after a death already charged to a job (itself or another). So the jobs that
-        merely shared a batch or a worker with a poison job are never charged for it."""
-        job_id = t.job.id or t.entry.entry_id
-        if t.crashes >= self.config.max_crashes:
-            return Reject(t.entry, TOO_MANY_DELIVERIES,
-                          f"its worker died {t.crashes} times while it ran this job alone "
-                          f"(max_crashes {self.config.max_crashes}): a poison job", job_id,
-                          drop_owner=True)
-        deliveries = t.entry.deliveries - t.excused - t.crashes
-        if deliveries > self.config.max_deliveries:
-            return Reject(t.entry, TOO_MANY_DELIVERIES,
-                          f"delivered {deliveries} times (max_deliveries "
-                          f"{self.config.max_deliveries}; not counted: {t.crashes} after a "
-                          f"crash of its own, {t.excused} after another job's); its workers "
-                          f"kept dying or stalling", job_id, drop_owner=True)
-        return None
+        """See `verdicts.poisoned`."""
+        return poisoned(t, self.config.max_crashes, self.config.max_deliveries)
 
     @staticmethod
     def expired(t: Taken) -> Reject | None:
-        """Past its deadline and never started by anyone: not run. A job that started (drained,
-        preempted, reclaimed) is resumed whatever the time."""
-        deadline = t.job.deadline_ms
-        if t.started_before or deadline is None or deadline >= now_ms():
-            return None
-        return Reject(t.entry, EXPIRED, f"deadline_ms {deadline} passed before it started",
-                      t.job.id or t.entry.entry_id, drop_owner=True)
+        """See `verdicts.expired`."""
+        return expired(t, now_ms())
 
     def ack(self, entries: Iterable[Entry]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -369,74 +306,10 @@ class Intake:
     # ------------------------------------------------------------------ dead letters
 
     def dead_letter(self, rejects: Sequence[Reject]) -> None:
-        """For each reject still pending: a `<prefix>:dead` entry (reason + the original fields,
-        bounded) and the job's error event, then the ack; one round trip, safe to retry. A
-        reject whose own keys Redis refuses (an ACL on them; a script's keys are checked before
-        it runs) is dead-lettered again without them: no error event, but never left pending."""
-        if not rejects:
-            return
-        replies = self._dead_letters(rejects, with_job_keys=True)
-        if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
-            Scripts.load(self.client)  # Redis restarted (or flushed its scripts): again, whole
-            replies = self._dead_letters(rejects, with_job_keys=True)
-        refused = [r for r, reply in zip(rejects, replies, strict=True)
-                   if job_error(reply) is not None]
-        if refused:
-            for reply in self._dead_letters(refused, with_job_keys=False):
-                if isinstance(reply, Exception):
-                    raise reply  # the job stream or the dead stream: the worker's own keys
-
-    def _dead_letters(self, rejects: Sequence[Reject], with_job_keys: bool) -> list[object]:
-        pipe = self.client.pipeline(transaction=False)
-        for r in rejects:
-            self._queue_dead_letter(pipe, r, with_job_keys)
-        return pipe.execute(raise_on_error=False)
-
-    def _queue_dead_letter(self, pipe: redis.client.Pipeline, r: Reject,
-                           with_job_keys: bool = True) -> None:
-        message = r.message[:MAX_REASON_CHARS]
-        fields = dead_fields(r.entry, r.code, message, self.config.name)
-        out = self.keys.out(r.job_id) if r.job_id and with_job_keys else None
-        error = event_to_fields(ErrorEvent(code=r.code, message=message))
-        owner = self.keys.owner(r.job_id) if out and r.job_id and r.drop_owner else None
-        self.scripts.dead_letter(pipe, source=r.entry.stream, dead=self.keys.dead,
-                                 group=self.config.group, entry_id=r.entry.entry_id,
-                                 ttl_s=self.config.result_ttl,
-                                 dead_maxlen=self.config.dead_maxlen, dead_fields=fields,
-                                 out=out, error_fields=error, owner=owner)
-
-
-def dead_fields(entry: Entry, code: str, reason: str, worker: str) -> RawFields:
-    """A dead-letter entry: reason, code, source stream and entry, worker, then the original
-    fields (one named like a meta field is kept as `original.<name>`), bounded: at most
-    MAX_DEAD_FIELDS fields and MAX_DEAD_BYTES of values, each cut to MAX_DEAD_VALUE_BYTES with its
-    original size in `<name>_truncated_bytes`; `dropped_fields` counts the fields left out."""
-    meta = dict(zip(DEAD_META_FIELDS, (reason, code, entry.stream, entry.entry_id, worker),
-                    strict=True))
-    fields: RawFields = {k.encode(): v.encode() for k, v in meta.items()}
-    budget, dropped = MAX_DEAD_BYTES, 0
-    for n, (key, value) in enumerate(entry.fields.items()):
-        v = _bytes(value)
-        if n >= MAX_DEAD_FIELDS or budget <= 0:
-            dropped += 1
-            continue
-        k = _bytes(key)[:MAX_DEAD_NAME_BYTES]
-        if k in fields:
-            k = b"original." + k
-        cut = min(MAX_DEAD_VALUE_BYTES, budget)
-        fields[k] = v[:cut]
-        budget -= len(fields[k])
-        if len(v) > cut:
-            fields[k + b"_truncated_bytes"] = str(len(v)).encode()
-    if dropped:
-        fields[b"dropped_fields"] = str(dropped).encode()
-    return fields
+        """See `DeadLetters.write`."""
+        self.dead_letters.write(rejects)
 
 
 def _pairs(flat: Sequence[Any]) -> dict[Any, Any]:
     """A flat [field, value, ...] reply as a dict."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
-
-
-def _bytes(value: object) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()

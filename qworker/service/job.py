@@ -1,4 +1,5 @@
-"""A job this worker holds: where its entry is, what was already shown, what is still to publish."""
+"""A job this worker holds: where its entry is, what was already shown, what is still to publish;
+and the two ways an entry reaches it from intake: taken (`Taken`) or refused (`Reject`)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,47 @@ class Readback:
         return rb
 
 
+@dataclass
+class Reject:
+    """An entry that will not run: acked, dead-lettered, and an error event when `job_id`."""
+
+    entry: Entry
+    code: str
+    message: str
+    job_id: str | None
+    drop_owner: bool = False  # the job's owner hash goes too (we or a dead worker set it)
+    job: Job | None = None  # the job, where it parsed (how long its error event lives)
+
+
+@dataclass
+class Taken:
+    """A job now owned by this worker, with what its output stream already holds."""
+
+    entry: Entry
+    job: Job
+    readback: Readback
+    cancelled: bool
+    t0_ms: int
+    started_ms: int
+    started_before: bool = False  # some worker took it before (it may have streamed tokens)
+    crashes: int = 0  # its workers that died (or stalled) while they ran it alone
+    excused: int = 0  # its workers that died (or stalled) while they ran another job alone
+    requeued: bool = False  # read from a requeue stream (preempted, or at a worker's shutdown)
+
+    @property
+    def job_id(self) -> str:
+        return self.job.id or self.entry.entry_id
+
+    def waited_ms(self, now: int) -> int:
+        """How long it has waited, not counting the time it ran (priority aging): a requeued job
+        until it first started plus since its requeue entry; any other since first queued.
+        Short: waits between a requeue and the next start before the last are not counted."""
+        since = entry_ms(self.entry.entry_id) if self.requeued else None
+        if since is None:
+            return max(0, now - self.t0_ms)
+        return max(0, self.started_ms - self.t0_ms) + max(0, now - since)
+
+
 def _str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -101,6 +143,11 @@ class ActiveJob:
     @property
     def in_engine(self) -> bool:
         return not (self.finished or self.requeue)
+
+    def out_of_time(self, now: int) -> bool:
+        """Past its run-time limit (`timeout_ms`), counted from when a worker first started it."""
+        limit = self.job.timeout_ms
+        return limit is not None and now >= self.started_ms + limit
 
     def add_tokens(self, first_index: int, token_ids: list[int], text: str,
                    logprobs: list[TokenLogprob] | None = None) -> None:

@@ -3,12 +3,12 @@ cancel flags of running jobs and, while the engine runs, the new entries it has 
 
 All jobs' events go in one `append` call. When Redis answers that call with an error that may be
 one job's (a foreign key of the wrong type, an ACL on a job's keys), the jobs are appended again one
-call each (the script is idempotent), so the culprit is found and only it fails (`FAILED`)."""
+call each (the script is idempotent), so the culprit is found and only it fails (`FAILED`).
+What a flush answers, per job, is `outcome.FlushResult`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -18,36 +18,16 @@ from qworker.service.errors import CannotWork, job_error
 from qworker.service.event_fields import event_fields
 from qworker.service.intake import capped_entries
 from qworker.service.job import ActiveJob, Entry
+from qworker.service.outcome import DONE as DONE  # the statuses of a flush, where tests look
+from qworker.service.outcome import FAILED as FAILED
+from qworker.service.outcome import FENCED, LOST_STATE, OK, REQUEUED, TERMINAL, FlushResult
+from qworker.service.outcome import GAP as GAP
+from qworker.service.recent import Recent
 from qworker.service.scripts import JobAppend, Scripts, decode_status
 from qworker_client.protocol import Keys, band_of
 
-# Outcome of a flush, per job id:
-OK = "ok"  # events written (or already there); the job goes on
-DONE = "done"  # terminal event written, entry acked
-TERMINAL = "terminal"  # the stream was already finished (entry acked): drop the job
-FENCED = "fenced"  # another worker owns the job now: drop it, do not ack
-LOST_STATE = "lost_state"  # its owner hash is gone (Redis forgot it): ended with lost_state
-GAP = "gap"  # our next token is not the stream's next index: drop it, it will be reclaimed
-REQUEUED = "requeued"  # requeued (or, on a retry, found already requeued)
-FAILED = "failed"  # Redis refused this job's keys (see FlushResult.errors): fail the job alone
 # the requeue script's replies (a retry finds the job released: requeued before)
 REQUEUE_STATUS = {"ok": REQUEUED, "fenced": FENCED, "terminal": TERMINAL, "lost_state": LOST_STATE}
-
-
-@dataclass
-class FlushResult:
-    status: dict[str, str] = field(default_factory=dict)
-    cancelled: set[str] = field(default_factory=set)
-    errors: dict[str, str] = field(default_factory=dict)  # job id -> Redis' reply, when FAILED
-    entries: list[Entry] = field(default_factory=list)  # read, when the flush was given caps
-    # a worker-wide error (transient, group gone, cannot work) found after the writes: what the
-    # reply says of each job and the entries read still count; the caller raises it after them
-    error: Exception | None = None
-
-    def fail(self, job_id: str, error: str) -> None:
-        self.status[job_id] = FAILED
-        self.errors[job_id] = error
-
 
 class Publisher:
     def __init__(self, client: redis.Redis, keys: Keys, config: ServiceConfig, scripts: Scripts,
@@ -57,6 +37,7 @@ class Publisher:
         self.config = config
         self.scripts = scripts
         self.token = token
+        self.recent = Recent(client, keys, config)
 
     def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
               read_caps: Sequence[tuple[str, int]] = (),
@@ -72,6 +53,7 @@ class Publisher:
             Scripts.load(self.client)  # Redis restarted (or flushed its script cache)
             result = self._flush(jobs, cancel_check, read_caps)
         on_read(result.entries)
+        self.recent.add(jobs, result.status)
         return result
 
     def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
@@ -150,12 +132,12 @@ class Publisher:
                 result.status[job.job_id] = decode_status(one[0])
 
     def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob]) -> None:
-        self.scripts.append(pipe, token=self.token, ttl_s=self.config.result_ttl,
-                            group=self.config.group, jobs=[
-                                JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
-                                          job.entry.stream, job.entry.entry_id,
-                                          [event_fields(e) for e in job.outbox])
-                                for job in jobs])
+        self.scripts.append(pipe, token=self.token, group=self.config.group,
+                            jobs=[JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
+                                            job.entry.stream, job.entry.entry_id,
+                                            [event_fields(e) for e in job.outbox],
+                                            self.config.result_ttl_of(job.job))
+                                  for job in jobs])
 
     def _requeue(self, pipe: redis.client.Pipeline, job: ActiveJob) -> None:
         fields = dict(job.entry.fields)
@@ -168,4 +150,4 @@ class Publisher:
         self.scripts.requeue(pipe, owner=self.keys.owner(job.job_id), source=job.entry.stream,
                              requeue=requeue, out=self.keys.out(job.job_id), token=self.token,
                              group=self.config.group, entry_id=job.entry.entry_id,
-                             ttl_s=self.config.result_ttl, fields=fields)
+                             ttl_s=self.config.result_ttl_of(job.job), fields=fields)

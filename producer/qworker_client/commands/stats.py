@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from qworker_client.cli import add_connection_args, connect, print_json, reports_redis_errors
+from qworker_client.cli import (
+    add_connection_args,
+    connect,
+    print_json,
+    reports_redis_errors,
+    table,
+)
 from qworker_client.protocol import DEFAULT_GROUP
 from qworker_client.stats import Stats, StreamStats
 
@@ -35,9 +41,7 @@ def render(stats: Stats) -> str:
     rows: list[tuple[str, ...]] = [
         ("stream", "length", "lag", "pending", "consumers", "last delivered")]
     rows += [_stream_row(s) for s in stats.streams]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in rows]
+    lines = [table(rows)]
     lines.append(f"dead letters: {stats.dead_letters}")
     lines.append(f"live workers: {stats.live_workers}")
     lines += [f"  {_worker_line(w)}" for w in stats.workers]

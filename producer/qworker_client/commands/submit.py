@@ -30,12 +30,31 @@ _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--presence-penalty", "presence_penalty", float),
     ("--frequency-penalty", "frequency_penalty", float),
     ("--priority", "priority", int),
-    ("--deadline-ms", "deadline_ms", int),
+    ("--deadline-ms", "deadline_ms", int),  # the start deadlines, the delays, the limits: _HELP
+    ("--start-within-ms", "start_within_ms", int),
+    ("--delay-ms", "delay_ms", int),
+    ("--not-before-ms", "not_before_ms", int),
+    ("--timeout-ms", "timeout_ms", int),
+    ("--result-ttl-s", "result_ttl_s", int),
     ("--logprobs", "logprobs", int),  # 0..20: each token's logprob and its top k
     ("--prompt-logprobs", "prompt_logprobs", int),  # 0..20: the prompt tokens' logprobs
     ("--model", "model", str),  # to <prefix>:jobs:{<model>}, for the workers serving it
     ("--cache-salt", "cache_salt", str),  # only jobs of the same salt share cached prefixes
 )
+
+
+_HELP = {
+    "deadline_ms": "absolute start deadline, unix time in ms: a job not started by then ends "
+                   "with error expired (a relative one: --start-within-ms)",
+    "start_within_ms": "relative start deadline: a job not started within this many ms of its "
+                       "queueing (a delayed one: of its time) ends with error expired",
+    "delay_ms": "run it no sooner than this many ms from now (a delayed job)",
+    "not_before_ms": "run it no sooner than this unix time in ms (a delayed job)",
+    "timeout_ms": "run-time limit in ms, from its start: past it the job ends with "
+                  "finish_reason timeout and its text so far",
+    "result_ttl_s": "seconds its output lives after its end (at most the workers' "
+                    "--max-result-ttl; default their --result-ttl)",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,7 +85,7 @@ def add_prompt_args(parser: argparse.ArgumentParser) -> None:
 
 def add_param_args(parser: argparse.ArgumentParser) -> None:
     for flag, field, kind in _PARAM_FLAGS:
-        parser.add_argument(flag, dest=field, type=kind, default=None)
+        parser.add_argument(flag, dest=field, type=kind, default=None, help=_HELP.get(field))
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--stop-token-ids", default=None, help="JSON list of token ids")
     parser.add_argument("--ignore-eos", action="store_true", default=None)

@@ -1,0 +1,150 @@
+"""What `qworker jobs` shows, from Redis alone (docs/protocol.md, "Listing jobs"): the jobs in the
+work streams (running, or waiting), the delayed ones (`<prefix>:delayed*`), and the jobs that
+ended lately (`<prefix>:recent`, written by the workers with each terminal event, and
+`<prefix>:dead`). Every read is bounded by `limit`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from qworker_client.protocol import Keys, RecentJob, TokenEvent, entry_ms, parse_event
+from qworker_client.stats import model_streams
+
+MAX_LIMIT = 1_000
+# the order rows are shown in: what holds a worker first, then what waits, then what ended
+ORDER = ("running", "queued", "delayed", "done", "error", "dead")
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job_id: str
+    status: str  # running | queued | delayed | done | error | dead
+    model: str  # "" for a model-less job
+    tokens: int | None  # generated so far (None: not known)
+    since_ms: int  # queued (running, queued); due (delayed); ended (done, error, dead)
+    detail: str = ""  # the finish reason or error code; the worker; the stream
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.job_id, **{k: v for k, v in asdict(self).items() if k != "job_id"}}
+
+
+def list_jobs(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+    """Up to `limit` jobs: running and waiting ones (oldest first), delayed ones (soonest
+    first), then those that ended (newest first)."""
+    limit = max(1, min(limit, MAX_LIMIT))
+    rows = (queued(client, keys, limit) + delayed(client, keys, limit)
+            + recent(client, keys, limit) + dead(client, keys, limit))
+    rows.sort(key=_shown_order)
+    return rows[:limit]
+
+
+def _shown_order(row: JobRow) -> tuple[int, int]:
+    """Running, then waiting jobs, oldest first; delayed ones, soonest first; then the ended
+    ones, newest first."""
+    if row.status in ("running", "queued", "delayed"):
+        return ORDER.index(row.status), row.since_ms
+    return len(ORDER), -row.since_ms
+
+
+def queued(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+    """The jobs in the work streams (acked entries are deleted: all of them are unfinished)."""
+    entries: list[tuple[str, str, dict[str, str]]] = []
+    for stream in (*keys.streams, *model_streams(client, keys)):
+        for entry_id, fields in _entries(client.xrange(stream, "-", "+",
+                                                       count=limit - len(entries))):
+            entries.append((stream, entry_id, fields))
+        if len(entries) >= limit:
+            break
+    pipe = client.pipeline(transaction=False)
+    for _, entry_id, fields in entries:
+        job_id = fields.get("id") or entry_id
+        pipe.hmget(keys.owner(job_id), ["worker", "t0"])
+        pipe.xrevrange(keys.out(job_id), count=1)
+    replies = pipe.execute()
+    rows = []
+    for k, (stream, entry_id, fields) in enumerate(entries):
+        (token, t0), last = map(_text, replies[2 * k]), _entries(replies[2 * k + 1])
+        worker = token.rpartition("/")[0] or token  # a fencing token is `<name>/<run>`
+        rows.append(JobRow(
+            fields.get("id") or entry_id, "running" if worker else "queued",
+            keys.stream_model(stream) or fields.get("model", ""), _tokens(last),
+            int(t0 or 0) or entry_ms(entry_id) or 0, f"{worker} {stream}".strip()))
+    return rows
+
+
+def delayed(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+    """The delayed jobs, the soonest of each delayed set (the model-less one, each model's)."""
+    sets = {keys.delayed_of(None): ""}
+    head = keys.delayed_of(None) + ":{"
+    for key in map(_text, client.scan_iter(match=keys.delayed_pattern, count=1000,
+                                           _type="zset")):
+        if key.startswith(head) and key.endswith("}"):
+            sets[key] = key[len(head):-1]
+    rows = []
+    for key, model in sets.items():
+        pairs: Any = client.zrange(key, 0, limit - 1, withscores=True)
+        rows += [JobRow(_text(job_id), "delayed", model, None, int(due), key)
+                 for job_id, due in pairs]
+    return rows
+
+
+def recent(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+    rows = []
+    for entry_id, fields in _entries(client.xrevrange(keys.recent, count=limit)):
+        try:
+            job = RecentJob.model_validate(fields)
+        except ValidationError:
+            continue  # not a worker's line
+        rows.append(JobRow(job.id, job.status, job.model, job.tokens, entry_ms(entry_id) or 0,
+                           f"{job.reason} {job.worker}".strip()))
+    return rows
+
+
+def dead(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+    rows = []
+    for entry_id, fields in _entries(client.xrevrange(keys.dead, count=limit)):
+        source = fields.get("source", "")
+        rows.append(JobRow(fields.get("id") or fields.get("source_id", ""), "dead",
+                           keys.stream_model(source) or fields.get("model", ""), None,
+                           entry_ms(entry_id) or 0, fields.get("code", "")))
+    return rows
+
+
+def _tokens(last: list[tuple[str, dict[str, str]]]) -> int:
+    """Tokens generated so far, from the last event of the job's output stream."""
+    if not last:
+        return 0
+    try:
+        event = parse_event(last[0][1])
+    except ValueError:
+        return 0
+    return event.i + 1 if isinstance(event, TokenEvent) else 0
+
+
+def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
+    return [(_text(entry_id), {_text(k): _text(v) for k, v in (fields or {}).items()})
+            for entry_id, fields in reply or ()]
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def server_ms(client: redis.Redis) -> int:
+    """Redis' clock (the one entry ids are made by), in unix ms."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def age(ms: int) -> str:
+    """A duration as a short human text: 850ms, 12s, 5m, 3h, 2d."""
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)):
+        if abs(ms) >= size:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"

@@ -1,0 +1,32 @@
+"""What a worker says of itself: its liveness key's value, and at start which kernels it runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from qworker.service.config import ServiceConfig
+from qworker.service.metrics import Metrics
+from qworker_client.protocol import WorkerInfo
+
+
+def worker_info(config: ServiceConfig, started_ms: int, running: int, free_slots: int,
+                draining: bool, kernels: dict[str, str]) -> WorkerInfo:
+    return WorkerInfo(name=config.name, host=socket.gethostname(), pid=os.getpid(),
+                      model=config.model, group=config.group,
+                      served_model_name=config.served_model or "", started_ms=started_ms,
+                      running=running, free_slots=free_slots, draining=draining,
+                      native=kernels.get("native", ""))
+
+
+def report_kernels(report: dict[str, str], metrics: Metrics, log: Any) -> None:
+    """Which kernels run (in the log and /metrics); loudly when the native CPU kernels are
+    missing, since then every op takes the slow torch path."""
+    metrics.set_kernels(report)
+    if report.get("native", "").startswith("missing"):
+        log.error("native CPU kernels missing: every op runs the slow torch path",
+                  reason=report["native"], fix="reinstall with `make install` or the wheel "
+                  "(they carry the build), or give the worker a C++ compiler")
+    else:
+        log.info("kernels", **report)

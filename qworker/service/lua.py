@@ -1,0 +1,293 @@
+"""The Lua text of the worker's server-side scripts: every write that must be fenced or atomic
+(scripts.py calls them).
+
+A script runs atomically, like MULTI/EXEC, and can also check a condition first, which MULTI cannot:
+- `append`: appends each job's events (all jobs of a step in one call, so a reader wakes once a
+  step) only while this worker owns the job (`<prefix>:owner:<id>` field `worker` equals our
+  fencing token) and only token `i` after token `i - 1`: a zombie worker cannot write, and a
+  retried call (reply lost on a dropped connection) skips what is already there.
+  A terminal event also acks the job's entry and drops the owner hash, in the same atomic step.
+- `requeue`: XADD to the job's requeue stream (`<prefix>:requeue`, or `<prefix>:requeue:{<model>}`
+  for a job of a model) + XACK of the entry, only while we own the job; then releases ownership
+  (field `worker` empty), so a retry after a lost reply cannot requeue twice. The XADD does not
+  depend on the XACK: an entry trimmed from its stream (and so from the group) is requeued too.
+- Both tell apart two ways of not owning a job. `fenced`: the owner hash names another worker
+  (or none: released), which took the job over; we drop it and write nothing. `lost_state`: the
+  owner hash is gone. A worker that takes a job writes the hash first and drops it only with the
+  job's terminal event, so nobody holds the job: Redis forgot it (wiped, restarted empty). Unless
+  its stream is already terminal, the script ends it with the `lost_state` error event (its
+  readers end), and acks its entry.
+- `dead_letter`: only if the entry is still pending (so a retry does nothing twice): XADD
+  `<prefix>:dead` (trimmed to about `dead_maxlen` entries) and the job's `error` event (unless its
+  stream is already terminal, or is not a stream we may write: a foreign key costs only the event),
+  and only then XACK + XDEL the entry. Redis does not roll a script back, so the order matters: a
+  script that fails halfway leaves the entry pending, never acked without its dead letter. Its
+  inputs are bounded by the caller (`dead_letters.dead_fields`), so `unpack` stays far from
+  Lua's limit.
+- `take_owner`: makes this worker a job's owner (field `worker`, its fencing token, and the job's
+  first-queued and first-started times), unless the job's entry is pending to another consumer:
+  a peer reclaimed it meanwhile, and a live worker's job is never taken from it. It settles the
+  previous owner's death, if it died (or stalled) with the job: its key `<prefix>:alone:<its
+  token>` names the job it was running alone at the time (see `scripts.alone_key`). This job:
+  one more of its `crashes`. Another job: the death was that one's, and this job's `excused`
+  goes up by one.
+- `beat`: the heartbeat's round trip: re-claims (XCLAIM JUSTID: idle time reset, no delivery
+  counted) each in-flight entry that is still pending to this consumer, renews the owner hashes
+  this worker still holds, and sets the worker's liveness key. An entry whose stream or group is
+  gone is skipped.
+
+An entry is deleted from its stream (XDEL) when it is acked, so the job and requeue streams
+(model-less and per model) hold only work not yet finished (delivered entries only: the group's
+lag stays exact).
+
+All are called by SHA inside pipelines (one round trip, scripts.py); `NoScriptError` (after a
+Redis restart) is answered by `load` and a retry of the whole, idempotent, pipeline.
+"""
+
+from __future__ import annotations
+
+LOST_STATE_MESSAGE = ("the job's state vanished from Redis while it ran (its owner key is gone: "
+                      "Redis was wiped or restarted with no data); tokens streamed before stay; "
+                      "submit it again")
+
+_LAST_STATE = """
+local function last_state(key)
+  local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  if #last == 0 then return -1, false end
+  local f = last[1][2]
+  local typ, idx = nil, nil
+  for j = 1, #f, 2 do
+    if f[j] == 'type' then typ = f[j + 1] elseif f[j] == 'i' then idx = f[j + 1] end
+  end
+  if typ == 'done' or typ == 'error' then return -1, true end
+  if typ == 'token' then return tonumber(idx), false end
+  return -1, false
+end
+"""
+
+# The owner hash is gone: nobody holds the job (see the module's docstring). Ends it with the
+# lost_state event unless its stream is already terminal, and acks its entry.
+_UNOWNED = """
+local function unowned(out, src, group, entry, ttl, event)
+  local _, terminal = last_state(out)
+  if not terminal then
+    redis.call('XADD', out, '*', unpack(event))
+    redis.call('EXPIRE', out, ttl)
+  end
+  if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
+  if terminal then return 'terminal' end
+  return 'lost_state'
+end
+"""
+
+# One call appends the events of every job a step touched, so readers wake once per step.
+# KEYS: per job out, owner, source stream. ARGV: token, group, then one JSON array with per job
+# [entry id, [event, ...], ttl_s], each event a flat array field, value, ... (`type` and, for
+# tokens, `i` among the fields): one argument, decoded in C (cjson), not a thousand for the client
+# to pack; `ttl_s`: how long the output lives after its last event. ARGV[4]: the lost_state error
+# event, a JSON flat array.
+# A prompt_logprobs event goes in only before any token.
+# Returns per job {status, last index}: status ok | done (terminal event written) | terminal
+# (already finished, entry acked) | fenced (another worker owns it) | lost_state (the owner hash
+# is gone: the lost_state event written, entry acked) | gap (token i > last + 1).
+APPEND = _LAST_STATE + _UNOWNED + """
+local function append_job(out, owner, src, token, group, job, lost_event)
+  local entry, events, ttl = job[1], job[2], tonumber(job[3])
+  local last, terminal = last_state(out)
+  if terminal then
+    if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
+    return {'terminal', last}
+  end
+  local holder = redis.call('HGET', owner, 'worker')
+  if holder ~= token then
+    if holder then return {'fenced', last} end
+    return {unowned(out, src, group, entry, ttl, lost_event), last}
+  end
+  local appended = 0
+  for _, fields in ipairs(events) do
+    local typ, idx = nil, nil
+    for j = 1, #fields, 2 do
+      if fields[j] == 'type' then typ = fields[j + 1] end
+      if fields[j] == 'i' then idx = fields[j + 1] end
+    end
+    if typ == 'token' then
+      local i = tonumber(idx)
+      if i > last + 1 then
+        if appended > 0 then redis.call('EXPIRE', out, ttl) end
+        return {'gap', last}
+      end
+      if i == last + 1 then
+        redis.call('XADD', out, '*', unpack(fields))
+        last = i
+        appended = appended + 1
+      end
+    elseif typ == 'prompt_logprobs' then
+      -- written with token 0 in one call: a retry finds token 0 there and skips both
+      if last == -1 then
+        redis.call('XADD', out, '*', unpack(fields))
+        appended = appended + 1
+      end
+    else
+      redis.call('XADD', out, '*', unpack(fields))
+      redis.call('EXPIRE', out, ttl)
+      if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
+      redis.call('DEL', owner)
+      return {'done', last}
+    end
+  end
+  if appended > 0 then redis.call('EXPIRE', out, ttl) end
+  return {'ok', last}
+end
+
+local token, group = ARGV[1], ARGV[2]
+local jobs, lost_event = cjson.decode(ARGV[3]), cjson.decode(ARGV[4])
+local results = {}
+for j, job in ipairs(jobs) do
+  local k = 3 * j - 2
+  results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, group, job, lost_event)
+end
+return results
+"""
+
+# KEYS: owner, source stream, requeue stream, out. ARGV: token, group, entry id, ttl_s, the
+# lost_state event (JSON flat array), fields... Replies ok (requeued, or released before: a retry)
+# | fenced | terminal | lost_state, as `append`.
+REQUEUE = _LAST_STATE + _UNOWNED + """
+local holder = redis.call('HGET', KEYS[1], 'worker')
+if holder == ARGV[1] then
+  redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('XDEL', KEYS[2], ARGV[3])
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, 6))
+  redis.call('HSET', KEYS[1], 'worker', '')
+  return 'ok'
+end
+if holder == '' then return 'ok' end
+if holder then return 'fenced' end
+return unowned(KEYS[4], KEYS[2], ARGV[2], ARGV[3], tonumber(ARGV[4]), cjson.decode(ARGV[5]))
+"""
+
+# KEYS: owner, the entry's stream. ARGV: token, job id, the prefix of alone keys
+# (`<prefix>:alone:`), group, consumer, entry id, the entry's time (ms), now (ms), the owner
+# hash's ttl_s. The previous owner's alone key is named by the hash, so it is not in KEYS: fine on
+# one Redis (no Cluster). HGET/HSET, not HINCRBY: the worker's ACL rules stay as they are.
+# Replies nil when the entry is pending to another consumer, else {crashes, excused, t0, started,
+# 1 if nobody started it before}. An entry pending to nobody (trimmed, or its stream wiped since
+# it was read) is taken: the worker holds the job's fields, and nobody else does.
+TAKE_OWNER = """
+local pel = redis.pcall('XPENDING', KEYS[2], ARGV[4], ARGV[6], ARGV[6], 1)
+if type(pel) == 'table' and pel[1] and pel[1][2] ~= ARGV[5] then return false end
+local function bump(field)
+  local n = tonumber(redis.call('HGET', KEYS[1], field) or '0') + 1
+  redis.call('HSET', KEYS[1], field, n)
+end
+local prev = redis.call('HGET', KEYS[1], 'worker')
+if prev and prev ~= '' and prev ~= ARGV[1] then
+  local alone = redis.pcall('GET', ARGV[3] .. prev)
+  if type(alone) ~= 'string' then alone = nil end  -- none, or a foreign key: nobody to blame
+  if alone == ARGV[2] then bump('crashes') elseif alone then bump('excused') end
+end
+redis.call('HSET', KEYS[1], 'worker', ARGV[1])
+redis.call('HSETNX', KEYS[1], 't0', ARGV[7])
+local fresh = redis.call('HSETNX', KEYS[1], 'started', ARGV[8])
+redis.call('EXPIRE', KEYS[1], ARGV[9])
+local v = redis.call('HMGET', KEYS[1], 'crashes', 'excused', 't0', 'started')
+return {tonumber(v[1] or '0'), tonumber(v[2] or '0'), tonumber(v[3]), tonumber(v[4]), fresh}
+"""
+
+# KEYS: source stream, dead stream[, out[, owner]]. ARGV: group, entry id, ttl_s, dead maxlen,
+# 2n (dead fields), dead fields..., then the error event's fields (when KEYS[3] is given).
+DEAD_LETTER = """
+local function failed(reply) return type(reply) == 'table' and reply.err ~= nil end
+local function writable_unfinished(key)
+  local last = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
+  if failed(last) then return false end
+  if #last == 0 then return true end
+  local f = last[1][2]
+  for j = 1, #f, 2 do
+    if f[j] == 'type' then return f[j + 1] ~= 'done' and f[j + 1] ~= 'error' end
+  end
+  return true
+end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
+local n = tonumber(ARGV[5])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 6, 5 + n))
+local evented = 0
+if KEYS[3] and writable_unfinished(KEYS[3]) then
+  if not failed(redis.pcall('XADD', KEYS[3], '*', unpack(ARGV, 6 + n))) then
+    redis.pcall('EXPIRE', KEYS[3], tonumber(ARGV[3]))
+    evented = 1
+  end
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[4] then redis.pcall('DEL', KEYS[4]) end
+return 1 + evented
+"""
+
+# KEYS: per entry its stream and its job's owner hash, then the worker key. ARGV: group,
+# consumer, token, owner ttl_s, worker info, liveness ttl_ms, then the entry ids.
+BEAT = """
+local group, consumer, token, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local kept = 0
+for j = 1, #KEYS - 1, 2 do
+  local id = ARGV[6 + (j + 1) / 2]
+  local p = redis.pcall('XPENDING', KEYS[j], group, id, id, 1)
+  if type(p) == 'table' and p[1] and p[1][2] == consumer then
+    redis.call('XCLAIM', KEYS[j], group, consumer, 0, id, 'JUSTID')
+    kept = kept + 1
+  end
+  local owner = redis.pcall('HGET', KEYS[j + 1], 'worker')
+  if owner == token then redis.call('EXPIRE', KEYS[j + 1], ttl) end
+end
+redis.call('SET', KEYS[#KEYS], ARGV[5], 'PX', ARGV[6])
+return kept
+"""
+# KEYS: stream, the consumer's worker key. ARGV: group, consumer, min idle ms. Removes the
+# consumer only if it owns nothing, has been idle that long and has no live worker key: checked
+# and done atomically, since DELCONSUMER forgets whatever the consumer holds.
+DROP_CONSUMER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local name, pending, idle = nil, nil, nil
+  for j = 1, #c, 2 do
+    if c[j] == 'name' then name = c[j + 1]
+    elseif c[j] == 'pending' then pending = c[j + 1]
+    elseif c[j] == 'idle' then idle = c[j + 1] end
+  end
+  if name == ARGV[2] then
+    if pending ~= 0 or idle < tonumber(ARGV[3]) then return 0 end
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+
+# KEYS: the work streams in the order a worker reads them (most urgent band first). ARGV: group,
+# consumer, then per stream its cap: the most entries taken in all, this stream's included, once it
+# is read (its band's room; caps never grow along KEYS). Each stream gives at most cap - taken new
+# entries (XREADGROUP >), so one round trip takes what room allows, most urgent first. A stream
+# that does not exist is skipped (a band nobody used yet, its group not created by this worker).
+# Returns {{stream, {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
+READ = """
+local group, consumer, taken, reply = ARGV[1], ARGV[2], 0, {}
+for k, key in ipairs(KEYS) do
+  local want = tonumber(ARGV[k + 2]) - taken
+  if want > 0 then
+    local got = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want,
+                            'STREAMS', key, '>')
+    if type(got) == 'table' and got.err then
+      -- a stream that is not there has nothing to read; any other error is the caller's
+      if redis.call('EXISTS', key) == 1 then return redis.error_reply(got.err) end
+    elseif got and got[1] then
+      local one = got[1]
+      if type(one) ~= 'table' then one = got end  -- fakeredis (tests) answers it unwrapped
+      if #one[2] > 0 then
+        reply[#reply + 1] = one
+        taken = taken + #one[2]
+      end
+    end
+  end
+end
+return reply
+"""

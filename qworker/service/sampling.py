@@ -1,0 +1,43 @@
+"""A job's sampling fields as the engine's `SamplingParams`, by name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from qworker.engine.request import SamplingParams, StructuredOutputs
+from qworker_client.protocol import Job
+from qworker_client.protocol import StructuredOutputs as WireStructuredOutputs
+
+# the fields of a job that say what to run and when, not how to sample: every other field of a
+# Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
+JOB_NOT_SAMPLING = frozenset({"id", "model", "cache_salt", "prompt", "messages",
+                              "prompt_token_ids", "priority", "logprobs_text",
+                              "deadline_ms", "start_within_ms", "delay_ms", "not_before_ms",
+                              "timeout_ms", "result_ttl_s"})
+
+
+def default_seed(job_id: str) -> int:
+    """A job without a seed still samples reproducibly, so a resumed run continues exactly."""
+    return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") >> 1
+
+
+def sampling_params(job: Job, job_id: str) -> SamplingParams:
+    """The job's sampling fields by name (lists as tuples); a job without a seed gets its own."""
+    values = {name: getattr(job, name) for name in Job.model_fields
+              if name not in JOB_NOT_SAMPLING}
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
+    if values["seed"] is None:
+        values["seed"] = default_seed(job_id)
+    values["structured_outputs"] = structured_outputs(job.structured_outputs)
+    return SamplingParams(**values)
+
+
+def structured_outputs(wire: WireStructuredOutputs | None) -> StructuredOutputs | None:
+    """The engine's form of a job's constraint (a schema as JSON text, choices as a tuple)."""
+    if wire is None:
+        return None
+    schema = json.dumps(wire.json_schema) if wire.json_schema is not None else None
+    choice = tuple(wire.choice) if wire.choice is not None else None
+    return StructuredOutputs(json=schema, json_object=bool(wire.json_object), regex=wire.regex,
+                             choice=choice, grammar=wire.grammar)
