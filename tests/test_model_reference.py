@@ -26,6 +26,8 @@ from tests.model_harness import (
 )
 
 VOCAB = 96
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 VARIANTS = {
     "llama": lambda: transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -57,6 +59,12 @@ VARIANTS = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    # Llama 3's RoPE scaling, over a short original context so that it moves most frequencies
+    "llama3-rope": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=10000.0, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE,
     ),
     "llama-gelu-tanh": lambda: transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -221,3 +229,34 @@ def test_each_architecture_from_each_source_on_each_kernel_family(
         err = (logits - reference[seq][pos]).abs().max().item()
         assert err < FAMILY_TOLERANCE, f"seq {seq} pos {pos}: max abs error {err:.3g}"
     assert ours == _hf_greedy(hf, sequences[0][:9], 10)
+
+
+def test_llama3_rope_from_a_gguf_as_llama_cpp_stores_it(tmp_path: Path) -> None:
+    """Llama 3's RoPE scaling arrives in a GGUF as `rope_freqs.weight`, each frequency's divisor:
+    the logits equal transformers' on the original weights, which without the scaling differ."""
+    original = hf_model("llama3-rope", seed=3)
+    state = {k: v for k, v in original.state_dict().items() if k != "lm_head.weight"}
+    path = write_gguf(tmp_path / "m.gguf", original.config, state)
+    model = load_model(path, dtype=torch.float32)
+    assert model.config.rope_scaling is not None
+    assert model.config.rope_scaling["rope_type"] == "freq_factors"
+    sequences = [random_tokens(n, seed=40 + n) for n in (40, 33)]
+    schedule: list[Step] = [[(0, 20), (1, 33)]] + [[(0, 1)] for _ in range(20)]
+    unscaled = transformers.AutoModelForCausalLM.from_config(
+        replace_rope(original.config, {"rope_type": "default", "rope_theta": 10000.0}))
+    unscaled.load_state_dict(original.state_dict())
+    with torch.no_grad():
+        reference = [original(torch.tensor([s])).logits[0] for s in sequences]
+        plain = [unscaled.eval()(torch.tensor([s])).logits[0] for s in sequences]
+    moved = max((r - p).abs().max().item() for r, p in zip(reference, plain, strict=True))
+    assert moved > 10 * FAMILY_TOLERANCE  # the scaling shows far above the tolerance
+    for seq, pos, logits in run_schedule(model, sequences, schedule, block_size=4):
+        err = (logits - reference[seq][pos]).abs().max().item()
+        assert err < FAMILY_TOLERANCE, f"seq {seq} pos {pos}: max abs error {err:.3g}"
+
+
+def replace_rope(config: transformers.PretrainedConfig,
+                 rope: dict[str, object]) -> transformers.PretrainedConfig:
+    copy = config.__class__.from_dict(config.to_dict())
+    copy.rope_parameters = rope
+    return copy

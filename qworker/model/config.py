@@ -12,7 +12,7 @@ from qworker.model.arch.llama import LLAMA
 from qworker.model.errors import ModelInputError
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "freq_factors")  # freq_factors: a GGUF's rope_freqs
 
 
 class UnsupportedModelError(ValueError, ModelInputError):
@@ -76,6 +76,11 @@ class ModelConfig:
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"rope scaling {kind!r}: {key} is {value!r}, "
                                  "not a positive number")
+        factors = (self.rope_scaling or {}).get("factors") if kind == "freq_factors" else None
+        if factors is not None and (len(factors) != self.head_dim // 2
+                                    or not all(f > 0 for f in factors)):
+            raise ValueError(f"rope_freqs: {len(factors)} factors for head_dim {self.head_dim}, "
+                             "or not all positive")
         if any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.windows):
             raise ValueError(f"sliding windows {self.windows} are not positive integers")
         if self.layer_attention and len(self.layer_attention) != self.num_layers:

@@ -21,7 +21,10 @@ def inverse_frequencies(
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3(inv_freq, scaling)
-    raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: linear, llama3)")
+    if kind == "freq_factors":  # llama3 as llama.cpp stores it: each frequency's divisor
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float)
+    raise UnsupportedModelError(f"unsupported rope scaling {kind!r} "
+                                "(supported: linear, llama3, freq_factors)")
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

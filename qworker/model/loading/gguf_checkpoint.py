@@ -45,6 +45,7 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+ROPE_FREQS = "rope_freqs.weight"  # read into the config (`_rope_freq_factors`), no weight
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", *TYPE_IDS)  # Q4_0 ... Q6_K
 # General end-of-generation tokens llama.cpp also stops on when a file marks them as control tokens.
@@ -87,10 +88,11 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     _check_gguf_types(reader, path)
-    names = {t.name: _hf_name(t.name, config.arch, path) for t in reader.tensors}
-    shapes = {names[t.name]: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    weights = [t for t in reader.tensors if t.name != ROPE_FREQS]  # in the config
+    names = {t.name: _hf_name(t.name, config.arch, path) for t in weights}
+    shapes = {names[t.name]: tuple(int(n) for n in reversed(t.shape)) for t in weights}
     validate(config, shapes, dict.fromkeys(shapes, path), path)
-    tensors = {names[t.name]: _gguf_tensor(t, keep_quantized) for t in reader.tensors}
+    tensors = {names[t.name]: _gguf_tensor(t, keep_quantized) for t in weights}
     if config.arch.gguf_permuted_qk:
         _unpermute_qk(tensors, config)
     return config, tensors
@@ -121,10 +123,6 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
         return value
 
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise UnsupportedArchitectureError(
-            f"{path}: rope_freqs (Llama 3 RoPE scaling) is not supported"
-        )
     if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
         raise UnsupportedArchitectureError(f"{path}: rope_factors (LongRoPE) are not supported")
     hidden, heads = need("embedding_length"), need("attention.head_count")
@@ -150,7 +148,7 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
             max_position_embeddings=get("context_length", 2048),
             rms_norm_eps=_shortest_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=_shortest_f32(get("rope.freq_base", 10000.0)),
-            rope_scaling=_gguf_rope_scaling(reader, arch),
+            rope_scaling=_gguf_rope_scaling(reader, arch, path),
             tie_word_embeddings="output.weight" not in names,
             attention_bias=bool(names & {"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"}),
             activation=family.activation,
@@ -178,8 +176,13 @@ def _gguf_vocab_size(reader: GGUFFile) -> int:
     return 0 if embed is None else int(embed.shape[-1])
 
 
-def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
+def _gguf_rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any] | None:
     kind = gguf_value(reader, f"{arch}.rope.scaling.type")
+    factors = _rope_freq_factors(reader, path)
+    if factors is not None:
+        if kind not in (None, "none"):
+            raise UnsupportedArchitectureError(f"{path}: rope_freqs beside {kind!r} scaling")
+        return {"rope_type": "freq_factors", "factors": factors}
     if kind in (None, "none"):
         return None
     factor = gguf_value(reader, f"{arch}.rope.scaling.factor")
@@ -188,6 +191,17 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     if original is not None:
         scaling["original_max_position_embeddings"] = original
     return scaling
+
+
+def _rope_freq_factors(reader: GGUFFile, path: Path) -> tuple[float, ...] | None:
+    """`rope_freqs.weight`: what llama.cpp's converter makes of Llama 3's RoPE scaling, a
+    divisor of each frequency (of every layer alike)."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    if tensor.tensor_type.name != "F32" or len(tensor.shape) != 1:
+        raise LoaderError(f"{path}: {ROPE_FREQS} is not a float32 vector")
+    return tuple(float(f) for f in np.array(tensor.data, dtype=np.float32))
 
 
 def _check_gguf_types(reader: GGUFFile, path: Path) -> None:
