@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import transformers
 
+from qworker.model.layers.rope import llama3_divisors
+
 Q = gguf.GGMLQuantizationType
 # llama.cpp writes Mistral as `llama` (gguf-py has no plain `mistral` architecture)
 GGUF_ARCHITECTURES = {"mistral": "llama"}
@@ -20,23 +22,6 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to q/k rows (HF's half-split RoPE -> interleaved pairs)."""
     pairs = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
     return pairs.swapaxes(1, 2).reshape(w.shape)
-
-
-def llama3_rope_freqs(head_dim: int, rope: dict[str, float]) -> np.ndarray:
-    """Llama 3's RoPE scaling as llama.cpp's converter stores it: each frequency's divisor."""
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old_len = rope["original_max_position_embeddings"]
-    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    divisors = []
-    for wavelen in 2 * np.pi / freqs:
-        if wavelen < old_len / high:
-            divisors.append(1.0)
-        elif wavelen > old_len / low:
-            divisors.append(factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            divisors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(divisors, dtype=np.float32)
 
 
 def write_gguf(
@@ -71,7 +56,8 @@ def write_gguf(
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     if rope.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(head_dim, rope))
+        writer.add_tensor("rope_freqs.weight",
+                          llama3_divisors(head_dim, rope["rope_theta"], rope).numpy())
     family = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(family, config.num_hidden_layers)
     for name, tensor in state.items():

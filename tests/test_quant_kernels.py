@@ -97,18 +97,27 @@ def test_the_kernel_per_bucket_is_the_measured_fastest() -> None:
 
 
 X8_KINDS = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-            gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0)
+            gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0,
+            gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
+
+
+def x8_columns(kind: gguf.GGMLQuantizationType) -> int:
+    """3 blocks (K-quants: 2 of 256 values, 16 sub-blocks)."""
+    return 3 * 32 if gguf.GGML_QUANT_SIZES[kind][0] == 32 else 2 * 256
 
 
 @pytest.mark.parametrize("kind", X8_KINDS, ids=lambda k: k.name)
 def test_the_x8_layout_is_as_compact_and_gives_the_file_s_rows_back(
         kind: gguf.GGMLQuantizationType) -> None:
-    raw = torch.from_numpy(random_blocks(kind, 48, 96, np.random.default_rng(int(kind))))
+    cols = x8_columns(kind)
+    raw = torch.from_numpy(random_blocks(kind, 48, cols, np.random.default_rng(int(kind))))
     x8 = interleave.to_x8(int(kind), raw)
     assert x8.shape == raw.shape and not torch.equal(x8, raw)
     assert torch.equal(interleave.from_x8(int(kind), x8), raw)
-    weight = QuantWeight.of(kind.name, raw, 96)
+    weight = QuantWeight.of(kind.name, raw, cols)
     assert torch.equal(weight.to_x8().dequantize(), weight.dequantize())
+    ids = torch.tensor([0, 47, 9, 9, 21])  # a tied embedding's rows, read from the x8 bytes
+    assert torch.equal(quant_lookup(weight.to_x8(), torch.float32)(ids), weight.dequantize()[ids])
 
 
 @pytest.mark.parametrize("kind", X8_KINDS, ids=lambda k: k.name)
@@ -116,7 +125,7 @@ def test_the_x8_layout_is_as_compact_and_gives_the_file_s_rows_back(
 def test_x8_kernels_match_dequantize_then_matmul(kind: gguf.GGMLQuantizationType,
                                                  rows: int) -> None:
     rng = np.random.default_rng(7 * rows + int(kind))
-    cols, outputs = 96, 48  # 3 blocks; 6 groups of 8, 3 panels of 16
+    cols, outputs = x8_columns(kind), 48  # 6 groups of 8, 3 panels of 16
     raw = random_blocks(kind, outputs, cols, rng)
     w = gguf.quants.dequantize(raw, kind).astype(np.float64)  # of the file's layout
     x = rng.standard_normal((rows, cols)).astype(np.float32)

@@ -12,6 +12,7 @@ import torch
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.kernels import native
+from qworker.model.kernels.quant_interleave import X8_TYPES
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
@@ -50,7 +51,7 @@ def test_kept_quantized_matches_the_dequantized_model(tmp_path: Path,
     assert (qkv.bias is not None) == (arch == "qwen2")
     file_bytes = path.stat().st_size
     assert quant.weight_bytes() <= file_bytes < dense.weight_bytes()
-    if kind.name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):  # the x8 layout: measured on a copy, not kept
+    if int(kind) in X8_TYPES:  # the x8 layout: measured on a copy, not kept
         assert all("int16x8" in m.kernels() for m in linears)
     tokens = [5, 9, 1, 33, 60, 2, 17]
     want = _logits(dense, tokens)
@@ -76,7 +77,8 @@ CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
     (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_up": Q.Q5_0}, "mixed"),  # fused layers of two formats
     (Q.Q4_K, {"attn_v": Q.Q6_K}, "k-mixed"),  # K-quants: int16 or dequant, no int8
     (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_down": Q.Q4_0}, "x8"),  # repacked in groups of 8 rows
-], ids=["int16-and-int8", "k-quants", "x8"])
+    (Q.Q4_K, {"attn_v": Q.Q6_K}, "x8"),  # K-quants too
+], ids=["int16-and-int8", "k-quants", "x8", "k-quants-x8"])
 def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],
         choice: str) -> None:

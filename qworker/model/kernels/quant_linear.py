@@ -14,9 +14,10 @@ The kernels ("kinds"):
   weight rows at a time into a panel of the float32 GEMM's layout (in L2), which its register
   tiles multiply with every activation row: float32's results, at near its speed for many rows;
 - "int16x8", "dequantx8": "int16" and "dequant" on the weight repacked into groups of 8 rows
-  (`quant_interleave`; Q4_0, Q4_1, Q5_0, Q8_0 whose segments are whole 16-row groups): 8 rows'
-  scales side by side, so the scale products and float accumulation are one 8-wide operation
-  for the 8 rows, and one broadcast activation pair feeds 8 rows' `_mm256_madd_epi16`;
+  (`quant_interleave`; Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K whose segments are whole 16-row
+  groups): 8 rows' scales side by side, so the scale products and float accumulation are one
+  8-wide operation for the 8 rows, and one broadcast activation pair feeds 8 rows'
+  `_mm256_madd_epi16`;
 - "torch": gguf's reference dequantization of the whole weight, then `F.linear`. Only where no
   native build is loaded: it reads and writes 4 bytes per weight per call and cannot win.
 Which native kind runs at each token-count bucket is measured at warm-up (`kernel_choice`); the

@@ -38,6 +38,19 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def llama3_divisors(head_dim: int, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """Llama 3's scaling as llama.cpp's converter writes it into a GGUF (`rope_freqs.weight`):
+    each frequency's divisor, which the loader reads back as `freq_factors`."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    wavelen = 2 * math.pi * theta**dims
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    divisors = torch.where(wavelen > old_len / low, factor, blended)
+    return torch.where(wavelen < old_len / high, 1.0, divisors).float()
+
+
 class RotaryTable:
     """cos / sin for every position up to max_positions, computed in float32 then cast."""
 

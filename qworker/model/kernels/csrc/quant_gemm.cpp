@@ -37,7 +37,7 @@ extern "C" int qw_quant_rows(int type, const void* w, const int64_t* ids, int64_
 extern "C" int qw_quant_rows_x8(int type, const void* w, const int64_t* ids, int64_t count,
                                 int64_t k, void* out) {
   using namespace qw::quant;
-  if (!x8_serves(type) || k % 32) return 0;
+  if (!x8_serves(type) || k % format(type).elems) return 0;
   for (int64_t i = 0; i < count; ++i)
     x8_dequant_row(type, static_cast<const uint8_t*>(w), ids[i], k,
                    static_cast<float*>(out) + i * k);

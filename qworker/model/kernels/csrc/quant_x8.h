@@ -8,7 +8,15 @@
 // - Q5_0: after the 8 scales, the values' fifth bits (32 bytes: in half h of 16 bytes, byte j
 //   bit 4 (c % 2) + n is that of word j, nibble n of chunk c = 2h + c % 2), then the low 4 bits
 //   as Q4_0's 128 bytes;
-// - Q8_0, 256 bytes: 16 chunks of 16 bytes, byte 2r + t of chunk p row r's value 2p + t.
+// - Q8_0, 256 bytes: 16 chunks of 16 bytes, byte 2r + t of chunk p row r's value 2p + t;
+// - Q4_K, 1,152 bytes a 256-value block: 8 d, 8 dmin (f16); for sub-block s (32 values), byte
+//   32 + 8s + r row r's 6-bit scale | (the low 2 bits of its 6-bit minimum) << 6, byte
+//   96 + 4s + r % 4 in nibble r / 4 the minimum's high 4 bits; then each sub-block's values as
+//   Q4_0's 128 bytes (w = d scale q - dmin minimum);
+// - Q6_K, 1,680 bytes a 256-value block: 8 d (f16); for sub-block s, 16 bytes at 16 + 16s: the
+//   8 rows' int8 scales of its values 0-15, then of 16-31; then each sub-block's 192 bytes: the
+//   values' low 4 bits as Q4_0's 128 bytes, then their high 2 bits, 16 bytes a chunk c, byte
+//   2r + t holding at bits 2n, 2n + 1 those of nibble n of word 2r + t (w = d scale (q - 32)).
 // So the 16-bit dot is one _mm256_madd_epi16 of 8 rows' pairs against one broadcast activation
 // pair, its int32 lane r summing row r without a horizontal reduction, and the scale products
 // and float accumulation are one 8-wide vector operation for the 8 rows (not one per row).
@@ -18,8 +26,18 @@
 namespace qw::quant {
 
 inline bool x8_serves(int type) {
-  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q8_0;
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q8_0 || type == Q4_K ||
+         type == Q6_K;
 }
+
+inline bool x8_k_quant(int type) { return type == Q4_K || type == Q6_K; }
+
+template <int T> struct X8K {  // one group block of a K-quant: 8 rows' 256-value block
+  static constexpr int64_t kHead = T == Q4_K ? 128 : 144;  // bytes before the first sub-block's
+  static constexpr int64_t kSub = T == Q4_K ? 128 : 192;  // a sub-block's value bytes
+  static constexpr int64_t kBytes = kHead + 8 * kSub;
+  static_assert(kBytes == 8 * (T == Q4_K ? 144 : 210), "as compact as the file");
+};
 
 template <int T> struct X8 {  // one group block: 8 rows' block b
   // 8 d (and 8 m) as f16; Q5_0: and the fifth bits
@@ -29,6 +47,12 @@ template <int T> struct X8 {  // one group block: 8 rows' block b
   static_assert(kBytes == 8 * (T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 34),
                 "as compact as the file");
 };
+
+// bytes of one group's blocks over k = 32 * blocks values
+template <int T> constexpr int64_t x8_group_bytes(int64_t blocks) {
+  if constexpr (T == Q4_K || T == Q6_K) return blocks / 8 * X8K<T>::kBytes;
+  else return blocks * X8<T>::kBytes;
+}
 
 // nibble n of chunk c's 16 words (Q5_0: with its fifth bit from `high`, the bytes of c's half
 // widened to 16 bits), as 16 int16 values
@@ -144,21 +168,120 @@ inline void x8_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* tab
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
+// Q4_K: sub-block s's 8 rows' scales times d and minimums times dmin
+inline void x8_q4k_scales(const uint8_t* g, int s, __m256 d, __m256 dmin, __m256* scale,
+                          __m256* minimum) {
+  int64_t low;
+  uint32_t rest;
+  std::memcpy(&low, g + 32 + 8 * s, 8);
+  std::memcpy(&rest, g + 96 + 4 * s, 4);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(low));
+  const uint64_t both = static_cast<uint64_t>(rest) | (static_cast<uint64_t>(rest) << 32);
+  __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(both)));
+  b = _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                       _mm256_set1_epi32(0xF));  // lanes 4-7: the high nibbles
+  const __m256i sc = _mm256_and_si256(a, _mm256_set1_epi32(63));
+  const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(a, 6), _mm256_slli_epi32(b, 2));
+  *scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+  *minimum = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
+}
+
+// Q6_K: sub-block s's 8 rows' scales of its values 0-15 (half 0) or 16-31 (half 1), times d
+inline __m256 x8_q6k_scale(const uint8_t* g, int s, int half, __m256 d) {
+  int64_t sc;
+  std::memcpy(&sc, g + 16 + 16 * s + 8 * half, 8);
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(sc))));
+}
+
+// a K-quant sub-block's chunk c, nibble n: 16 int16 values (Q6_K: q - 32, from its high bits)
+template <int T>
+inline __m256i x8k_values(const uint8_t* q, __m256i v, int c, int n) {
+  __m256i w = x8_nibbles<Q4_0>(v, v, c, n);
+  if constexpr (T == Q6_K) {
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q + 128 + 16 * c)));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * n)),
+                                          _mm256_set1_epi16(3));
+    w = _mm256_sub_epi16(_mm256_or_si256(w, _mm256_slli_epi16(high, 4)), _mm256_set1_epi16(32));
+  }
+  return w;
+}
+
+// x8_group_dot for a K-quant: each 32-value sub-block's integer dots (Q6_K: of its two halves,
+// whose scales differ) scaled per row in float
+template <int T, int R, bool Pre>
+inline void x8k_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* table,
+                          int64_t blocks, int64_t stride, float* out, int64_t ldo) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < blocks / 8; ++kb, g += X8K<T>::kBytes) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const __m256 dmin = T == Q4_K ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                        reinterpret_cast<const __m128i*>(g + 16)))
+                                  : _mm256_setzero_ps();
+    for (int s = 0; s < 8; ++s) {
+      const int64_t b = 8 * kb + s;
+      const uint8_t* q = g + X8K<T>::kHead + s * X8K<T>::kSub;
+      Pairs<Pre> xb[R];
+      for (int r = 0; r < R; ++r)
+        xb[r] = {x + r * stride + b, Pre ? table + (r * stride + b) * 128 : nullptr};
+      __m256i isum[2][R];  // values 0-15, 16-31
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) isum[h][r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+        for (int n = 0; n < 4; ++n) {
+          const __m256i w = x8k_values<T>(q, v, c, n);
+          for (int r = 0; r < R; ++r)
+            isum[c / 2][r] = _mm256_add_epi32(isum[c / 2][r],
+                                              _mm256_madd_epi16(w, xb[r].of(4 * c + n)));
+        }
+      }
+      if constexpr (T == Q4_K) {
+        __m256 scale, minimum;
+        x8_q4k_scales(g, s, d, dmin, &scale, &minimum);
+        for (int r = 0; r < R; ++r) {
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0][r], isum[1][r]));
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xb[r].xb->d)), dot, acc[r]);
+          acc[r] = _mm256_fnmadd_ps(minimum, _mm256_set1_ps(xb[r].xb->s), acc[r]);
+        }
+      } else {
+        const __m256 low = x8_q6k_scale(g, s, 0, d), high = x8_q6k_scale(g, s, 1, d);
+        for (int r = 0; r < R; ++r) {
+          const __m256 dot = _mm256_fmadd_ps(low, _mm256_cvtepi32_ps(isum[0][r]),
+                                             _mm256_mul_ps(high, _mm256_cvtepi32_ps(isum[1][r])));
+          acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xb[r].xb->d), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+}
+
+template <int T, int R, bool Pre>
+inline void x8_any_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* table,
+                             int64_t blocks, int64_t stride, float* out, int64_t ldo) {
+  if constexpr (T == Q4_K || T == Q6_K)
+    x8k_group_dot<T, R, Pre>(g, x, table, blocks, stride, out, ldo);
+  else
+    x8_group_dot<T, R, Pre>(g, x, table, blocks, stride, out, ldo);
+}
+
 template <int T, bool Pre>
 inline void team_x8_rows(const ActBlock* xq, const int32_t* table, const uint8_t* w, int64_t m,
                          int64_t n, int64_t k, float* out, int64_t ldo) {
   constexpr int64_t kRows = 4;  // activation rows per pass over a group
-  const int64_t blocks = k / 32, group_bytes = blocks * X8<T>::kBytes;
+  const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
 #pragma omp for schedule(static)
   for (int64_t g = 0; g < n / 8; ++g) {
     const uint8_t* group = w + g * group_bytes;
     int64_t i = 0;
     for (; i + kRows <= m; i += kRows)
-      x8_group_dot<T, kRows, Pre>(group, xq + i * blocks, table + i * blocks * 128, blocks,
-                                  blocks, out + i * ldo + 8 * g, ldo);
+      x8_any_group_dot<T, kRows, Pre>(group, xq + i * blocks, table + i * blocks * 128, blocks,
+                                      blocks, out + i * ldo + 8 * g, ldo);
     for (; i < m; ++i)
-      x8_group_dot<T, 1, Pre>(group, xq + i * blocks, table + i * blocks * 128, blocks, blocks,
-                              out + i * ldo + 8 * g, ldo);
+      x8_any_group_dot<T, 1, Pre>(group, xq + i * blocks, table + i * blocks * 128, blocks,
+                                  blocks, out + i * ldo + 8 * g, ldo);
   }
 }
 
@@ -169,6 +292,8 @@ inline void team_x8_type(int type, const ActBlock* xq, const int32_t* table, con
     case Q4_0: return team_x8_rows<Q4_0, Pre>(xq, table, w, m, n, k, out, ldo);
     case Q4_1: return team_x8_rows<Q4_1, Pre>(xq, table, w, m, n, k, out, ldo);
     case Q5_0: return team_x8_rows<Q5_0, Pre>(xq, table, w, m, n, k, out, ldo);
+    case Q4_K: return team_x8_rows<Q4_K, Pre>(xq, table, w, m, n, k, out, ldo);
+    case Q6_K: return team_x8_rows<Q6_K, Pre>(xq, table, w, m, n, k, out, ldo);
     default: return team_x8_rows<Q8_0, Pre>(xq, table, w, m, n, k, out, ldo);
   }
 }
@@ -225,20 +350,57 @@ inline void x8_block_floats(const uint8_t* g, float* to) {
   }
 }
 
+// a K-quant group block's sub-block s, its 8 rows as floats into a panel as x8_block_floats
+template <int T>
+inline void x8k_block_floats(const uint8_t* g, int s, float* to) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+  __m256 scale[2], offset[2];
+  if constexpr (T == Q4_K) {
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(g + 16)));
+    x8_q4k_scales(g, s, d, dmin, &scale[0], &offset[0]);
+    scale[1] = scale[0];
+    offset[0] = offset[1] = _mm256_sub_ps(_mm256_setzero_ps(), offset[0]);
+  } else {
+    scale[0] = x8_q6k_scale(g, s, 0, d);
+    scale[1] = x8_q6k_scale(g, s, 1, d);
+    offset[0] = offset[1] = _mm256_setzero_ps();
+  }
+  const uint8_t* q = g + X8K<T>::kHead + s * X8K<T>::kSub;
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+    for (int n = 0; n < 4; ++n) {  // lane r: row r's values 8c + 2n (low 16 bits), + 1
+      const __m256i pairs = x8k_values<T>(q, v, c, n);
+      const __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16);
+      const __m256i odd = _mm256_srai_epi32(pairs, 16);
+      const int at = 8 * c + 2 * n;
+      _mm256_storeu_ps(to + at * 16, _mm256_fmadd_ps(scale[c / 2], _mm256_cvtepi32_ps(even),
+                                                     offset[c / 2]));
+      _mm256_storeu_ps(to + (at + 1) * 16, _mm256_fmadd_ps(scale[c / 2], _mm256_cvtepi32_ps(odd),
+                                                           offset[c / 2]));
+    }
+  }
+}
+
 // the weights dequantized to float32 16 rows (two groups) at a time into a panel that the
 // float32 GEMM's register tiles multiply with every activation row (n % 16 == 0)
 template <int T>
 inline void team_x8_dequant_rows(const float* x, int64_t m, int64_t k, const uint8_t* w,
                                  int64_t n, float* out, int64_t ldo) {
-  const int64_t blocks = k / 32, group_bytes = blocks * X8<T>::kBytes;
+  const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
   thread_local std::vector<float> panel;
   panel.resize(static_cast<size_t>(k * 16));
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < n / 16; ++p) {
     for (int h = 0; h < 2; ++h) {
       const uint8_t* g = w + (2 * p + h) * group_bytes;
-      for (int64_t b = 0; b < blocks; ++b)
-        x8_block_floats<T>(g + b * X8<T>::kBytes, panel.data() + b * 32 * 16 + 8 * h);
+      for (int64_t b = 0; b < blocks; ++b) {
+        float* to = panel.data() + b * 32 * 16 + 8 * h;
+        if constexpr (T == Q4_K || T == Q6_K)
+          x8k_block_floats<T>(g + (b / 8) * X8K<T>::kBytes, static_cast<int>(b % 8), to);
+        else
+          x8_block_floats<T>(g + b * X8<T>::kBytes, to);
+      }
     }
     panel_gemm(x, panel.data(), out + 16 * p, m, k, ldo);
   }
@@ -250,12 +412,45 @@ inline void team_x8_dequant(int type, const float* x, int64_t m, int64_t k, cons
     case Q4_0: return team_x8_dequant_rows<Q4_0>(x, m, k, w, n, out, ldo);
     case Q4_1: return team_x8_dequant_rows<Q4_1>(x, m, k, w, n, out, ldo);
     case Q5_0: return team_x8_dequant_rows<Q5_0>(x, m, k, w, n, out, ldo);
+    case Q4_K: return team_x8_dequant_rows<Q4_K>(x, m, k, w, n, out, ldo);
+    case Q6_K: return team_x8_dequant_rows<Q6_K>(x, m, k, w, n, out, ldo);
     default: return team_x8_dequant_rows<Q8_0>(x, m, k, w, n, out, ldo);
+  }
+}
+
+// row `row` of a K-quant x8 weight, dequantized: out [k]
+inline void x8k_dequant_row(int type, const uint8_t* w, int64_t row, int64_t k, float* out) {
+  const int64_t bytes = format(type).bytes * 8;  // one group block
+  const uint8_t* g = w + (row / 8) * (k / 256) * bytes;
+  const int r = static_cast<int>(row % 8);
+  const int64_t head = type == Q4_K ? 128 : 144, sub = type == Q4_K ? 128 : 192;
+  for (int64_t kb = 0; kb < k / 256; ++kb, g += bytes) {
+    const float d = half(g + 2 * r), dmin = type == Q4_K ? half(g + 16 + 2 * r) : 0.0f;
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t* q = g + head + s * sub;
+      float scale[2], offset = 0.0f;
+      if (type == Q4_K) {
+        const int a = g[32 + 8 * s + r], rest = (g[96 + 4 * s + r % 4] >> (4 * (r / 4))) & 0xF;
+        scale[0] = scale[1] = d * static_cast<float>(a & 63);
+        offset = -dmin * static_cast<float>((a >> 6) | (rest << 2));
+      } else {
+        for (int h = 0; h < 2; ++h)
+          scale[h] = d * static_cast<float>(static_cast<int8_t>(g[16 + 16 * s + 8 * h + r]));
+      }
+      for (int v = 0; v < 32; ++v) {  // chunk v / 8, word 2r + t (t = v % 2), nibble (v % 8) / 2
+        const int c = v / 8, nibble = (v % 8) / 2, j = 2 * r + v % 2;
+        const uint8_t byte = q[32 * c + 2 * j + nibble / 2];
+        int value = (nibble % 2) ? byte >> 4 : byte & 0xF;
+        if (type == Q6_K) value = (value | (((q[128 + 16 * c + j] >> (2 * nibble)) & 3) << 4)) - 32;
+        out[kb * 256 + s * 32 + v] = scale[v / 16] * static_cast<float>(value) + offset;
+      }
+    }
   }
 }
 
 // row `row` of an x8 weight, dequantized (a tied embedding's lookup): out [k]
 inline void x8_dequant_row(int type, const uint8_t* w, int64_t row, int64_t k, float* out) {
+  if (x8_k_quant(type)) return x8k_dequant_row(type, w, row, k, out);
   const int64_t elems_bytes = format(type).bytes * 8;  // one group block
   const uint8_t* g = w + (row / 8) * (k / 32) * elems_bytes;
   const int r = static_cast<int>(row % 8);
