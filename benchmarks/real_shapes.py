@@ -139,11 +139,11 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_value_length(s.head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(s.rope_theta)
-    # a placeholder byte-level BPE vocabulary, as llama.cpp loads one: its newline token ("Ċ")
-    # and at least one merge
+    # a placeholder byte-level BPE vocabulary that llama.cpp and our tokenizer load: its
+    # newline token ("Ċ") and one merge of two of its tokens
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["Ċ", *(f"t{i}" for i in range(1, s.vocab))])
-    writer.add_token_merges(["t 1"])
+    writer.add_token_list(["Ċ", "t", "u", "tu", *(f"x{i}" for i in range(4, s.vocab))])
+    writer.add_token_merges(["t u"])
     writer.add_eos_token_id(2)
 
 

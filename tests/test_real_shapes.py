@@ -15,6 +15,7 @@ from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.decoder import load_model
 from qworker.model.kv_cache import KVCache
 from qworker.model.loading.gguf_file import GGUFFile
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 SMALL = dict(layers=8, vocab=512, hidden=256, inter=512, heads=4, kv_heads=2, head_dim=64)
 
@@ -40,6 +41,7 @@ def test_each_shape_in_each_file_type_loads_and_runs(name: str, file_type: str,
         six = {n for n, t in types.items() if t == "Q6_K"}
         assert six == {"output.weight" if not shape.tied else "token_embd.weight"} | {
             f"blk.{i}.{m}.weight" for i in (0, 3, 6, 7) for m in ("attn_v", "ffn_down")}
+    assert Tokenizer.load(path).encode("tu") == [3]  # a vocabulary the engine loads
     kept = logits(path, "dense" if file_type == "BF16" else "quantized")
     expanded = logits(path, "dense")
     assert kept.shape == (1, shape.vocab) and torch.isfinite(kept).all()
