@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://")  # what Kubernetes' *_PORT variables hold
+LINK_NAME = re.compile(r"^(?P<service>\w+?)_PORT(_\d+_(TCP|UDP|SCTP))?$")  # QWORKER_PORT
 TYPE_WORDS: dict[Any, str] = {int: "an integer", float: "a number", bool: "a boolean"}
 _warned: set[str] = set()
 
@@ -65,13 +66,13 @@ def warn_ignored(name: str, text: str, what: str) -> None:
     if name in _warned:
         return
     _warned.add(name)
-    hint = (f" (Kubernetes sets it for a Service named {_service_of(name)!r}: name that Service "
-            "otherwise)" if SERVICE_LINK.match(text) else "")
+    link = LINK_NAME.match(name) if SERVICE_LINK.match(text) else None
+    hint = (f" (Kubernetes sets it for a Service named {_service(link)!r}: name that Service "
+            "otherwise)" if link else "")
     print(f"qworker: warning: ignoring {name}={text!r}: not {what}{hint}", file=sys.stderr,
           flush=True)
 
 
-def _service_of(name: str) -> str:
-    """The Service whose link variable `name` is (QWORKER_PORT: `qworker`)."""
-    base = re.sub(r"_(SERVICE_)?PORT(_\w+)?$", "", name)
-    return base.lower().replace("_", "-")
+def _service(link: re.Match[str]) -> str:
+    """The Service whose variable `link` matched (QWORKER_PORT: `qworker`)."""
+    return link.group("service").lower().replace("_", "-")
