@@ -327,5 +327,21 @@ def test_up_gateway_on_a_taken_port_is_one_line(redis_url: str) -> None:
             capture_output=True, text=True, cwd=ROOT, timeout=90, env=checkout_env())
     assert ran.returncode == 2, ran.stderr
     assert re.search(rf"^qworker up: the gateway exited \(\d+\) before it listened on "
-                     rf"127\.0\.0\.1:{port}; is the port taken\?", ran.stderr, re.M), ran.stderr
+                     rf"127\.0\.0\.1:{port} \(its error is above\); is the port taken\?",
+                     ran.stderr, re.M), ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def test_up_gateway_without_the_extra_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from qworker.commands import up_gateway
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # find_spec: as if not installed
+    with pytest.raises(up_gateway.GatewayError, match=re.escape(up_gateway.GATEWAY_EXTRA)):
+        up_gateway.GatewayChild("redis://127.0.0.1:1/0", "qw", "m").start()
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "producer" / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    named = {re.split(r"[\[<>=]", d)[0] for d in extras["gateway"]}
+    assert set(up_gateway.EXTRA_MODULES) <= named, "the modules looked for are the extra's"

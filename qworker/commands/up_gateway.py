@@ -10,6 +10,7 @@ the worker still loads are queued for it instead of refused.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from qworker_client.gateway.config import base_url
 from qworker_client.local_redis import die_with_parent
 
+GATEWAY_EXTRA = "pip install 'qworker-client[gateway]'"
+EXTRA_MODULES = ("starlette", "uvicorn")  # what the extra brings (producer/pyproject.toml)
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL: a stream still open (its job requeued) ends
 
@@ -59,6 +62,10 @@ class GatewayChild:
 
     def start(self) -> str:
         """Starts the gateway; its OpenAI base URL once it answers `/health`."""
+        missing = [m for m in EXTRA_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            raise GatewayError(f"--gateway needs the gateway extra ({', '.join(missing)} "
+                               f"missing): {GATEWAY_EXTRA}")
         command = [sys.executable, "-m", "qworker_client", "gateway", "--prefix", self.prefix,
                    "--host", self.host, "--port", str(self.port),
                    "--result-ttl", str(self.result_ttl_s)]
@@ -86,8 +93,8 @@ class GatewayChild:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise GatewayError(f"the gateway exited ({self.proc.returncode}) before it "
-                                   f"listened on {self.host}:{self.port}; is the port taken? "
-                                   "(give another --port)")
+                                   f"listened on {self.host}:{self.port} (its error is above); "
+                                   "is the port taken? (give another --port)")
             if _answers(health):
                 return
             time.sleep(0.1)
