@@ -6,6 +6,7 @@ wakes a fleet scaled to zero; and no Service's variables are ones a qworker comm
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -17,6 +18,9 @@ import redis
 from qworker.cli import build_parser
 from qworker.commands import serve
 from qworker.commands.config_flags import env_name
+from qworker.commands.up_gateway import UpGatewayConfig
+from qworker.engine.config import EngineConfig
+from qworker_client.gateway.config import base_url
 from qworker_client.protocol import Keys
 from tests.gateway_harness import OpenRequest, gateway, live_worker
 from tests.service_harness import ROOT, checkout_env, sim_engine, wait_for
@@ -207,3 +211,19 @@ def test_gateway_traffic_alone_wakes_a_fleet_scaled_to_zero(redis_url: str) -> N
         assert request.done and not request.error_codes(), request.events
         assert sum(keda_value(client, meta) for meta in triggers) == 0, "back to zero"
     client.close()
+
+
+# ---------------------------------------------------------------------- the README
+
+
+def test_the_readmes_one_command_and_its_request_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (ROOT / "README.md").read_text()
+    commands = re.findall(r"\.venv/bin/qworker (up --gateway[^#\n]*)", text)
+    assert len(commands) >= 2, "the top block and the Use section show it"
+    for command in commands:
+        args = parse_qworker(command.split(), {}, monkeypatch)
+        assert (args.command, args.gateway) == ("up", True)
+    curl = re.search(r"curl (http://\S+)/chat/completions .*?-d '(\{.*?\})'", text, re.S)
+    assert curl, "a request to try"
+    assert curl.group(1) == base_url(UpGatewayConfig.host, UpGatewayConfig.port)
+    assert json.loads(curl.group(2))["model"] == EngineConfig.model
