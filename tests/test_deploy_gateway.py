@@ -25,6 +25,7 @@ from qworker_client.protocol import Keys
 from tests.gateway_harness import OpenRequest, gateway, live_worker
 from tests.service_harness import ROOT, checkout_env, sim_engine, wait_for
 from tests.test_deploy import (
+    DEPLOY,
     compose,
     compose_worker_env,
     dashboard_exprs,
@@ -35,6 +36,7 @@ from tests.test_deploy import (
     k8s_worker_env,
     keda_triggers,
     keda_value,
+    load_yaml,
     parse_qworker,
     qworker_env,
 )
@@ -99,6 +101,9 @@ def test_compose_runs_the_gateway_on_port_8000_over_the_workers_redis(
     assert check[:3] == ["CMD", "python", "-c"]
     compile(check[-1], "healthcheck", "exec")
     assert f"127.0.0.1:{args.port}/health'" in check[-1]
+    scrapes = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")[0]["scrape_configs"]
+    targets = [(sd["names"], sd["port"]) for job in scrapes for sd in job["dns_sd_configs"]]
+    assert (["gateway"], args.port) in targets, "Prometheus scrapes the gateway's /metrics"
 
 
 # ---------------------------------------------------------------------- Kubernetes
@@ -127,6 +132,9 @@ def test_k8s_runs_the_gateway_behind_a_service_scaled_on_cpu(
     assert [m["resource"]["name"] for m in hpa["metrics"] if m["type"] == "Resource"] == ["cpu"]
     assert "cpu" in container["resources"]["requests"], "CPU utilization is of the request"
     assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+    pdb = k8s("PodDisruptionBudget", "qworker-gateway")["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pdb["maxUnavailable"] < hpa["minReplicas"], "a drain leaves a gateway answering"
 
 
 def link_variables(service: dict[str, Any]) -> set[str]:
