@@ -30,7 +30,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from qworker.commands import serve
 from qworker.commands.config_flags import add_config_flags, config_values
-from qworker.commands.up_gateway import GatewayChild, GatewayError, UpGatewayConfig, example
+from qworker.commands.up_gateway import (
+    EXIT_NO_GATEWAY,
+    GatewayChild,
+    GatewayError,
+    UpGatewayConfig,
+    example,
+)
 from qworker.engine.config import EngineConfig
 from qworker_client.local_redis import RedisProcess, RedisProcessError, free_port, wait_until_up
 
@@ -213,12 +219,13 @@ def serve_with_gateway(args: argparse.Namespace) -> int:
     if not up.gateway:
         return serve.run(args)
     model = args.served_model_name or args.model
-    child = GatewayChild(args.redis_url, args.prefix, model, up.host, up.port, args.result_ttl)
+    child = GatewayChild(args.redis_url, args.prefix, model, up.host, up.port, args.result_ttl,
+                         args.log_level)
     try:
         url = child.start()
     except GatewayError as exc:
         print(f"qworker up: {exc}", file=sys.stderr, flush=True)
-        return EXIT_NO_REDIS
+        return EXIT_NO_GATEWAY
     print(f"qworker up: OpenAI base URL {url} (gateway pid {child.pid}; model {model!r})\n"
           f"qworker up:   e.g. {example(url, model)}", flush=True)
     try:

@@ -25,6 +25,7 @@ from qworker_client.local_redis import die_with_parent
 
 GATEWAY_EXTRA = "pip install 'qworker-client[gateway]'"
 EXTRA_MODULES = ("starlette", "uvicorn")  # what the extra brings (producer/pyproject.toml)
+EXIT_NO_GATEWAY = 2
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL: a stream still open (its job requeued) ends
 
@@ -54,6 +55,7 @@ class GatewayChild:
     host: str = "127.0.0.1"
     port: int = 8000
     result_ttl_s: int = 3600
+    log_level: str = "info"  # up's --log-level: uvicorn's, an access line per request at info
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -68,7 +70,7 @@ class GatewayChild:
                                f"missing): {GATEWAY_EXTRA}")
         command = [sys.executable, "-m", "qworker_client", "gateway", "--prefix", self.prefix,
                    "--host", self.host, "--port", str(self.port),
-                   "--result-ttl", str(self.result_ttl_s)]
+                   "--result-ttl", str(self.result_ttl_s), "--log-level", self.log_level]
         if self.model:
             command += ["--model", self.model]
         # the URL by the environment, not argv: a password in it is not for `ps` to show
