@@ -20,6 +20,8 @@ from qworker.commands.serve import env_name
 from qworker.commands.up import STREAM_NODE_MAX_BYTES
 from qworker.service.metrics import Metrics
 from qworker.service.worker import EXIT_GRACE_S
+from qworker_client.gateway.config import GatewayConfig
+from qworker_client.gateway.metrics import Metrics as GatewayMetrics
 from qworker_client.local_redis import free_port
 from qworker_client.protocol import DEFAULT_GROUP, Keys
 from qworker_client.stats import collect_stats
@@ -294,7 +296,7 @@ def test_the_metrics_port_is_loopback_unless_a_manifest_says_otherwise(
 
 def test_probes_and_scrapes_use_the_metrics_port() -> None:
     port = int(dockerfile_env()["QWORKER_METRICS_PORT"])
-    assert dockerfile("EXPOSE") == [str(port)]
+    assert dockerfile("EXPOSE")[0].split() == [str(port), str(GatewayConfig.port)]
     assert int(compose_worker_env()["QWORKER_METRICS_PORT"]) == port
     assert f"127.0.0.1:{port}/healthz" in " ".join(compose()["services"]["worker"]["healthcheck"]
                                                     ["test"])
@@ -374,7 +376,7 @@ def test_keda_scales_on_the_length_of_every_work_stream_of_every_band() -> None:
     assert scaled["scaleTargetRef"]["name"] == "qworker-worker"
     triggers = keda_triggers()
     assert {t["type"] for t in triggers} == {"redis-streams"}
-    assert [t["metadata"]["stream"] for t in triggers] == list(keys.streams)
+    # every stream a worker of the model reads: tests/test_deploy_gateway.py
     assert {keys.jobs, keys.requeue, keys.jobs_of(None, "high"), keys.jobs_of(None, "low")} <= {
         t["metadata"]["stream"] for t in triggers}
     redis_url = k8s_worker_env()["QWORKER_REDIS_URL"]
@@ -385,7 +387,7 @@ def test_keda_scales_on_the_length_of_every_work_stream_of_every_band() -> None:
         assert not {"consumerGroup", "lagCount", "pendingEntriesCount"} & set(meta), meta
         assert int(meta["streamLength"]) == batch  # one worker per full batch of jobs
         assert f"//{meta['address']}/{meta['databaseIndex']}" in redis_url
-    service = k8s("Service", "qworker-redis")
+    service = k8s("Service", "qw-redis")
     assert service["spec"]["ports"][0]["port"] == 6379
     pdb = k8s("PodDisruptionBudget", "qworker-worker")["spec"]
     pod_labels = k8s("Deployment", "qworker-worker")["spec"]["template"]["metadata"]["labels"]
@@ -427,7 +429,7 @@ def test_the_keda_signal_counts_the_backlog_where_the_lag_is_null(redis_url: str
     assert client.xinfo_groups(keys.jobs)[0]["lag"] is None, "Redis reports no lag here"
     assert keda_value(client, lag_trigger) == 0, "the old trigger saw no work at all"
     values = {t["metadata"]["stream"]: keda_value(client, t["metadata"]) for t in keda_triggers()}
-    assert values == {**dict.fromkeys(keys.streams, 0), keys.jobs: pending + undelivered,
+    assert values == {**dict.fromkeys(values, 0), keys.jobs: pending + undelivered,
                       keys.requeue: 1}
     stats = collect_stats(client, keys)
     assert (stats.backlog, stats.unfinished) == (undelivered + 1, pending + undelivered + 1)
@@ -439,7 +441,8 @@ def test_dockerfile_builds_the_package_as_a_non_root_user() -> None:
     pinned = re.search(r"install --quiet torch==([\d.]+)", (ROOT / "Makefile").read_text())
     assert pinned and f"torch=={pinned.group(1)} --index-url" in runs, "the pin of make install"
     assert "download.pytorch.org/whl/cpu" in runs
-    assert "pip install ./producer '.[worker]'" in runs, "the client first, then the worker"
+    assert "pip install './producer[gateway]' '.[worker]'" in runs, (
+        "the client (with the gateway) first, then the worker")
 
 
 def test_the_docker_context_holds_every_copied_path() -> None:
@@ -459,7 +462,8 @@ def test_the_docker_context_holds_every_copied_path() -> None:
 
 def exported_names() -> set[str]:
     names = {"up"}
-    for family in Metrics().registry.collect():
+    families = [*Metrics().registry.collect(), *GatewayMetrics().registry.collect()]
+    for family in families:
         if family.type == "counter":
             names |= {f"{family.name}_total"}
         elif family.type == "histogram":

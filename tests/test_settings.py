@@ -1,6 +1,7 @@
-"""Settings stated once: each field of ServiceConfig, EngineConfig and UpConfig is a `qworker serve`
-/ `up` flag and a QWORKER_* variable, with the field's default, and parses back into that field;
-every sampling field of a Job is carried to SamplingParams under its own name."""
+"""Settings stated once: each field of ServiceConfig, EngineConfig, UpConfig and UpGatewayConfig is
+a `qworker serve` / `up` flag and a QWORKER_* variable, with the field's default, and parses back
+into that field (a variable that does not parse is ignored with one warning); every sampling field
+of a Job is carried to SamplingParams under its own name."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from qworker.cli import build_parser
 from qworker.commands import serve
 from qworker.commands.config_flags import Flag, env_name, flag_name, flags_of
 from qworker.commands.up import EmbeddedRedis, LocalRedis, UpConfig, choose_redis
+from qworker.commands.up_gateway import UpGatewayConfig
 from qworker.engine.config import EngineConfig
 from qworker.engine.request import SamplingParams, StructuredOutputs
 from qworker.service.config import ServiceConfig
@@ -35,7 +37,7 @@ NOT_FLAGS = {
 # flags of `serve` that are no config field
 NOT_CONFIG = {"--log-level", "--on-done-rq-queue", "--on-done-rq-func"}
 SERVE_CONFIGS = (ServiceConfig, EngineConfig)
-UP_CONFIGS = (*SERVE_CONFIGS, UpConfig)
+UP_CONFIGS = (*SERVE_CONFIGS, UpConfig, UpGatewayConfig)
 REQUIRED = ["--redis-url", "redis://r:1/0", "--model", "sim"]
 # fields whose flag has no default: `serve` requires it, `up` starts a Redis without it
 NO_DEFAULT = {"redis_url"}
@@ -153,9 +155,45 @@ def test_up_embedded_from_the_flag_or_the_environment(monkeypatch: pytest.Monkey
     monkeypatch.setenv("QWORKER_EMBEDDED", "1")
     own, why = choose_redis(command("up").parse_args([]))
     assert isinstance(own, EmbeddedRedis) and why == "--embedded"
-    monkeypatch.setenv("QWORKER_EMBEDDED", "maybe")
-    with pytest.raises(argparse.ArgumentTypeError):
-        command("up")
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each variable is warned about once per process: forget the ones warned already."""
+    monkeypatch.setattr("qworker_client.env._warned", set())
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_a_variable_that_does_not_parse_is_ignored_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("shutil.which", lambda _name: "/bin/redis-server")
+    monkeypatch.setenv("QWORKER_EMBEDDED", "maybe")  # a bool: read as the parser is built
+    monkeypatch.setenv("QWORKER_MAX_NUM_SEQS", "tcp://10.0.0.5:8000")
+    monkeypatch.setenv("QWORKER_PORT", "tcp://10.0.0.5:8000")  # a Service named `qworker`
+    monkeypatch.setenv("QWORKER_DRAIN_TIMEOUT", "soon")
+    args = command("up").parse_args([])
+    own, _ = choose_redis(args)
+    assert isinstance(own, LocalRedis), "QWORKER_EMBEDDED=maybe: the default, not embedded"
+    assert (args.max_num_seqs, args.port, args.drain_timeout) == (
+        EngineConfig.max_num_seqs, UpGatewayConfig.port, ServiceConfig.drain_timeout)
+    lines = capsys.readouterr().err.splitlines()
+    assert sorted(line.split("=")[0] for line in lines) == [
+        f"qworker: warning: ignoring QWORKER_{n}" for n in
+        ("DRAIN_TIMEOUT", "EMBEDDED", "MAX_NUM_SEQS", "PORT")], lines
+    port_line = next(line for line in lines if "QWORKER_PORT" in line)
+    assert "not an integer" in port_line and "Service named 'qworker'" in port_line
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_a_given_flag_leaves_its_variable_unread(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("QWORKER_MAX_NUM_SEQS", "many")
+    args = command("serve").parse_args([*REQUIRED, "--max-num-seqs", "5"])
+    assert args.max_num_seqs == 5 and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as bad:
+        command("serve").parse_args([*REQUIRED, "--max-num-seqs", "many"])
+    assert bad.value.code == 2, "on the command line it stays a usage error"
+    assert "--max-num-seqs: invalid int value: 'many'" in capsys.readouterr().err
 
 
 def test_the_stall_timeout_flag_is_the_stall_timeout_s_field() -> None:

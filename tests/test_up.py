@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ import pytest
 import redis
 
 from qworker_client import Producer
-from qworker_client.local_redis import RedisProcess
+from qworker_client.local_redis import RedisProcess, free_port
 from tests.service_harness import ROOT, checkout_env, wait_for
 
 URL_LINE = re.compile(r"qworker up: Redis at (redis://\S+) \((.*)\)$")
@@ -238,3 +239,109 @@ def test_sigterm_while_a_log_line_is_written_still_drains(redis_url: str) -> Non
             proc.send_signal(signal.SIGABRT)
             _, err = proc.communicate(timeout=10)
             raise AssertionError(f"the worker deadlocked:\n{err[-4000:]}")
+
+
+OPENAI_LINE = re.compile(r"qworker up: OpenAI base URL (http://\S+) \(gateway pid (\d+);")
+GATEWAY_READY = re.compile(r"qworker gateway: ready, OpenAI base URL (http://\S+)$")
+
+
+def wait_for_line(lines: queue.Queue[str], pattern: re.Pattern[str], proc: subprocess.Popen[str],
+                  timeout: float = 60) -> re.Match[str]:
+    """The first line of `lines` that `pattern` matches (the lines before it are dropped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            assert proc.poll() is None, "qworker up exited"
+            continue
+        if m := pattern.match(line.rstrip("\n")):
+            return m
+    raise AssertionError(f"no line like {pattern.pattern}")
+
+
+def children_of(pid: int) -> set[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_up_gateway_answers_the_openai_sdk_and_ctrl_c_stops_all_three(
+        tmp_path: Path, smollm2_path: Path) -> None:
+    """One command to an OpenAI endpoint, on the default model: Redis, worker and gateway; the
+    first request may come while the worker still loads (it is queued for it)."""
+    from openai import OpenAI
+
+    port = free_port()
+    with running_up("--model", "smollm2", "--gateway", "--port", str(port), "--data-dir",
+                    str(tmp_path / "redis"), "--name", "up-gateway-1") as up:
+        ready = wait_for_line(up.stdout, GATEWAY_READY, up.proc)
+        announced = wait_for_line(up.stdout, OPENAI_LINE, up.proc)
+        base_url = f"http://127.0.0.1:{port}/v1"
+        assert ready.group(1) == announced.group(1) == base_url
+        assert "curl " + base_url + "/chat/completions" in wait_for_line(
+            up.stdout, re.compile(r"qworker up:   e\.g\. (curl .*)"), up.proc).group(1)
+        client = OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
+        reply = client.chat.completions.create(
+            model="smollm2", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert reply.usage is not None and reply.usage.completion_tokens == 8
+        assert "Paris" in (reply.choices[0].message.content or "")
+        streamed = client.chat.completions.create(
+            model="smollm2", max_tokens=4, stream=True,
+            messages=[{"role": "user", "content": "Hi"}])
+        assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+        children = children_of(up.proc.pid)
+        assert {up.redis_pid, int(announced.group(2))} <= children, children
+        assert finish(up, signal.SIGINT) == 0  # Ctrl-C
+    for pid in children:
+        assert process_gone(pid), f"pid {pid} outlived qworker up"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_up_gateway_dies_with_a_killed_up(redis_url: str) -> None:
+    port = free_port()
+    with running_up("--redis-url", redis_url, "--gateway", "--port", str(port), "--name",
+                    "up-gateway-2") as up:
+        gateway_pid = int(wait_for_line(up.stdout, OPENAI_LINE, up.proc).group(2))
+        finish(up, signal.SIGKILL)
+        wait_for(lambda: process_gone(gateway_pid), 15, what="the gateway to follow up")
+
+
+def test_up_gateway_on_a_taken_port_is_one_line(redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ran = subprocess.run(
+            [sys.executable, "-m", "qworker.cli", "up", "--redis-url", redis_url, "--model",
+             "sim", "--gateway", "--port", str(port)],
+            capture_output=True, text=True, cwd=ROOT, timeout=90, env=checkout_env())
+    assert ran.returncode == 2, ran.stderr
+    assert re.search(rf"^qworker up: the gateway exited \(\d+\) before it listened on "
+                     rf"127\.0\.0\.1:{port} \(its error is above\); is the port taken\?",
+                     ran.stderr, re.M), ran.stderr
+    assert "Traceback" not in ran.stderr
+
+
+def test_up_gateway_without_the_extra_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from qworker.commands import up_gateway
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # find_spec: as if not installed
+    with pytest.raises(up_gateway.GatewayError, match=re.escape(up_gateway.GATEWAY_EXTRA)):
+        up_gateway.GatewayChild("redis://127.0.0.1:1/0", "qw", "m").start()
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "producer" / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    named = {re.split(r"[\[<>=]", d)[0] for d in extras["gateway"]}
+    assert set(up_gateway.EXTRA_MODULES) <= named, "the modules looked for are the extra's"

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import types
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from qworker_client.env import env_text, lenient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +92,11 @@ def parse_bool(text: str) -> bool:
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: Flag, env: bool = True) -> None:
-    """`flag` on `parser`; its environment variable, if set and `env`, is its default."""
+    """`flag` on `parser`; its environment variable, if set and `env`, is its default (one that
+    does not parse is ignored with a warning: qworker_client/env.py)."""
     default: Any = flag.default
     required = flag.required
-    text = os.environ.get(env_name(flag.name)) if env else None
+    text = env_text(env_name(flag.name)) if env else None
     if text is not None:
         default, required = text, False
     notes = [f"env {env_name(flag.name)}"] if env else []
@@ -104,11 +106,14 @@ def add_flag(parser: argparse.ArgumentParser, flag: Flag, env: bool = True) -> N
     if flag.type is bool:  # a field that is on by default is a flag that turns it off
         on = flag.default is not True
         if isinstance(default, str):  # the variable says what the flag would: set means given
-            default = parse_bool(default) == on
+            default = lenient(parse_bool, None, "a boolean")(default)
+            default = flag.default if default is None else default == on
         parser.add_argument(flag.name, action="store_true" if on else "store_false", help=shown,
                             default=default, dest=flag.dest)
         return
-    kind = _checked(flag.type, flag.choices) if flag.choices else flag.type
+    kind = lenient(flag.type, flag.default)
+    if flag.choices:
+        kind = _checked(kind, flag.choices)
     parser.add_argument(flag.name, type=kind, default=default, required=required,
                         choices=flag.choices, help=shown)
 

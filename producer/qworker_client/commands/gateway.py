@@ -2,7 +2,8 @@
 
 Every flag can also come from `QWORKER_<FLAG>` (dashes as underscores, upper case), e.g.
 `QWORKER_PORT`, `QWORKER_MAX_QUEUED`; `QWORKER_API_KEY` may hold several keys, comma-separated.
-A flag on the command line wins."""
+A flag on the command line wins; a variable that does not parse (Kubernetes' `QWORKER_PORT=
+tcp://10.0.0.5:8000`, for a Service named `qworker`) is ignored with one warning line."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 
 from qworker_client.cli import EXIT_USAGE, add_connection_args, report_error
 from qworker_client.connect import DEFAULT_RESULT_TTL_S, redis_url_from_env
+from qworker_client.env import env_text, lenient
 from qworker_client.gateway.config import GatewayConfig  # needs no extra
 from qworker_client.protocol import DEFAULT_PREFIX
 
@@ -21,9 +23,10 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"QWORKER_{name}", default)
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = _env(name)
-    return default if raw in (None, "") else int(raw)
+def _env_default(name: str, default: object) -> object:
+    """QWORKER_<name> as the default text of a flag (parsed leniently), else `default`."""
+    text = env_text(f"QWORKER_{name}")
+    return default if text is None else text
 
 
 def _bound(text: str) -> int | None:
@@ -35,9 +38,8 @@ def _setting(parser: argparse.ArgumentParser, flag: str, field: str, kind: type,
              help: str) -> None:
     """A flag for a GatewayConfig field: its default the field's, or its QWORKER_ variable."""
     default = getattr(GatewayConfig, field)
-    raw = _env(flag.lstrip("-").replace("-", "_").upper())
-    parser.add_argument(flag, dest=field, type=kind, metavar=metavar,
-                        default=default if raw in (None, "") else kind(raw),
+    parser.add_argument(flag, dest=field, type=lenient(kind, default), metavar=metavar,
+                        default=_env_default(flag.lstrip("-").replace("-", "_").upper(), default),
                         help=f"{help} (default: {default})")
 
 
@@ -50,9 +52,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_connection_args(parser)
     parser.set_defaults(prefix=_env("PREFIX", DEFAULT_PREFIX))
     parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=_env_int("PORT", 8000))
-    parser.add_argument("--max-queued", type=_bound, metavar="N",
-                        default=_bound(_env("MAX_QUEUED") or str(GatewayConfig.max_queued)),
+    parser.add_argument("--port", type=lenient(int, GatewayConfig.port),
+                        default=_env_default("PORT", GatewayConfig.port))
+    parser.add_argument("--model", action="append", default=None, dest="models",
+                        help="a model served even while none of its workers is live (a fleet "
+                             "scaled to zero): its requests are queued for the worker that "
+                             "starts (repeatable; env QWORKER_MODEL, comma-separated; the live "
+                             "workers' models are served anyway)")
+    parser.add_argument("--max-queued", metavar="N",
+                        type=lenient(_bound, GatewayConfig.max_queued, "a number or `none`"),
+                        default=_env_default("MAX_QUEUED", GatewayConfig.max_queued),
                         help="refuse a request (429) that would make more jobs than this "
                              "unfinished for its model; `none`: no bound (default: "
                              f"{GatewayConfig.max_queued})")
@@ -68,20 +77,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              "seconds a connection has to send a request's line and headers")
     _setting(parser, "--keep-alive", "keep_alive_s", int, "S",
              "seconds an idle kept-alive connection is kept")
-    parser.add_argument("--max-connections", type=int, metavar="N",
-                        default=_env_int("MAX_CONNECTIONS", None),
+    parser.add_argument("--max-connections", type=lenient(int, None), metavar="N",
+                        default=_env_default("MAX_CONNECTIONS", None),
                         help="connections at once; past it the one idle longest is closed "
                              "(default: the open-file limit less what Redis and files need)")
     parser.add_argument("--api-key", action="append", default=None,
                         help="require `Authorization: Bearer KEY` (repeatable)")
-    parser.add_argument("--result-ttl", type=int,
-                        default=_env_int("RESULT_TTL", DEFAULT_RESULT_TTL_S),
+    parser.add_argument("--result-ttl", type=lenient(int, DEFAULT_RESULT_TTL_S),
+                        default=_env_default("RESULT_TTL", DEFAULT_RESULT_TTL_S),
                         help="the workers' --result-ttl, in seconds (default: 3600)")
     parser.add_argument("--files-dir", default=_env("FILES_DIR"),
                         help="directory of the Files and Batch APIs (default: none, no batches)")
     default_interval = GatewayConfig.stream_interval_ms
-    parser.add_argument("--stream-interval", type=float,
-                        default=float(_env("STREAM_INTERVAL") or default_interval),
+    parser.add_argument("--stream-interval", type=lenient(float, default_interval),
+                        default=_env_default("STREAM_INTERVAL", default_interval),
                         help="milliseconds: read the output streams at most once per interval "
                              "and send a choice's tokens of one read as one chunk (0: each token "
                              f"its own chunk; default: {default_interval:g})")
@@ -89,19 +98,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def api_keys(flags: list[str] | None) -> tuple[str, ...]:
+def _listed(flags: list[str] | None, name: str) -> tuple[str, ...]:
+    """A repeatable flag's values, else its QWORKER_<name> variable's, comma-separated."""
     if flags:
         return tuple(flags)
-    return tuple(k.strip() for k in (_env("API_KEY") or "").split(",") if k.strip())
+    return tuple(k.strip() for k in (_env(name) or "").split(",") if k.strip())
+
+
+def api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    return _listed(flags, "API_KEY")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from qworker_client.gateway.app import create_app
         from qworker_client.gateway.gc_tuning import tune_gc
-        from qworker_client.gateway.server import uvicorn_config
+        from qworker_client.gateway.server import AnnouncingServer, uvicorn_config
     except ModuleNotFoundError as exc:
         report_error(f"`gateway` needs its extra ({exc.name} is missing): {INSTALL_HINT}")
         return EXIT_USAGE
@@ -113,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
         max_jobs=args.max_jobs, max_body_bytes=args.max_body_bytes,
         max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout_s,
         keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
+        models=_listed(args.models, "MODEL"),
     )
     app = create_app(config)
     tune_gc()  # what the imports and the app made is frozen
-    uvicorn.Server(uvicorn_config(app, config, args.log_level)).run()
+    try:
+        AnnouncingServer(uvicorn_config(app, config, args.log_level)).run()
+    except KeyboardInterrupt:  # uvicorn has shut down gracefully, then raises Ctrl-C again
+        return 130
     return 0

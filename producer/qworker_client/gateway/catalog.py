@@ -1,5 +1,7 @@
 """The models the fleet serves: what the live workers' keys (`<prefix>:worker:<name>`) name
-(`served_model_name`, else `model`), looked up at most once per `cache_s`."""
+(`served_model_name`, else `model`), looked up at most once per `cache_s`, and the models the
+gateway was told are served even while none of their workers is live (`--model`: a fleet that
+scales to zero, whose first request is queued for the worker it makes start)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from qworker_client.stats import SCAN_COUNT, live_workers
 
 
 class Catalog:
-    def __init__(self, client: redis.asyncio.Redis, keys: Keys, cache_s: float) -> None:
+    def __init__(self, client: redis.asyncio.Redis, keys: Keys, cache_s: float,
+                 declared: tuple[str, ...] = ()) -> None:
         self.client = client
         self.keys = keys
         self.cache_s = cache_s
+        self._declared = dict.fromkeys(declared, int(time.time()))  # model -> when declared
         self._models: dict[str, int] = {}  # model -> earliest start (unix s) of its workers
         self._workers = 0
         self._at = -float("inf")
@@ -37,7 +41,7 @@ class Catalog:
         return self._models
 
     async def check(self, model: str) -> None:
-        """503 when no worker is live, 404 when none serves `model`."""
+        """503 when no worker is live, 404 when none serves `model` (a declared model passes)."""
         models = await self.models()
         if model in models:
             return
@@ -51,7 +55,7 @@ class Catalog:
                                                        count=SCAN_COUNT)]
         values = await self.client.mget(names) if names else []
         infos = [_info(v) for v in values if v is not None]
-        models: dict[str, int] = {}
+        models = dict(self._declared)
         for info in infos:
             model = served_model(info)
             started = info.get("started_ms", 0)

@@ -13,6 +13,7 @@ from qworker_client.gateway import owners, streams
 from qworker_client.gateway.body import parse_json
 from qworker_client.gateway.disconnect import EventStream, until_disconnect
 from qworker_client.gateway.live import LiveStream
+from qworker_client.gateway.metrics import Timing
 from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.shaping import Shape
@@ -23,11 +24,16 @@ JOB_ID_HEADER = "x-qworker-job-id"
 CLIENT_CLOSED = 499  # nginx's status for a client that left first: never seen by that client
 
 
+ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
 async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
+    started = time.perf_counter()
     config = gateway.config
     req = translate(kind, await read_json(request), config.max_n, config.max_prompts,
                     config.max_jobs)
     await gateway.catalog.check(req.model)
+    timing = Timing(gateway.metrics, ROUTES[kind], req.model, started)  # a model of the catalog
     await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
     shape = Shape(kind, req.response_id, req.model, int(time.time()), req.logprobs)
     queued = await gateway.submit(req, shape, owners.caller(request))
@@ -41,10 +47,11 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     reader = OutputReader(gateway.hub, dict.fromkeys(job_ids, START_ID), queued)
     follow = _follow(gateway, req, shape)
     if req.stream:
-        return EventStream(LiveStream(reader, follow, gateway.metrics), abort, headers)
+        return EventStream(LiveStream(reader, follow, gateway.metrics, timing), abort, headers)
     result = await until_disconnect(request.receive, lambda: streams.body(reader, follow), abort)
     if result is None:
         return Response(status_code=CLIENT_CLOSED)
+    timing.done()  # the body is made: what is left is its send, the server's
     return JSONResponse(result, headers=headers)
 
 

@@ -35,3 +35,15 @@ class GatewayConfig:
     # the output streams read at most once per interval, a choice's tokens of one read sent as
     # one chunk; 0: each token its own chunk, read as soon as it is there
     stream_interval_ms: float = 20.0
+    # models served even while none of their workers is live (a fleet scaled to zero): their
+    # requests are queued for the worker that starts; the live workers' models are served anyway
+    models: tuple[str, ...] = ()
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def base_url(host: str, port: int) -> str:
+    """What an OpenAI client is given: `http://HOST:PORT/v1` (a wildcard host as 127.0.0.1)."""
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"

@@ -20,7 +20,7 @@ import asyncio
 from starlette.types import Send
 
 from qworker_client.gateway.hub import Item
-from qworker_client.gateway.metrics import Metrics
+from qworker_client.gateway.metrics import Metrics, Timing
 from qworker_client.gateway.reader import Batch, OutputReader
 from qworker_client.gateway.sink import BodySink
 from qworker_client.gateway.sse import DONE
@@ -30,10 +30,12 @@ _DONE = DONE.encode()
 
 
 class LiveStream:
-    def __init__(self, reader: OutputReader, follow: Follow, metrics: Metrics) -> None:
+    def __init__(self, reader: OutputReader, follow: Follow, metrics: Metrics,
+                 timing: Timing | None = None) -> None:
         self.reader = reader
         self.follow = follow
         self.metrics = metrics
+        self.timing = timing
         self._framer = Framer(follow, metrics)
         self._sink: BodySink | None = None
         # set once the last piece is written: None, or the jobs to cancel (one failed)
@@ -59,6 +61,8 @@ class LiveStream:
                 await self.follow.cancel(failed)
                 sink.write(_DONE, more=False)
             await sink.flushed()
+            if self.timing is not None:
+                self.timing.done()
         finally:
             self.reader.close()
             sink.cancel()
@@ -81,6 +85,8 @@ class LiveStream:
     def _write(self, batch: Batch) -> None:
         assert self._sink is not None and self._end is not None
         parts: list[str] = []
+        if self.timing is not None and batch:
+            self.timing.first_chunk()
         if self._framer.add(batch, parts):  # a job failed: its error frame is the last part
             self._sink.write("".join(parts).encode())
             self._end.set_result(list(self.reader.open))

@@ -18,12 +18,13 @@ handed to uvicorn as its `http` setting: it knows when a request is under way (`
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
 
-from qworker_client.gateway.config import GatewayConfig
+from qworker_client.gateway.config import GatewayConfig, base_url
 from qworker_client.gateway.connection import MAX_CONNECTIONS as MAX_REDIS_CONNECTIONS
 
 FILES_RESERVE = 64  # descriptors kept for the listening socket, batches' Redis clients, files
@@ -37,6 +38,25 @@ def uvicorn_config(app: ASGIApp, config: GatewayConfig, log_level: str) -> uvico
         app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
         http=guarded_protocol(config), timeout_keep_alive=config.keep_alive_s,
         h11_max_incomplete_event_size=config.max_header_bytes)
+
+
+READY = "qworker gateway: ready, OpenAI base URL {url}"
+
+
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's server that prints one line with its OpenAI base URL once it listens."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(READY.format(url=base_url(self.config.host, self._port())), flush=True)
+
+    def _port(self) -> int:
+        """The port it listens on (the one the system chose for port 0)."""
+        for server in self.servers:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return int(self.config.port)
 
 
 def default_max_connections() -> int:

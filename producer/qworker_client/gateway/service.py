@@ -41,7 +41,7 @@ class Gateway:
                                       client=gateway_client(config.redis_url, options))
         self.redis = self.producer.redis
         self.gate = Gate(self.redis, self.keys, config.max_queued, config.retry_after_s)
-        self.catalog = Catalog(self.redis, self.keys, config.models_cache_s)
+        self.catalog = Catalog(self.redis, self.keys, config.models_cache_s, config.models)
         self.metrics = Metrics()
         self._submit_sha = self.redis.register_script(SUBMIT_SCRIPT).sha
         self.hub = Hub(self.redis, self.keys, interval_s=config.stream_interval_ms / 1000)
