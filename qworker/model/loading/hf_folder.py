@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from qworker.model.arch import ARCHITECTURES
-from qworker.model.config import LayerAttention, ModelConfig, UnsupportedModelError
+from qworker.model.arch.architecture import Architecture
+from qworker.model.config import Experts, LayerAttention, ModelConfig, UnsupportedModelError
 from qworker.model.loading.tensors import LoaderError, UnsupportedArchitectureError, validate
 
 # HF `hidden_act` / `hidden_activation` names of the activations the layers run
@@ -57,6 +58,7 @@ def hf_config(raw: dict[str, Any]) -> ModelConfig:
         attention_bias=raw.get("attention_bias", arch.qkv_bias),
         activation=_ACTIVATIONS.get(act, act),
         layer_attention=_windows(raw, num_layers),
+        experts=_experts(raw, arch, num_layers),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
@@ -80,6 +82,22 @@ def _windows(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]
     if "sliding_attention" not in types:
         return ()
     return tuple(LayerAttention(window if kind == "sliding_attention" else None) for kind in types)
+
+
+def _experts(raw: dict[str, Any], arch: Architecture, num_layers: int) -> Experts | None:
+    """The routed experts as transformers reads them: a layer is sparse unless it is in
+    `mlp_only_layers` or its number (from 1) is not a multiple of `decoder_sparse_step`."""
+    if not arch.experts:
+        return None
+    step = raw.get("decoder_sparse_step", 1)
+    only = set(raw.get("mlp_only_layers") or ())
+    return Experts(
+        count=raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"],
+        per_token=raw["num_experts_per_tok"],
+        intermediate_size=raw["moe_intermediate_size"],
+        normalize=bool(raw.get("norm_topk_prob", False)),
+        dense_layers=frozenset(i for i in range(num_layers) if i in only or (i + 1) % step),
+    )
 
 
 INDEX_FILE = "model.safetensors.index.json"
