@@ -65,6 +65,13 @@ VARIANTS = {
         num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
         max_position_embeddings=256, tie_word_embeddings=False,
     ),
+    # every second layer sparse (decoder_sparse_step), weights not renormalized, tied, GQA 4:1
+    "qwen3-moe-step": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, num_experts=6,
+        num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2,
+        max_position_embeddings=256, tie_word_embeddings=True,
+    ),
     "llama-gelu-tanh": lambda: transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
