@@ -13,7 +13,7 @@ import transformers
 
 Q = gguf.GGMLQuantizationType
 # llama.cpp writes Mistral as `llama` (gguf-py has no plain `mistral` architecture)
-GGUF_ARCHITECTURES = {"mistral": "llama", "qwen3_moe": "qwen3moe"}
+GGUF_ARCHITECTURES = {"mistral": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -51,8 +51,9 @@ def write_gguf(
     if getattr(config, "num_experts", None):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-        writer.add_expert_weights_norm(config.norm_topk_prob)
+        if hasattr(config, "moe_intermediate_size"):  # Mixtral's: its intermediate_size
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(getattr(config, "norm_topk_prob", True))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(1)

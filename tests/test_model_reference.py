@@ -72,6 +72,12 @@ VARIANTS = {
         num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2,
         max_position_embeddings=256, tie_word_embeddings=True,
     ),
+    # routed experts in every layer, always normalized; no q/k norms (Mixtral's own names)
+    "mixtral": lambda: transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    ),
     "llama-gelu-tanh": lambda: transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -82,6 +88,7 @@ VARIANTS = {
 OF_ARCHITECTURE = {"llama": "llama-gqa-tied", "mistral": "mistral-window", "qwen2": "qwen2-bias",
                    "qwen3": "qwen3", "phi3": "phi3"}
 OF_ARCHITECTURE["qwen3_moe"] = "qwen3-moe"
+OF_ARCHITECTURE["mixtral"] = "mixtral"
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
 
 
@@ -199,9 +206,10 @@ def _hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], new_tokens: 
 
 FAMILY_TOLERANCE = 1e-4  # float32 logits: a native GEMM adds in another order than torch's
 # transformers' GGUF reader cannot read our Qwen3-MoE file: it leaves `expert_feed_forward_length`
-# unread (moe_intermediate_size stays its default) and a GGUF cannot say mlp_only_layers. The
-# float32 GGUF holds the original's weights exactly, so the original is the reference there.
-NO_GGUF_REFERENCE = {"qwen3_moe"}
+# unread (moe_intermediate_size stays its default) and a GGUF cannot say mlp_only_layers; it reads
+# llama.cpp's Mixtral (`llama` with experts) as a Llama. The float32 GGUF holds the original's
+# weights exactly, so the original is the reference there.
+NO_GGUF_REFERENCE = {"qwen3_moe", "mixtral"}
 
 
 @pytest.mark.parametrize("family", RUNNABLE_FAMILIES)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from qworker.model.arch import ARCHITECTURES, GGUF_NAMES
+from qworker.model.arch import ARCHITECTURES, GGUF_NAMES, GGUF_WITH_EXPERTS
 from qworker.model.arch.architecture import Architecture
 from qworker.model.config import Experts, LayerAttention, ModelConfig, UnsupportedModelError
 from qworker.model.kernels.quant_weight import TYPE_IDS, QuantWeight
@@ -120,6 +120,8 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     family = ARCHITECTURES[GGUF_NAMES.get(arch, arch)]
+    if gguf_value(reader, f"{arch}.expert_count") and arch in GGUF_WITH_EXPERTS:
+        family = ARCHITECTURES[GGUF_WITH_EXPERTS[arch]]  # llama.cpp's Mixtral is `llama`
 
     def get(key: str, default: Any = None) -> Any:
         value = gguf_value(reader, f"{arch}.{key}", default)
@@ -181,10 +183,11 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
 
 def _gguf_experts_config(get: Any, names: set[str], layers: int) -> Experts:
     """The experts as llama.cpp writes them; a layer with no router (`ffn_gate_inp`) is dense.
-    llama.cpp normalizes the top k's weights for Qwen3-MoE unless the file says otherwise."""
+    llama.cpp normalizes the top k's weights (Qwen3-MoE, Mixtral) unless the file says otherwise;
+    Mixtral's files give the experts' size as the model's `feed_forward_length`."""
     return Experts(
         count=get("expert_count"), per_token=get("expert_used_count"),
-        intermediate_size=get("expert_feed_forward_length"),
+        intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
         normalize=bool(get("expert_weights_norm", True)),
         dense_layers=frozenset(i for i in range(layers)
                                if f"blk.{i}.ffn_gate_inp.weight" not in names),

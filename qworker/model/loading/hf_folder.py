@@ -4,6 +4,7 @@ safetensors shards, one file or several with an index."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +95,25 @@ def _experts(raw: dict[str, Any], arch: Architecture, num_layers: int) -> Expert
     return Experts(
         count=raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"],
         per_token=raw["num_experts_per_tok"],
-        intermediate_size=raw["moe_intermediate_size"],
-        normalize=bool(raw.get("norm_topk_prob", False)),
+        intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+        normalize=bool(raw.get("norm_topk_prob", arch.experts_normalized)),
         dense_layers=frozenset(i for i in range(num_layers) if i in only or (i + 1) % step),
     )
 
 
 INDEX_FILE = "model.safetensors.index.json"
+# Mixtral's experts by Qwen3-MoE's names, the ones the model takes (w1 gate, w3 up, w2 down)
+_MIXTRAL_NAMES = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.w[123])\.")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _qwen_moe_name(match: re.Match[str]) -> str:
+    part = match[1]
+    if part != "gate":
+        expert, _, w = part.rpartition(".")
+        part = f"{expert}.{_MIXTRAL_PARTS[w]}"
+    return f".mlp.{part}."
+
 # Buffers some older checkpoints saved alongside the weights; the model recomputes them.
 _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -126,6 +139,7 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             )
     for name in [n for n in tensors if n.endswith(_IGNORED_HF_SUFFIXES)]:
         del tensors[name]
+    tensors = {_MIXTRAL_NAMES.sub(_qwen_moe_name, n): t for n, t in tensors.items()}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters save the tied copy anyway
     validate(config, {n: tuple(t.shape) for n, t in tensors.items()}, origin, folder)
