@@ -24,6 +24,8 @@ def test_sparse_layers_are_those_transformers_makes_sparse(step: int, only: list
             for layer in reference.model.layers]
     ours = DecoderModel(hf_config(hf.to_dict()))
     assert [isinstance(layer.mlp, RoutedExperts) for layer in ours.layers] == want
+    as_qwen_writes_it = {k: v for k, v in hf.to_dict().items() if k != "num_local_experts"}
+    assert hf_config(as_qwen_writes_it | {"num_experts": 4}) == ours.config  # Qwen's config.json
     assert any(want) and bool(step > 1 or only) == (not all(want))  # the cases differ
 
 
