@@ -194,6 +194,7 @@ def test_every_architecture_kept_quantized_computes_its_file_expanded(
         routed.sparse(i) for i in range(quant.config.num_layers)))
     assert all(isinstance(e.gate_up_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear)
                for e in experts)  # each expert its own matrices of the file's 3-D tensors
+    assert quant.weight_bytes() <= path.stat().st_size  # experts: views of one copy of the bytes
     dense = load_model(path, weights="float32")
     tokens = [5, 9, 1, 33, 60, 2, 17, 40, 41, 7]
     want = _logits(dense, tokens)
