@@ -15,7 +15,7 @@ from qworker.model.layers.rope import llama3_divisors
 
 Q = gguf.GGMLQuantizationType
 # llama.cpp writes Mistral as `llama` (gguf-py has no plain `mistral` architecture)
-GGUF_ARCHITECTURES = {"mistral": "llama"}
+GGUF_ARCHITECTURES = {"mistral": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -50,6 +50,12 @@ def write_gguf(
     writer.add_rope_freq_base(rope.get("rope_theta") or getattr(config, "rope_theta", 1e4))
     if arch != "llama" and getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "num_experts", None):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):  # Mixtral's: its intermediate_size
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(getattr(config, "norm_topk_prob", True))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(1)
@@ -60,15 +66,20 @@ def write_gguf(
                           llama3_divisors(head_dim, rope["rope_theta"], rope).numpy())
     family = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(family, config.num_hidden_layers)
-    for name, tensor in state.items():
+    # a dense layer among experts (mlp_only_layers): llama.cpp's qwen3moe has no name for its MLP
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    for name, tensor in _experts_apart(state).items():
         array = tensor.float().numpy()
         if arch == "llama" and ".q_proj." in name:
             array = llama_cpp_permute(array, heads)
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, kv_heads)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        gguf_name = (names.get_name(name, try_suffixes=(".weight", ".bias"))
+                     or dense.get_name(name, try_suffixes=(".weight", ".bias")))
         assert gguf_name is not None, f"gguf-py names no {name} for {arch}"
-        kind = (types or {}).get(name, qtype if array.ndim == 2 else Q.F32)
+        if not gguf_name.endswith((".weight", ".bias")):  # transformers' 3-D experts
+            gguf_name += ".weight"
+        kind = (types or {}).get(name, qtype if array.ndim >= 2 else Q.F32)
         if kind == Q.I32:
             writer.add_tensor(gguf_name, array.astype(np.int32))
         elif kind == Q.F16:
@@ -82,3 +93,17 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _experts_apart(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused experts (`mlp.experts.gate_up_proj`, [experts, 2 x inter, hidden]) as
+    the converter's 3-D gate and up tensors."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            out[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        else:
+            out[name] = tensor
+    return out

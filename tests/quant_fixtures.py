@@ -24,13 +24,16 @@ def random_blocks(kind: Q, rows: int, cols: int, rng: np.random.Generator) -> np
 
 
 SIZES = dict(vocab=64, hidden=256, inter=256, layers=1, heads=4, kv_heads=2)
+EXPERTS = dict(count=4, per_token=2)  # arch="qwen3moe": each expert's MLP of SIZES["inter"]
 
 
 def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
                     others: dict[str, Q] | None = None, arch: str = "llama") -> Path:
     """A one-layer Llama whose every matrix is random blocks of `kind` (norms float32), but
     those `others` names by their short name ("attn_v") in another format. arch="qwen2": the
-    same with random float32 biases on q, k and v, as Qwen2 files have them."""
+    same with random float32 biases on q, k and v, as Qwen2 files have them. arch="qwen3moe":
+    q/k norms, and routed experts (EXPERTS) in place of the MLP: a float32 router and 3-D expert
+    tensors, as llama.cpp writes them."""
     rng = np.random.default_rng(seed)
     s = SIZES
     head_dim = s["hidden"] // s["heads"]
@@ -46,6 +49,11 @@ def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(s["vocab"])])
     writer.add_eos_token_id(2)
+    moe = arch == "qwen3moe"
+    if moe:
+        writer.add_expert_count(EXPERTS["count"])
+        writer.add_expert_used_count(EXPERTS["per_token"])
+        writer.add_expert_feed_forward_length(s["inter"])
     kv = s["kv_heads"] * head_dim
     matrices = {"token_embd.weight": (s["vocab"], s["hidden"])}
     if not tied:
@@ -54,10 +62,17 @@ def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
         matrices |= {f"blk.{i}.attn_q.weight": (s["hidden"], s["hidden"]),
                      f"blk.{i}.attn_k.weight": (kv, s["hidden"]),
                      f"blk.{i}.attn_v.weight": (kv, s["hidden"]),
-                     f"blk.{i}.attn_output.weight": (s["hidden"], s["hidden"]),
-                     f"blk.{i}.ffn_gate.weight": (s["inter"], s["hidden"]),
-                     f"blk.{i}.ffn_up.weight": (s["inter"], s["hidden"]),
-                     f"blk.{i}.ffn_down.weight": (s["hidden"], s["inter"])}
+                     f"blk.{i}.attn_output.weight": (s["hidden"], s["hidden"])}
+        mlp = "_exps" if moe else ""  # an expert's matrices stacked: [experts, rows, columns]
+        matrices |= {f"blk.{i}.ffn_gate{mlp}.weight": (s["inter"], s["hidden"]),
+                     f"blk.{i}.ffn_up{mlp}.weight": (s["inter"], s["hidden"]),
+                     f"blk.{i}.ffn_down{mlp}.weight": (s["hidden"], s["inter"])}
+        if moe:
+            router = rng.normal(0, 1, (EXPERTS["count"], s["hidden"])).astype(np.float32)
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{i}.{norm}.weight",
+                                  rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
         if arch == "qwen2":
             for proj, rows in (("attn_q", s["hidden"]), ("attn_k", kv), ("attn_v", kv)):
                 writer.add_tensor(f"blk.{i}.{proj}.bias",
@@ -68,7 +83,10 @@ def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
     writer.add_tensor("output_norm.weight", np.ones(s["hidden"], np.float32))
     for name, (rows, cols) in matrices.items():
         this = (others or {}).get(name.split(".")[-2], kind)
-        writer.add_tensor(name, random_blocks(this, rows, cols, rng), raw_dtype=this)
+        stack = EXPERTS["count"] if "_exps" in name else 1
+        blocks = random_blocks(this, stack * rows, cols, rng)
+        writer.add_tensor(name, blocks.reshape(stack, rows, -1) if stack > 1 else blocks,
+                          raw_dtype=this)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

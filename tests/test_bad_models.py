@@ -108,6 +108,33 @@ def no_such_model(tmp: Path) -> Path:
     return tmp / "nowhere" / "model.gguf"
 
 
+def _moe_folder(folder: Path, **changes: object) -> Path:
+    """A tiny Qwen3-MoE (4 experts) saved, then its config.json changed by `changes`."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(raw | changes))
+    return folder
+
+
+def moe_missing_expert(tmp: Path) -> Path:
+    from safetensors.torch import load_file
+
+    folder = _moe_folder(tmp)
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(state, folder / "model.safetensors")
+    return folder
+
+
+def moe_fewer_experts(tmp: Path) -> Path:
+    return _moe_folder(tmp, num_local_experts=3)  # transformers >= 5 saves num_experts so
+
+
 BAD: dict[str, tuple[Callable[[Path], Path], str]] = {
     "bert": (bert, "config.json: unsupported architecture 'bert'; supported: "),
     "gemma3-gguf": (gemma3_gguf, "m.gguf: unsupported architecture 'gemma3'; supported: "),
@@ -123,6 +150,10 @@ BAD: dict[str, tuple[Callable[[Path], Path], str]] = {
     "flipped-gguf": (flipped_gguf, "m.gguf: not a readable GGUF file: GGUF version 50331648"),
     "truncated-safetensors": (truncated_safetensors, "not a readable safetensors file"),
     "no-such-model": (no_such_model, "is neither an existing path nor a known model name"),
+    "moe-missing-expert": (moe_missing_expert,
+                           "missing tensor 'model.layers.1.mlp.experts.2.up_proj.weight'"),
+    "moe-fewer-experts": (moe_fewer_experts, "unexpected tensor "
+                                             "'model.layers.0.mlp.experts.3.down_proj.weight'"),
 }
 
 
@@ -166,7 +197,8 @@ def test_a_real_process_prints_no_traceback(command: str, tmp_path: Path) -> Non
     lines = done.stderr.splitlines()
     if command == "generate":
         assert lines == [f"qworker generate: {model / 'config.json'}: unsupported architecture "
-                         "'bert'; supported: llama, mistral, phi3, qwen2, qwen3"]
+                         "'bert'; supported: llama, mistral, mixtral, phi3, qwen2, qwen3, "
+                         "qwen3_moe"]
     else:  # structured log lines: the worker's "loading engine", then the one error
         assert len(lines) == 2 and '"event": "model_not_loaded"' in lines[-1]
         assert "m.gguf: not a readable GGUF file" in lines[-1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import redis
 import torch
 
@@ -42,18 +43,19 @@ def greedy(model: DecoderModel, prompt: list[int]) -> list[int]:
     return tokens[len(prompt):]
 
 
-def test_a_kept_quantized_qwen2_with_biases_serves_through_a_worker(
-        redis_url: str, tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "qwen2.gguf", Q.Q8_0, seed=11, arch="qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])  # biases; routed experts kept in blocks
+def test_a_kept_quantized_family_serves_through_a_worker(
+        redis_url: str, tmp_path: Path, arch: str) -> None:
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", Q.Q8_0, seed=11, arch=arch)
     prompts = {"a": [5, 9, 1, 33], "b": [60, 12, 17, 40, 41], "c": [7]}
     dense = load_model(path, dtype=torch.float32, weights="float32")
     want = {job: greedy(dense, prompt) for job, prompt in prompts.items()}
     log = tmp_path / "worker.log"
-    worker = spawn_worker(redis_url, "qwen2", "--model", str(path), "--weights", "quantized",
+    worker = spawn_worker(redis_url, arch, "--model", str(path), "--weights", "quantized",
                           "--dtype", "float32", log_path=log)
     client = redis.Redis.from_url(redis_url)
     try:
-        wait_for(lambda: worker.poll() is not None or client.exists(KEYS.worker("qwen2")),
+        wait_for(lambda: worker.poll() is not None or client.exists(KEYS.worker(arch)),
                  timeout=180, what="the worker to start")
         assert worker.poll() is None, log.read_text()[-2000:]
         for job, prompt in prompts.items():

@@ -171,11 +171,11 @@ def test_unexpected_tensor(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     save(tiny_llama(), tmp_path)
-    edit_json(tmp_path / "config.json", model_type="mixtral")
+    edit_json(tmp_path / "config.json", model_type="dbrx")
     with pytest.raises(UnsupportedModelError) as err:
         load_checkpoint(tmp_path)
     assert isinstance(err.value, LoaderError)
-    assert str(tmp_path / "config.json") in str(err.value) and "'mixtral'" in str(err.value)
+    assert str(tmp_path / "config.json") in str(err.value) and "'dbrx'" in str(err.value)
 
 
 @pytest.mark.parametrize("other", ["BertConfig", "T5Config", "Gemma3Config"])

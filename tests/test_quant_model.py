@@ -16,6 +16,7 @@ from qworker.model.kernels.quant_interleave import X8_TYPES
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
+from qworker.model.layers.experts import RoutedExperts
 from qworker.model.loading import gguf_checkpoint
 from qworker.model.loading.checkpoint import load_checkpoint
 from qworker.model.loading.gguf_checkpoint import is_quantized_file
@@ -179,14 +180,23 @@ def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,
 def test_every_architecture_kept_quantized_computes_its_file_expanded(
         tmp_path: Path, arch: str, kind: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GGUF of each architecture (fused q/k/v and gate/up, q/k norms, biases as the family has
-    them) kept in its blocks: logits those of the file expanded to float32, and its decode steps
-    through the graph bit for bit as layer by layer."""
+    them, routed experts' 3-D tensors as one kept matrix per expert) kept in its blocks: logits
+    those of the file expanded to float32, and its decode steps through the graph (where it runs
+    the family) bit for bit as layer by layer."""
     original = hf_model(OF_ARCHITECTURE[arch], seed=3)
     state = {k: v for k, v in original.state_dict().items()
              if not (k == "lm_head.weight" and original.config.tie_word_embeddings)}
-    path = write_gguf(tmp_path / "m.gguf", original.config, state, qtype=kind)
+    routers = {name: Q.F32 for name in state if name.endswith(".mlp.gate.weight")}  # as llama.cpp
+    path = write_gguf(tmp_path / "m.gguf", original.config, state, qtype=kind, types=routers)
     quant = load_model(path, weights="quantized")
     assert all(isinstance(m.self_attn.qkv_proj, QuantLinear) for m in quant.layers)
+    experts = [e for m in quant.modules() if isinstance(m, RoutedExperts) for e in m.experts]
+    routed = quant.config.experts
+    assert len(experts) == (0 if routed is None else routed.count * sum(
+        routed.sparse(i) for i in range(quant.config.num_layers)))
+    assert all(isinstance(e.gate_up_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear)
+               for e in experts)  # each expert its own matrices of the file's 3-D tensors
+    assert quant.weight_bytes() <= path.stat().st_size  # experts: views of one copy of the bytes
     dense = load_model(path, weights="float32")
     tokens = [5, 9, 1, 33, 60, 2, 17, 40, 41, 7]
     want = _logits(dense, tokens)
@@ -198,7 +208,7 @@ def test_every_architecture_kept_quantized_computes_its_file_expanded(
     sequences = [tokens, tokens[::-1] + [3, 4]]
     schedule: list[Step] = [[(0, 6), (1, 8)]] + [[(0, 1), (1, 1)] for _ in range(4)]
     got = run_schedule(quant, sequences, schedule, block_size=4)
-    assert calls == [2] * 4
+    assert calls == ([] if quant.decode_graph.refused else [2] * 4)  # experts: layer by layer
     quant.decode_graph.enabled = False
     for (seq, pos, a), (_, _, b) in zip(got, run_schedule(quant, sequences, schedule, 4),
                                         strict=True):

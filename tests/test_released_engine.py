@@ -1,7 +1,8 @@
 """An engine readied as a worker readies it (kernels chosen, weights released to their packs) runs
 every step its scheduler gives: over random configurations (step budget, prefill chunk,
 max_num_seqs, block size) and random prompts, on a tiny model of every weight format (float32,
-bfloat16, kept in GGUF blocks) under every kernel family this CPU runs, every request ends with
+bfloat16, kept in GGUF blocks; a Qwen3-MoE, whose experts each see any row count of a step, kept
+or expanded) under every kernel family this CPU runs, every request ends with
 all its tokens; and every linear layer then runs any row count, from none to well past the
 largest step (speculative rows). The measurement's timings are drawn (any kernel may win any
 bucket); the rest of the choice, and the release, are the worker's own code."""
@@ -31,7 +32,8 @@ from tests.engine_fixtures import tiny_model
 from tests.model_harness import RUNNABLE_FAMILIES, kernel_family
 from tests.quant_fixtures import write_tiny_gguf
 
-FORMATS = ("float32", "bfloat16", "Q4_0", "Q4_K")  # Q4_0: the x8 layouts too; Q4_K: K-quants
+FORMATS = ("float32", "bfloat16", "Q4_0", "Q4_K",  # Q4_0: the x8 layouts too; Q4_K: K-quants
+           "moe-Q4_0", "moe-float32")  # a Qwen3-MoE: experts kept, or expanded to packs
 Q = gguf.GGMLQuantizationType
 MAX_TOKENS = 3
 Measure = Callable[..., dict[str, list[float | None]]]
@@ -40,13 +42,18 @@ Measure = Callable[..., dict[str, list[float | None]]]
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf")
-    return {name: write_tiny_gguf(folder / f"{name}.gguf", Q[name], seed=1)
-            for name in FORMATS if name.startswith("Q")}
+    files = {name: write_tiny_gguf(folder / f"{name}.gguf", Q[name], seed=1)
+             for name in FORMATS if name.startswith("Q")}
+    files["moe"] = write_tiny_gguf(folder / "moe.gguf", Q.Q4_0, seed=1, arch="qwen3moe")
+    return files
 
 
 def model_of(weight_format: str, files: dict[str, Path]) -> DecoderModel:
     if weight_format in files:  # kept in its blocks where native kernels run, else expanded
         return load_model(files[weight_format], weights="quantized")
+    if weight_format.startswith("moe-"):  # each expert sees 0..n of a step's rows
+        weights = weight_format.removeprefix("moe-")
+        return load_model(files["moe"], weights="quantized" if weights == "Q4_0" else weights)
     return tiny_model(256, dtype=getattr(torch, weight_format), seed=2)
 
 

@@ -28,6 +28,20 @@ class LayerAttention:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """Routed experts in place of the MLP (an architecture that declares `experts`)."""
+
+    count: int  # experts in each sparse layer
+    per_token: int  # the top k a token is routed to
+    intermediate_size: int  # of each expert's gated MLP
+    normalize: bool  # the top k's weights rescaled to sum to 1 (HF `norm_topk_prob`)
+    dense_layers: frozenset[int] = frozenset()  # layers that keep one MLP of intermediate_size
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -45,6 +59,7 @@ class ModelConfig:
     attention_bias: bool = False
     activation: str = "silu"
     layer_attention: tuple[LayerAttention, ...] = ()  # one per layer; () where all attend alike
+    experts: Experts | None = None  # where the architecture routes tokens to experts
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -83,9 +98,24 @@ class ModelConfig:
                              "or not all positive")
         if any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.windows):
             raise ValueError(f"sliding windows {self.windows} are not positive integers")
+        self._check_experts()
         if self.layer_attention and len(self.layer_attention) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.layer_attention)} layers' attention for "
                                         f"{self.num_layers} layers")
+
+    def _check_experts(self) -> None:
+        e = self.experts
+        if (e is not None) != self.arch.experts:
+            raise UnsupportedModelError(f"{self.arch.name}: experts "
+                                        f"{'given' if e else 'missing'} in the config")
+        if e is None:
+            return
+        for name in ("count", "per_token", "intermediate_size"):
+            value = getattr(e, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"experts' {name} is {value!r}, not a positive integer")
+        if e.per_token > e.count:
+            raise ValueError(f"{e.per_token} experts per token of {e.count}")
 
     @property
     def windows(self) -> tuple[int, ...]:

@@ -38,6 +38,7 @@ from qworker.model.kernels.linear import Linear
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
 from qworker.model.layers.decoder_layer import DecoderLayer
+from qworker.model.layers.mlp import MLP
 from qworker.model.layers.norm import RMSNorm
 from qworker.model.layers.paged_attention import AttentionPlan
 
@@ -149,6 +150,7 @@ class DecodeGraph:
         entries: list[DecodeLayer] = []
         for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, MLP), "routed experts are refused (refusal)"
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             projs = [_projection(lin, rows, dtype, keep) for lin in linears]
             if not native.serves(k) or any(p is None for p in projs):

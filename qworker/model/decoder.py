@@ -40,7 +40,6 @@ def unimplemented(config: ModelConfig) -> list[str]:
         "norms after attention and MLP (post_norms)": arch.post_norms,
         f"norms scaled by {arch.norm_offset} + w (norm_offset)": arch.norm_offset != 0.0,
         "scaled embeddings (embed_scale)": arch.embed_scale,
-        "routed experts (experts)": arch.experts,
         "per-layer RoPE bases": any(a.rope_theta is not None for a in config.layer_attention),
     }
     return [what for what, asked in unrun.items() if asked]
@@ -66,7 +65,7 @@ class DecoderModel(nn.Module):
         self.device = torch.device(device)
         with torch.device(self.device if init_weights else "meta"):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-            layers = [DecoderLayer(config) for _ in range(config.num_layers)]
+            layers = [DecoderLayer(config, i) for i in range(config.num_layers)]
             self.layers = nn.ModuleList(layers)
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -259,6 +258,8 @@ def _fused(weights: Mapping[str, Weight], config: ModelConfig) -> dict[str, Weig
     for i in range(config.num_layers):
         _join(out, f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj")
         _join(out, f"layers.{i}.mlp.", ("gate_proj", "up_proj"), "gate_up_proj")
+        for j in range(config.experts.count if config.experts else 0):
+            _join(out, f"layers.{i}.mlp.experts.{j}.", ("gate_proj", "up_proj"), "gate_up_proj")
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out

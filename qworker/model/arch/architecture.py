@@ -27,6 +27,7 @@ class Architecture:
     embed_scale: bool = False  # embeddings times sqrt(hidden) (Gemma)
     # MLP
     experts: bool = False  # routed experts in place of one MLP (Qwen3-MoE)
+    experts_normalized: bool = False  # top k weights sum to 1 where a config does not say (Mixtral)
     # checkpoint layout
     fused_qkv: bool = False  # q, k and v stored as one `qkv_proj` (Phi-3; GGUF `attn_qkv`)
     fused_gate_up: bool = False  # gate and up stored as one `gate_up_proj` (Phi-3; GGUF `ffn_up`)

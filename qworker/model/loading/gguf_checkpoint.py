@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from qworker.model.arch import ARCHITECTURES
+from qworker.model.arch import ARCHITECTURES, GGUF_NAMES, GGUF_WITH_EXPERTS
 from qworker.model.arch.architecture import Architecture
-from qworker.model.config import LayerAttention, ModelConfig, UnsupportedModelError
+from qworker.model.config import Experts, LayerAttention, ModelConfig, UnsupportedModelError
 from qworker.model.kernels.quant_weight import TYPE_IDS, QuantWeight
 from qworker.model.loading.tensors import (
     LoaderError,
@@ -44,8 +44,12 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",  # the experts' router
 }
 ROPE_FREQS = "rope_freqs.weight"  # read into the config (`_rope_freq_factors`), no weight
+# 3-D [experts, rows, columns]: expert j's matrix is HF's `mlp.experts.{j}.<name>`
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                      "ffn_down_exps": "down_proj"}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", *TYPE_IDS)  # Q4_0 ... Q6_K
 # General end-of-generation tokens llama.cpp also stops on when a file marks them as control tokens.
@@ -91,8 +95,17 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
     weights = [t for t in reader.tensors if t.name != ROPE_FREQS]  # in the config
     names = {t.name: _hf_name(t.name, config.arch, path) for t in weights}
     shapes = {names[t.name]: tuple(int(n) for n in reversed(t.shape)) for t in weights}
+    for t in weights:
+        if (experts := _expert_names(t)) is not None:
+            shape = shapes.pop(names[t.name])
+            shapes |= dict.fromkeys(experts, shape[1:])
     validate(config, shapes, dict.fromkeys(shapes, path), path)
-    tensors = {names[t.name]: _gguf_tensor(t, keep_quantized) for t in weights}
+    tensors: dict[str, Weight] = {}
+    for t in weights:
+        if (experts := _expert_names(t)) is not None:
+            tensors.update(zip(experts, _gguf_experts(t, keep_quantized), strict=True))
+        else:
+            tensors[names[t.name]] = _gguf_tensor(t, keep_quantized)
     if config.arch.gguf_permuted_qk:
         _unpermute_qk(tensors, config)
     return config, tensors
@@ -103,12 +116,14 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = gguf_value(reader, "general.architecture")
     if arch is None:
         raise LoaderError(f"{path}: no general.architecture in the GGUF metadata")
-    if arch not in ARCHITECTURES:
+    if GGUF_NAMES.get(arch, arch) not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: unsupported architecture {arch!r}; "
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
-    family = ARCHITECTURES[arch]
+    family = ARCHITECTURES[GGUF_NAMES.get(arch, arch)]
+    if gguf_value(reader, f"{arch}.expert_count") and arch in GGUF_WITH_EXPERTS:
+        family = ARCHITECTURES[GGUF_WITH_EXPERTS[arch]]  # llama.cpp's Mixtral is `llama`
 
     def get(key: str, default: Any = None) -> Any:
         value = gguf_value(reader, f"{arch}.{key}", default)
@@ -154,6 +169,7 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
             activation=family.activation,
             arch=family,
             layer_attention=(LayerAttention(window),) * layers if window else (),
+            experts=_gguf_experts_config(get, names, layers) if family.experts else None,
             bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=gguf_eos_token_ids(reader),
         )
@@ -161,6 +177,19 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
         raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise LoaderError(f"{path}: invalid metadata: {exc}") from exc
+
+
+def _gguf_experts_config(get: Any, names: set[str], layers: int) -> Experts:
+    """The experts as llama.cpp writes them; a layer with no router (`ffn_gate_inp`) is dense.
+    llama.cpp normalizes the top k's weights (Qwen3-MoE, Mixtral) unless the file says otherwise;
+    Mixtral's files give the experts' size as the model's `feed_forward_length`."""
+    return Experts(
+        count=get("expert_count"), per_token=get("expert_used_count"),
+        intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+        normalize=bool(get("expert_weights_norm", True)),
+        dense_layers=frozenset(i for i in range(layers)
+                               if f"blk.{i}.ffn_gate_inp.weight" not in names),
+    )
 
 
 def _shortest_f32(value: float) -> float:
@@ -217,6 +246,8 @@ def _hf_name(gguf_name: str, arch: Architecture, path: Path) -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     match = _GGUF_LAYER_RE.fullmatch(gguf_name)
+    if match and match[2] in _GGUF_EXPERT_NAMES and arch.experts:
+        return f"model.layers.{match[1]}.mlp.experts.{_GGUF_EXPERT_NAMES[match[2]]}.{match[3]}"
     if match and match[2] in _GGUF_LAYER_NAMES:
         part = _GGUF_LAYER_NAMES[match[2]]
         if match[2] == "ffn_up" and arch.fused_gate_up:
@@ -247,6 +278,31 @@ def _gguf_tensor(tensor: GGUFTensor, keep_quantized: bool) -> Weight:
     return torch.from_numpy(np.ascontiguousarray(array)).reshape(shape)
 
 
+def _expert_names(tensor: GGUFTensor) -> list[str] | None:
+    """Expert j's HF name for each j of a 3-D expert tensor; None for any other tensor (a 2-D
+    one under an expert name is named whole, and the shape check reports it)."""
+    match = _GGUF_LAYER_RE.fullmatch(tensor.name)
+    if not match or match[2] not in _GGUF_EXPERT_NAMES or len(tensor.shape) != 3:
+        return None
+    return [f"model.layers.{match[1]}.mlp.experts.{j}.{_GGUF_EXPERT_NAMES[match[2]]}.{match[3]}"
+            for j in range(int(tensor.shape[2]))]
+
+
+def _gguf_experts(tensor: GGUFTensor, keep_quantized: bool) -> list[Weight]:
+    """A 3-D expert tensor as one matrix per expert: kept in its blocks (each expert's rows a
+    view of one copy of the file's bytes) or expanded."""
+    count, rows, cols = (int(n) for n in reversed(tensor.shape))
+    kind = tensor.tensor_type
+    if keep_quantized and kind.name in TYPE_IDS:
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(count * rows, -1))
+        return [QuantWeight.of(kind.name, raw[j * rows : (j + 1) * rows], cols)
+                for j in range(count)]
+    whole = (_native_dequantize(tensor) if kind.name in TYPE_IDS and native_loaded()
+             else _gguf_tensor(tensor, keep_quantized=False))
+    assert isinstance(whole, torch.Tensor)
+    return list(whole.reshape(count, rows, cols).unbind(0))
+
+
 def native_loaded() -> bool:
     from qworker.model.kernels import native
 
@@ -258,6 +314,7 @@ def _native_dequantize(tensor: GGUFTensor) -> torch.Tensor:
     from qworker.model.kernels import native
 
     raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+    raw = raw.reshape(-1, raw.shape[-1])  # a 3-D tensor's matrices: rows after rows
     rows = torch.arange(raw.shape[0])
     return native.quant_rows(TYPE_IDS[tensor.tensor_type.name], raw, rows, tensor.shape[0])
 

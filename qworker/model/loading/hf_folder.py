@@ -4,13 +4,15 @@ safetensors shards, one file or several with an index."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qworker.model.arch import ARCHITECTURES
-from qworker.model.config import LayerAttention, ModelConfig, UnsupportedModelError
+from qworker.model.arch.architecture import Architecture
+from qworker.model.config import Experts, LayerAttention, ModelConfig, UnsupportedModelError
 from qworker.model.loading.tensors import LoaderError, UnsupportedArchitectureError, validate
 
 # HF `hidden_act` / `hidden_activation` names of the activations the layers run
@@ -57,6 +59,7 @@ def hf_config(raw: dict[str, Any]) -> ModelConfig:
         attention_bias=raw.get("attention_bias", arch.qkv_bias),
         activation=_ACTIVATIONS.get(act, act),
         layer_attention=_windows(raw, num_layers),
+        experts=_experts(raw, arch, num_layers),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
@@ -82,7 +85,35 @@ def _windows(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]
     return tuple(LayerAttention(window if kind == "sliding_attention" else None) for kind in types)
 
 
+def _experts(raw: dict[str, Any], arch: Architecture, num_layers: int) -> Experts | None:
+    """The routed experts as transformers reads them: a layer is sparse unless it is in
+    `mlp_only_layers` or its number (from 1) is not a multiple of `decoder_sparse_step`."""
+    if not arch.experts:
+        return None
+    step = raw.get("decoder_sparse_step", 1)
+    only = set(raw.get("mlp_only_layers") or ())
+    return Experts(
+        count=raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"],
+        per_token=raw["num_experts_per_tok"],
+        intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+        normalize=bool(raw.get("norm_topk_prob", arch.experts_normalized)),
+        dense_layers=frozenset(i for i in range(num_layers) if i in only or (i + 1) % step),
+    )
+
+
 INDEX_FILE = "model.safetensors.index.json"
+# Mixtral's experts by Qwen3-MoE's names, the ones the model takes (w1 gate, w3 up, w2 down)
+_MIXTRAL_NAMES = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.w[123])\.")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _qwen_moe_name(match: re.Match[str]) -> str:
+    part = match[1]
+    if part != "gate":
+        expert, _, w = part.rpartition(".")
+        part = f"{expert}.{_MIXTRAL_PARTS[w]}"
+    return f".mlp.{part}."
+
 # Buffers some older checkpoints saved alongside the weights; the model recomputes them.
 _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -108,6 +139,7 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             )
     for name in [n for n in tensors if n.endswith(_IGNORED_HF_SUFFIXES)]:
         del tensors[name]
+    tensors = {_MIXTRAL_NAMES.sub(_qwen_moe_name, n): t for n, t in tensors.items()}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters save the tied copy anyway
     validate(config, {n: tuple(t.shape) for n, t in tensors.items()}, origin, folder)

@@ -50,17 +50,27 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             shapes[layer + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[layer + "self_attn.k_norm.weight"] = (config.head_dim,)
-        if arch.fused_gate_up:
-            shapes[layer + "mlp.gate_up_proj.weight"] = (2 * inter, hidden)
+        experts = config.experts
+        if experts is not None and experts.sparse(i):
+            shapes[layer + "mlp.gate.weight"] = (experts.count, hidden)
+            for j in range(experts.count):
+                shapes |= _mlp_shapes(f"{layer}mlp.experts.{j}.", hidden,
+                                      experts.intermediate_size, fused=False)
         else:
-            shapes[layer + "mlp.gate_proj.weight"] = (inter, hidden)
-            shapes[layer + "mlp.up_proj.weight"] = (inter, hidden)
+            shapes |= _mlp_shapes(layer + "mlp.", hidden, inter, arch.fused_gate_up)
         shapes |= {
-            layer + "mlp.down_proj.weight": (hidden, inter),
             layer + "input_layernorm.weight": (hidden,),
             layer + "post_attention_layernorm.weight": (hidden,),
         }
     return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int,
+                fused: bool) -> dict[str, tuple[int, ...]]:
+    parts = {"gate_up_proj": 2 * inter} if fused else {"gate_proj": inter, "up_proj": inter}
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}{p}.weight": (n, hidden)
+                                          for p, n in parts.items()}
+    return shapes | {prefix + "down_proj.weight": (hidden, inter)}
 
 
 def _natural_key(name: str) -> list[Any]:
