@@ -76,6 +76,21 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(**values, model=args.model)
 
 
+def checked_inputs(args: argparse.Namespace) -> ServiceConfig:
+    """The worker's settings, once the Redis URL parses and the model is a path or a known
+    name: what is wrong with them is said before seconds go into loading the model
+    (`RedisURLError`, a ValueError; `ModelInputError`)."""
+    from qworker.engine.simulated import is_simulated
+    from qworker.model.loading.hub import local_path
+    from qworker_client.connect import checked_url
+
+    config = service_config(args)
+    checked_url(config.redis_url)
+    if not is_simulated(args.model):
+        local_path(args.model)  # an unknown name raises; a known one is fetched when loaded
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
     from qworker.model.errors import ModelInputError, one_line
     from qworker.service.logs import configure_logging, get_logger
@@ -84,14 +99,21 @@ def run(args: argparse.Namespace) -> int:
     from qworker.service.worker import Worker
 
     configure_logging(args.log_level)
-    config = service_config(args)
+    try:
+        config = checked_inputs(args)
+    except ModelInputError as exc:
+        get_logger().error("model_not_loaded", model=args.model, error=one_line(exc))
+        return 2
+    except ValueError as exc:  # a Redis URL that does not parse, a served name that cannot be
+        get_logger().error("bad_settings", error=one_line(exc))
+        return 2
     log = get_logger(worker=config.name)
-    log.info("loading engine", model=args.model, device=args.device)
     try:
         on_done = OnDone.from_flags(args.on_done_rq_queue, args.on_done_rq_func, args.prefix)
     except (ValueError, ImportError) as exc:
         log.error("bad --on-done-rq-* flags", error=str(exc))
         return 2
+    log.info("loading engine", model=args.model, device=args.device)
     try:
         engine = build_engine(args)
     except ModelInputError as exc:  # a bad model: one line, no traceback (qworker/model/errors.py)

@@ -12,12 +12,12 @@ from qworker_client.protocol import WorkerInfo
 
 
 def worker_info(config: ServiceConfig, started_ms: int, running: int, free_slots: int,
-                draining: bool, kernels: dict[str, str]) -> WorkerInfo:
+                draining: bool, kernels: dict[str, str], chat: bool) -> WorkerInfo:
     return WorkerInfo(name=config.name, host=socket.gethostname(), pid=os.getpid(),
                       model=config.model, group=config.group,
                       served_model_name=config.served_model or "", started_ms=started_ms,
                       running=running, free_slots=free_slots, draining=draining,
-                      native=kernels.get("native", ""))
+                      native=kernels.get("native", ""), chat=chat)
 
 
 def report_kernels(report: dict[str, str], metrics: Metrics, log: Any) -> None:

