@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import TypedDict
@@ -22,6 +23,7 @@ DEFAULT_BLOCK_MS = 5_000
 DEFAULT_RESULT_TTL_S = 3_600
 READ_COUNT = 512  # entries per XREAD: a whole burst of tokens in one round trip
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_USERINFO = re.compile(r"([^/:@]*):[^@/]*@")
 
 
 class RedisURLError(ValueError):
@@ -101,8 +103,8 @@ def async_client(url: str, options: ClientOptions) -> redis.asyncio.Redis:
 def masked(url: str) -> str:
     """`url` with its password, if any, as `***` (what error and ready lines print)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
+    if parts.password is None:  # none, or a URL too broken to parse: any `user:secret@` hidden
+        return _USERINFO.sub(r"\1:***@", url, count=1)
     user = parts.username or ""
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
