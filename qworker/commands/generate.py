@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from qworker.commands.serve import engine_for
     from qworker.engine.request import sampling_params
     from qworker.model.errors import ModelInputError, one_line
-    from qworker.service.logs import configure_logging
+    from qworker.service.logs import configure_logging, get_logger
 
     configure_logging(args.log_level)  # on stderr: stdout is the answer's
     try:
@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"qworker generate: {one_line(exc)}", file=sys.stderr)
         return 2
     params = sampling_params(config_values(args, SamplingParams), engine.sampling_defaults)
+    get_logger().info("generating", model=args.model, prompt_tokens=len(prompt),
+                      temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                      model_defaults=engine.sampling_defaults)
     engine.add(Request("generate", prompt, params))
     while engine.has_unfinished():
         for out in engine.step():

@@ -49,15 +49,24 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
         add_flag(p, flag)
 
 
-def engine_for(config: EngineConfig) -> Any:
-    """The simulated engine for a `sim` model, else the real one (torch: imported only then)."""
+def engine_for(config: EngineConfig, log: Any = None) -> Any:
+    """The simulated engine for a `sim` model, else the real one (torch: imported only then),
+    its loading shown on stderr (load_progress.py) through `log` (None: the default logger)."""
+    from qworker.commands.load_progress import LoadProgress
     from qworker.engine.simulated import SimulatedEngine, is_simulated
+    from qworker.service.logs import get_logger
 
     if is_simulated(config.model):
         return SimulatedEngine.from_config(config)
     from qworker.engine.engine import Engine  # torch: only for a real model
 
-    return Engine.from_config(config)
+    progress = LoadProgress(log or get_logger(), config.model)
+    engine = None
+    try:
+        engine = Engine.from_config(config, progress.stage)
+    finally:
+        progress.close(loaded=engine is not None)
+    return engine
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -65,8 +74,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**config_values(args, EngineConfig), requeue_preempted=True)
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    return engine_for(engine_config(args))
+def build_engine(args: argparse.Namespace, log: Any = None) -> Any:
+    return engine_for(engine_config(args), log)
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
@@ -115,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log.info("loading engine", model=args.model, device=args.device)
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, log)
     except ModelInputError as exc:  # a bad model: one line, no traceback (qworker/model/errors.py)
         log.error("model_not_loaded", model=args.model, error=one_line(exc))
         return 2

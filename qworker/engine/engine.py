@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -31,17 +31,23 @@ class Engine(EngineCore):
         self.sampling_defaults = dict(sampling_defaults or {})
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig,
+                    stage: Callable[[str], None] = lambda _name: None) -> Engine:
+        """The engine of `config.model`, fetched on first use, loaded and readied; `stage` hears
+        each stage as it begins: weights, tokenizer, kernels (the commands show it)."""
         from qworker.model.decoder import load_model
         from qworker.model.dtypes import resolve_dtype
         from qworker.model.loading.generation import sampling_defaults
         from qworker.model.loading.hub import resolve_model
 
+        stage("weights")
         path = resolve_model(config.model)
         dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(
             config.weights, resolve_dtype(config.dtype, config.device))
         model = load_model(path, dtype=dtype, device=config.device, weights=config.weights)
+        stage("tokenizer")
         engine = cls(model, Tokenizer.load(path), config, sampling_defaults(path))
+        stage("kernels")
         engine.prepare()
         return engine
 

@@ -64,7 +64,13 @@ def _gguf_defaults(file: Path) -> SamplingDefaults:
         reader = open_gguf(file)
     except LoaderError:
         return {}  # the loader says what is wrong with the file
-    return _checked({name: gguf_value(reader, key) for name, key in _GGUF_KEYS.items()})
+    values = {name: gguf_value(reader, key) for name, key in _GGUF_KEYS.items()}
+    return _checked({name: _float32_digits(v) for name, v in values.items()})
+
+
+def _float32_digits(value: Any) -> Any:
+    """A float32 as the decimal it was written from (0.7, not 0.699999988079071)."""
+    return float(f"{value:.7g}") if isinstance(value, float) else value
 
 
 def _checked(values: dict[str, Any]) -> SamplingDefaults:
