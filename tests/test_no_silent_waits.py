@@ -149,7 +149,9 @@ def test_status_and_tail_of_an_unknown_job_exit_1(redis_url: str) -> None:
     assert as_json.returncode == 1
     assert json.loads(as_json.stdout) == {"id": "nope", "status": "unknown"}
     tail = qworker("tail", "nope", "--redis-url", redis_url, timeout=30)
-    assert_one_line(tail, 1, "qworker: job nope is unknown")
+    assert_one_line(tail, 1, "qworker: job nope is unknown: ")
+    waiting = qworker("tail", "nope", "--wait", "--timeout", "0.3", "--redis-url", redis_url)
+    assert waiting.returncode == 124  # followed all the same, as a plain XADD's job may be
 
 
 def test_tail_of_a_queued_job_with_no_live_worker(redis_url: str, client: redis.Redis) -> None:

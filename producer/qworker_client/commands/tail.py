@@ -1,6 +1,6 @@
 """`qworker tail JOB_ID`: follow a job's output stream from its first event (or `--from-id`). A job
-Redis does not know exits 1 at once; a queued one with no live worker says so (exit 3, or waits
-with `--wait`)."""
+Redis does not know exits 1 at once; a queued one with no live worker says so (exit 3); with
+`--wait` either is followed all the same."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--logprobs", action="store_true",
                         help="a line per token: index, id, logprob, text, top alternatives")
     parser.add_argument("--wait", action="store_true",
-                        help="follow a queued job even when no worker is live (default: say so "
-                             "and exit 3)")
+                        help="follow the job even when Redis does not know it yet (exit 1 "
+                             "otherwise) or no worker is live (exit 3 otherwise)")
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
             report_error(str(exc))
             return EXIT_USAGE
         status = producer.status(args.job_id).status
-        if status == "unknown":
-            report_error(f"job {args.job_id} is unknown (never submitted, or its output has "
-                         "expired)")
+        if status == "unknown" and not args.wait:
+            report_error(f"job {args.job_id} is unknown: never submitted, expired, or written "
+                         "with a plain XADD and not started yet (--wait to follow it anyway)")
             return EXIT_JOB_ERROR
         if status == "queued" and not live_workers(producer.redis, producer.keys):
             if not args.wait:
