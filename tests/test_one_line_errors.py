@@ -37,7 +37,8 @@ def assert_one_line(done: subprocess.CompletedProcess[str], code: int, says: str
 
 
 @pytest.mark.parametrize("command", [["submit", "hi"], ["tail", "j1"], ["status", "j1"],
-                                     ["stats"], ["jobs"], ["cancel", "j1"]])
+                                     ["stats"], ["jobs"], ["cancel", "j1"],
+                                     ["batch", "run", "in.jsonl", "out.jsonl"]])
 def test_a_redis_url_without_a_scheme_is_a_usage_error(command: list[str]) -> None:
     done = qworker(*command, "--redis-url", NO_SCHEME)
     assert_one_line(done, USAGE, f"qworker: invalid Redis URL '{NO_SCHEME}': it must start with "

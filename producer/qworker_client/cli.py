@@ -64,13 +64,17 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace) -> Producer:
-    """A producer on the command's Redis, once the URL parses (else `RedisURLError`) and one PING
-    answered within the connect timeout (else `RedisUnreachable`): a command never sits silent
-    in a blocking read or a reconnect loop against a Redis that is not there."""
+    """A producer on the command's Redis (`reachable_url`)."""
+    return Producer(reachable_url(args), args.prefix, options=ClientOptions())
+
+
+def reachable_url(args: argparse.Namespace) -> str:
+    """The command's Redis URL, once it parses (else `RedisURLError`) and one PING answered
+    within the connect timeout (else `RedisUnreachable`): a command never sits silent in a
+    blocking read or a reconnect loop against a Redis that is not there."""
     url = checked_url(args.redis_url or redis_url_from_env())
-    options = ClientOptions()
-    check_reachable(url, options)
-    return Producer(url, args.prefix, options=options)
+    check_reachable(url, ClientOptions())
+    return url
 
 
 def print_json(data: Any, out: TextIO | None = None) -> None:
