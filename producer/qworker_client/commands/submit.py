@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     with connect(args) as producer:
         workers = live_workers(producer.redis, producer.keys)
-        if _plain_models(args, workers, spec.get("model")):
+        if _sent_plain(args, workers, spec.get("model")):
             spec.update(_raw_prompt(spec))
         why_not = why_not_served(workers, spec.get("model"))
         if why_not is not None and not (args.wait or args.no_wait):
@@ -213,13 +213,12 @@ def run(args: argparse.Namespace) -> int:
                       timeout=args.timeout, cancel_on_interrupt=True, logprobs=logprobs)
 
 
-def _plain_models(args: argparse.Namespace, workers: list[dict[str, Any]],
+def _sent_plain(args: argparse.Namespace, workers: list[dict[str, Any]],
                   model: str | None) -> bool:
     """Whether a prompt given plainly (no --chat, --raw, --system) goes as is: every live worker
     that would run it says its model has no chat template (`chat` false in its key)."""
-    if args.chat or args.raw or args.system is not None or args.messages_json is not None:
-        return False
-    if args.prompt_token_ids is not None:
+    said = (args.chat, args.raw, args.system, args.messages_json, args.prompt_token_ids)
+    if any(flag not in (None, False) for flag in said):
         return False
     ours = serving(workers, model)
     return bool(ours) and all(w.get("chat") is False for w in ours)
