@@ -131,6 +131,15 @@ def live_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     return _workers(keys, names, client.mget(names) if names else [])
 
 
+def visible_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]] | None:
+    """`live_workers`, or None where this Redis user may not look (no SCAN: the producer ACL
+    role, since SCAN would show every key's name): then nobody can tell who is there."""
+    try:
+        return live_workers(client, keys)
+    except redis.exceptions.NoPermissionError:
+        return None
+
+
 def served_model(info: Mapping[str, Any]) -> str | None:
     """The model a live worker's key names: `served_model_name`, else `model`."""
     model = info.get("served_model_name") or info.get("model")

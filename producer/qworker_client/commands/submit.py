@@ -18,7 +18,7 @@ from qworker_client.cli import (
     reports_redis_errors,
 )
 from qworker_client.fields import job_fields
-from qworker_client.stats import live_workers, serving, why_not_served
+from qworker_client.stats import serving, visible_workers, why_not_served
 
 # (flag, wire field, type) of the optional job fields taken as plain values.
 _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
@@ -190,10 +190,10 @@ def run(args: argparse.Namespace) -> int:
         report_error(f"invalid job: {exc}")
         return EXIT_USAGE
     with connect(args) as producer:
-        workers = live_workers(producer.redis, producer.keys)
-        if _sent_plain(args, workers, spec.get("model")):
+        workers = visible_workers(producer.redis, producer.keys)  # None: this user may not look
+        if workers is not None and _sent_plain(args, workers, spec.get("model")):
             spec.update(_raw_prompt(spec))
-        why_not = why_not_served(workers, spec.get("model"))
+        why_not = None if workers is None else why_not_served(workers, spec.get("model"))
         if why_not is not None and not (args.wait or args.no_wait):
             report_error(f"{why_not}: nothing queued (start one with `qworker serve`, or "
                          "--wait to queue it and wait for one)")

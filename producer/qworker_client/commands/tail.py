@@ -17,7 +17,7 @@ from qworker_client.cli import (
     reports_redis_errors,
 )
 from qworker_client.result import START_ID
-from qworker_client.stats import live_workers
+from qworker_client.stats import visible_workers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             report_error(f"job {args.job_id} is unknown: never submitted, expired, or written "
                          "with a plain XADD and not started yet (--wait to follow it anyway)")
             return EXIT_JOB_ERROR
-        if status == "queued" and not live_workers(producer.redis, producer.keys):
+        if status == "queued" and visible_workers(producer.redis, producer.keys) == []:
             if not args.wait:
                 report_error(f"job {args.job_id} is queued and no worker is live (start one "
                              "with `qworker serve`, or --wait to wait for one)")
