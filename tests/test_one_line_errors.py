@@ -117,3 +117,14 @@ def test_tail_into_a_closed_pipe_exits_quietly(redis_url: str) -> None:
     assert done.stdout.count("\n") == 1
     assert done.stderr == ""  # no BrokenPipeError, no "Exception ignored" at exit
     assert done.returncode == 141  # what a shell reports for a writer its reader left
+
+
+def test_demo_says_what_is_wrong_in_one_line(tmp_path: Path) -> None:
+    unknown = qworker("demo", "--model", "llama-9000")
+    assert_one_line(unknown, USAGE, "qworker demo: failed: 'llama-9000' is neither")
+    bad_url = subprocess.run([sys.executable, "-m", "qworker_client", "demo", "--model", "sim"],
+                             cwd=ROOT, env={**checkout_env(), "REDIS_URL": NO_SCHEME},
+                             capture_output=True, text=True, timeout=60)
+    assert bad_url.returncode == USAGE and "Traceback" not in bad_url.stderr
+    assert bad_url.stderr.splitlines()[-1].startswith(
+        f"qworker demo: failed: invalid Redis URL '{NO_SCHEME}'")
