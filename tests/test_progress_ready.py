@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import redis
 from structlog.testing import capture_logs
 
-from qworker.commands.load_progress import STAGES, LoadProgress
+from qworker.commands.load_progress import REDRAW_S, STAGES, LoadProgress
 from qworker.model.loading import hub
 from qworker.service.logs import get_logger
 from qworker_client.cli import main
@@ -82,6 +83,20 @@ def test_loading_draws_a_bar_of_its_stages_on_a_tty(monkeypatch: pytest.MonkeyPa
     for what in STAGES.values():
         assert f"loading m: {what}" in drawn
     assert [e["event"] for e in logs] == ["model loaded"]
+
+
+def test_a_long_stage_is_seen_to_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    screen = TTY()
+    monkeypatch.setattr("sys.stderr", screen)
+    progress = LoadProgress(get_logger(), "m")
+    progress.stage("weights")
+    drawn = screen.getvalue().count("\r")
+    time.sleep(4 * REDRAW_S)  # no stage ends meanwhile: only the clock redraws the bar
+    assert screen.getvalue().count("\r") >= drawn + 2
+    progress.close(loaded=False)
+    after_close = screen.getvalue()
+    time.sleep(2 * REDRAW_S)
+    assert screen.getvalue() == after_close  # the clock stops with it
 
 
 def test_loading_logs_a_line_per_stage_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
