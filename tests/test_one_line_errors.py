@@ -6,6 +6,7 @@ never a traceback, from a real `qworker` process: a Redis URL without a scheme (
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -128,3 +129,46 @@ def test_demo_says_what_is_wrong_in_one_line(tmp_path: Path) -> None:
     assert bad_url.returncode == USAGE and "Traceback" not in bad_url.stderr
     assert bad_url.stderr.splitlines()[-1].startswith(
         f"qworker demo: failed: invalid Redis URL '{NO_SCHEME}'")
+
+
+def default_sigint() -> None:
+    """In the child: Ctrl-C as in a terminal, even where the suite runs with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def interrupted(args: list[str], on_stderr: str | None) -> subprocess.CompletedProcess[str]:
+    """`qworker *args`, sent SIGINT once a stderr line holds `on_stderr` (None: once the first
+    character of its answer is on stdout)."""
+    proc = subprocess.Popen([sys.executable, "-m", "qworker_client", *args], cwd=ROOT,
+                            env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=default_sigint)
+    assert proc.stdout is not None and proc.stderr is not None
+    seen_out = seen_err = ""
+    try:
+        if on_stderr is None:
+            seen_out = proc.stdout.read(1)
+            assert seen_out, "no answer"
+        else:
+            while on_stderr not in seen_err:
+                line = proc.stderr.readline()
+                assert line, f"ended before {on_stderr!r}: {seen_err}"
+                seen_err += line
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, seen_out + out, seen_err + err)
+
+
+def test_ctrl_c_while_serve_loads_the_model_is_no_traceback(redis_url: str) -> None:
+    done = interrupted(["serve", "--redis-url", redis_url, "--model", "smollm2"],
+                       '"event": "loading engine"')
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+    assert '"event": "interrupted while loading the model"' in done.stderr
+
+
+def test_ctrl_c_while_generate_writes_is_no_traceback() -> None:
+    done = interrupted(["generate", "hi", "--model", "sim:step_ms=50", "--max-tokens", "500"],
+                       None)
+    assert done.returncode == 130 and done.stderr == "", done.stderr
+    assert done.stdout.endswith("\n")

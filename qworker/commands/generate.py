@@ -52,6 +52,14 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:  # Ctrl-C while it loads or writes: the line ended, no traceback
+        sys.stdout.write("\n")
+        return 130
+
+
+def _generate(args: argparse.Namespace) -> int:
     from qworker.commands.config_flags import config_values
     from qworker.commands.serve import engine_for
     from qworker.engine.request import sampling_params

@@ -18,6 +18,7 @@ from qworker.engine.config import EngineConfig  # a plain dataclass: no torch
 from qworker.service.config import ServiceConfig  # stdlib and the protocol's names: no redis
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EXIT_INTERRUPTED = 130  # as a shell reports Ctrl-C
 # the flags of `serve` that are no config field: how the process logs, and its RQ callback
 NOT_CONFIG = (
     Flag("--log-level", "log_level", str, "info", "how much to log", LOG_LEVELS),
@@ -122,12 +123,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:
         log.error("bad --on-done-rq-* flags", error=str(exc))
         return 2
-    log.info("loading engine", model=args.model, device=args.device)
     try:
+        log.info("loading engine", model=args.model, device=args.device)
         engine = build_engine(args, log)
     except ModelInputError as exc:  # a bad model: one line, no traceback (qworker/model/errors.py)
         log.error("model_not_loaded", model=args.model, error=one_line(exc))
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading: nothing taken yet, nothing to drain
+        log.warning("interrupted while loading the model")
+        return EXIT_INTERRUPTED
     worker = Worker(engine, config, on_done=on_done,
                     metrics=Metrics(stall_s=config.stall_timeout_s, host=config.metrics_host))
 
