@@ -46,7 +46,7 @@ from qworker.service.errors import (
 )
 from qworker.service.groups import Groups
 from qworker.service.heartbeat import Heartbeat, Held
-from qworker.service.info import report_kernels, worker_info
+from qworker.service.info import report_kernels, say_ready, worker_info
 from qworker.service.intake import Intake
 from qworker.service.job import ActiveJob, Entry, now_ms
 from qworker.service.logprobs import token_text
@@ -60,7 +60,6 @@ from qworker.service.sampling import JOB_NOT_SAMPLING as JOB_NOT_SAMPLING  # the
 from qworker.service.sampling import default_seed as default_seed
 from qworker.service.sampling import sampling_params as sampling_params
 from qworker.service.scripts import Scripts
-from qworker_client.connect import masked
 from qworker_client.protocol import Job, Keys, WorkerInfo
 
 
@@ -214,17 +213,10 @@ class Worker:
         self.groups.ensure()
         Scripts.load(self.client)
         if not self._said_ready:
-            self._say_ready()
+            say_ready(self.log, self.config, self.intake.streams, self.kernels,
+                      self.engine.sampling_defaults)
+            self._said_ready = True
         self._ready = True
-
-    def _say_ready(self) -> None:
-        """The one line that says the worker takes jobs, and from where."""
-        self.log.info("ready", redis=masked(self.config.redis_url), streams=len(
-            self.intake.streams), reads=" ".join(self.intake.streams), model=self.config.model,
-            served_model_name=self.config.served_model or "", kernels=self.kernels.get(
-                "native", ""), sampling_defaults=self.engine.sampling_defaults,
-            worker=self.config.name)
-        self._said_ready = True
 
     def _guard(self, fn: Callable[[], Any]) -> bool:
         """Run one Redis phase; on a connection problem back off (the loop retries later). An
