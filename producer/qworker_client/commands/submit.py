@@ -195,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
             spec.update(_raw_prompt(spec))
         why_not = None if workers is None else why_not_served(workers, spec.get("model"))
         if why_not is not None and not (args.wait or args.no_wait):
-            report_error(f"{why_not}: nothing queued (start one with `qworker serve`, or "
-                         "--wait to queue it and wait for one)")
+            report_error(f"{why_not}: nothing queued (a worker is live once `qworker serve` "
+                         "says ready; --wait queues it and waits for one)")
             return EXIT_REDIS
         job = producer.submit(**spec)
         if why_not is not None:
