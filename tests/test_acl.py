@@ -358,3 +358,19 @@ def test_what_a_producer_may_write_never_takes_a_worker_down(acl_redis: AclRedis
         assert worker.stop() == 0
     assert acl_redis.admin.xrange(KEYS.out("h1"))[-1][1]["type"] == "error"
     assert acl_redis.refused() == []
+
+
+def test_submit_as_a_producer_that_may_not_see_the_workers(acl_redis: AclRedis,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    """The producer role may not SCAN (it would show every key's name), so `qworker submit`
+    cannot tell who is live: it submits as before, without a word, and the job runs."""
+    with thread_worker(acl_redis.url("worker"), "acl-see"):
+        code = cli_main(["submit", "hi", "--max-tokens", "3", "--json", "--redis-url",
+                         acl_redis.url("producer")])
+        out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    (result,) = [line for line in out.splitlines() if line.startswith('{"id"')]  # not the logs
+    assert json.loads(result)["usage"]["completion_tokens"] == 3
+    refused = {str(entry.get("object")) for entry in acl_redis.refused()}
+    assert refused == {"scan"}  # its one look, refused; nothing else

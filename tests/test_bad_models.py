@@ -199,6 +199,7 @@ def test_a_real_process_prints_no_traceback(command: str, tmp_path: Path) -> Non
         assert lines == [f"qworker generate: {model / 'config.json'}: unsupported architecture "
                          "'bert'; supported: llama, mistral, mixtral, phi3, qwen2, qwen3, "
                          "qwen3_moe"]
-    else:  # structured log lines: the worker's "loading engine", then the one error
-        assert len(lines) == 2 and '"event": "model_not_loaded"' in lines[-1]
+    else:  # structured log lines: the worker's "loading engine" and stages, then the one error
+        assert [line for line in lines if '"level": "error"' in line] == lines[-1:]
+        assert '"event": "model_not_loaded"' in lines[-1]
         assert "m.gguf: not a readable GGUF file" in lines[-1]

@@ -119,6 +119,7 @@ def test_cli_fetch_and_path(
     assert run_cli(["model", "fetch", "fake"]) == 0
     assert capsys.readouterr().out.strip() == str(home / "models" / "Fake.Q4_1.gguf")
     assert run_cli(["model", "path", "fake"]) == 0
-    assert run_cli(["model", "fetch", "nope"]) == 1
+    assert run_cli(["model", "fetch", "nope"]) == 2
     assert "known: " in capsys.readouterr().err
+    assert run_cli(["model", "path", "nope"]) == 2
     assert downloads == ["fake-model==1.0"]

@@ -87,7 +87,7 @@ def test_a_job_the_worker_rejects_raises_job_error(
 def test_cli_against_the_worker(redis_url: str, worker: subprocess.Popen[bytes]) -> None:
     with Producer(redis_url) as prod:
         expected = prod.submit("Hello", max_tokens=12, seed=7).result(timeout=60).text
-    streamed = qworker("submit", "Hello", "--max-tokens", "12", "--seed", "7",
+    streamed = qworker("submit", "Hello", "--raw", "--max-tokens", "12", "--seed", "7",
                        "--stream", "--id", "cli-e2e", "--redis-url", redis_url)
     assert (streamed.returncode, streamed.stdout) == (0, expected + "\n"), streamed.stderr
     tailed = qworker("tail", "cli-e2e", "--json", "--redis-url", redis_url)

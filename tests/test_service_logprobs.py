@@ -129,8 +129,8 @@ def test_submit_and_tail_show_the_logprobs(redis_url: str) -> None:
                                redis_url], capture_output=True, text=True, timeout=60)
 
     with thread_worker(redis_url, "w1"):
-        submitted = cli("submit", "score this", "--id", "c1", "--max-tokens", "4", "--logprobs",
-                        "2", "--prompt-logprobs", "1", "--json")
+        submitted = cli("submit", "score this", "--raw", "--id", "c1", "--max-tokens", "4",
+                        "--logprobs", "2", "--prompt-logprobs", "1", "--json")
     assert submitted.returncode == 0, submitted.stderr
     result = json.loads(submitted.stdout)
     assert len(result["logprobs"]) == 4 and len(result["prompt_logprobs"]) == 9

@@ -8,6 +8,7 @@ import argparse
 import functools
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -16,7 +17,14 @@ from typing import Any, TextIO
 import redis
 
 from qworker_client.client import Job, Producer
-from qworker_client.connect import redis_url_from_env
+from qworker_client.connect import (
+    ClientOptions,
+    RedisUnreachable,
+    RedisURLError,
+    check_reachable,
+    checked_url,
+    redis_url_from_env,
+)
 from qworker_client.protocol import (
     DEFAULT_PREFIX,
     DoneEvent,
@@ -42,6 +50,7 @@ EXIT_JOB_ERROR = 1
 EXIT_USAGE = 2
 EXIT_REDIS = 3
 EXIT_TIMEOUT = 124  # as timeout(1)
+EXIT_BROKEN_PIPE = 141  # as a shell reports a command killed by SIGPIPE
 EXIT_INTERRUPTED = 130
 
 
@@ -55,7 +64,17 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace) -> Producer:
-    return Producer(args.redis_url or redis_url_from_env(), args.prefix)
+    """A producer on the command's Redis (`reachable_url`)."""
+    return Producer(reachable_url(args), args.prefix, options=ClientOptions())
+
+
+def reachable_url(args: argparse.Namespace) -> str:
+    """The command's Redis URL, once it parses (else `RedisURLError`) and one PING answered
+    within the connect timeout (else `RedisUnreachable`): a command never sits silent in a
+    blocking read or a reconnect loop against a Redis that is not there."""
+    url = checked_url(args.redis_url or redis_url_from_env())
+    check_reachable(url, ClientOptions())
+    return url
 
 
 def print_json(data: Any, out: TextIO | None = None) -> None:
@@ -92,12 +111,19 @@ def report_error(message: str) -> None:
 
 
 def reports_redis_errors(run: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
-    """A command's `run` that prints a Redis failure as one line (exit 3), not a traceback."""
+    """A command's `run` that prints a Redis failure as one line (exit 3; a Redis URL that does
+    not parse: exit 2), not a traceback."""
 
     @functools.wraps(run)
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return run(args)
+        except RedisURLError as exc:
+            report_error(str(exc))
+            return EXIT_USAGE
+        except RedisUnreachable as exc:
+            report_error(str(exc))
+            return EXIT_REDIS
         except redis.RedisError as exc:
             report_error(f"redis: {type(exc).__name__}: {exc}")
             return EXIT_REDIS
@@ -174,4 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "takes_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `qworker tail --json ID | head`: the reader has gone, quietly
+        return closed_stdout()
+
+
+def closed_stdout() -> int:
+    """Exit as a command whose stdout was closed by its reader does (SIGPIPE's 128 + 13); stdout
+    is pointed at /dev/null first, so flushing it at exit raises nothing more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import TypedDict
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # The producer never trims `<prefix>:jobs`, but it bounds how long it blocks in one read.
@@ -18,6 +22,16 @@ DEFAULT_BLOCK_MS = 5_000
 # markers and cancel flags live no longer, so a job id can be used again once its output is gone.
 DEFAULT_RESULT_TTL_S = 3_600
 READ_COUNT = 512  # entries per XREAD: a whole burst of tokens in one round trip
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_USERINFO = re.compile(r"([^/:@]*):[^@/]*@")
+
+
+class RedisURLError(ValueError):
+    """A Redis URL that redis-py cannot use (a usage error: exit 2)."""
+
+
+class RedisUnreachable(Exception):
+    """No Redis answered at the URL within the connect timeout (a runtime error: exit 3)."""
 
 
 def redis_url_from_env() -> str:
@@ -84,3 +98,45 @@ def sync_client(url: str, options: ClientOptions) -> redis.Redis:
 
 def async_client(url: str, options: ClientOptions) -> redis.asyncio.Redis:
     return redis.asyncio.Redis.from_url(url, **options.kwargs())
+
+
+def masked(url: str) -> str:
+    """`url` with its password, if any, as `***` (what error and ready lines print)."""
+    parts = urlsplit(url)
+    if parts.password is None:  # none, or a URL too broken to parse: any `user:secret@` hidden
+        return _USERINFO.sub(r"\1:***@", url, count=1)
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def checked_url(url: str) -> str:
+    """`url` if redis-py can use it, else a `RedisURLError` saying what is wrong."""
+    if not url.startswith(URL_SCHEMES):
+        raise RedisURLError(f"invalid Redis URL {masked(url)!r}: it must start with "
+                            f"{', '.join(URL_SCHEMES)} (e.g. redis://localhost:6379/0)")
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        raise RedisURLError(f"invalid Redis URL {masked(url)!r}: {exc}") from None
+    return url
+
+
+def check_reachable(url: str, options: ClientOptions) -> None:
+    """One PING, on a connection of its own, given `connect_timeout_s` to connect and as long to
+    answer, without retries: a `RedisUnreachable` saying where and why when it fails (before a
+    command would sit in a blocking read or a long reconnect loop). A refusal of the password or
+    the ACL is raised as is: that is no reachability problem."""
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=options.connect_timeout_s,
+        socket_timeout=options.connect_timeout_s, retry=Retry(NoBackoff(), 0))
+    try:
+        client.ping()
+    except redis.AuthenticationError:
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise RedisUnreachable(f"cannot reach Redis at {masked(url)} within "
+                               f"{options.connect_timeout_s:g} s: {why}") from None
+    finally:
+        client.close()

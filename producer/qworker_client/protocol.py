@@ -171,16 +171,22 @@ class Job(BaseModel):
         list[TokenId] | None, Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)
     ] = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CAP)] = 256
-    temperature: Annotated[float, Field(ge=0.0, le=5.0, description="0: greedy")] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=0, le=1_000_000, description="0: off")] = 0
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    # unset (None): the model's default (docs/protocol.md, "Sampling defaults")
+    temperature: Annotated[float | None, Field(ge=0.0, le=5.0, description=(
+        "0: greedy; unset: the model's default, else 1.0"))] = None
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0, description=(
+        "unset: the model's default, else 1.0"))] = None
+    top_k: Annotated[int | None, Field(ge=0, le=1_000_000, description=(
+        "0: off; unset: the model's default, else 0"))] = None
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0, description=(
+        "unset: the model's default, else 0.0"))] = None
     seed: Annotated[int | None, Field(ge=0, le=MAX_SEED)] = None
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] = []
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CAP)] = 0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    repetition_penalty: Annotated[float | None, Field(gt=0.0, le=10.0, description=(
+        "unset: the model's default, else 1.0"))] = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     priority: Annotated[
@@ -230,7 +236,8 @@ class Job(BaseModel):
             raise ValueError("min_tokens must be <= max_tokens")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
                 raise ValueError(f"{name} must be finite")
         return self
 
@@ -659,6 +666,7 @@ class WorkerInfo(BaseModel):
     draining: bool = False
     native: str = ""  # the native CPU kernels' level, or "missing: <why>"
     served_model_name: str = ""  # the name clients ask for (`--served-model-name`; "": `model`)
+    chat: bool | None = None  # whether its model has a chat template (None: an older worker)
 
 
 def _work_stream(base: str, model: str | None, band: str) -> str:

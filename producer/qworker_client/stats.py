@@ -4,7 +4,7 @@ model's), dead letters, live workers."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -129,6 +129,43 @@ def stream_stats(client: redis.Redis, key: str, group: str) -> StreamStats:
 def live_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     names = sorted(client.scan_iter(match=keys.worker_pattern, count=SCAN_COUNT))
     return _workers(keys, names, client.mget(names) if names else [])
+
+
+def visible_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]] | None:
+    """`live_workers`, or None where this Redis user may not look (no SCAN: the producer ACL
+    role, since SCAN would show every key's name): then nobody can tell who is there."""
+    try:
+        return live_workers(client, keys)
+    except redis.exceptions.NoPermissionError:
+        return None
+
+
+def served_model(info: Mapping[str, Any]) -> str | None:
+    """The model a live worker's key names: `served_model_name`, else `model`."""
+    model = info.get("served_model_name") or info.get("model")
+    return model if isinstance(model, str) and model else None
+
+
+def live_models(client: redis.Redis, keys: Keys) -> set[str]:
+    """The models the live workers serve now."""
+    return {m for info in live_workers(client, keys) if (m := served_model(info)) is not None}
+
+
+def why_not_served(workers: Sequence[Mapping[str, Any]], model: str | None) -> str | None:
+    """None when one of the live `workers` would run a job of `model` now (None: a model-less
+    job, which any worker runs); else why not, in words. The gateway's rule for its 503
+    `no_live_worker` and 404 `model_not_found`."""
+    if not workers:
+        return "no worker is live"
+    served = sorted({m for w in workers if (m := served_model(w)) is not None})
+    if model is None or model in served:
+        return None
+    return f"no live worker serves model {model!r} (live workers serve: {', '.join(served)})"
+
+
+def serving(workers: Sequence[Mapping[str, Any]], model: str | None) -> list[Mapping[str, Any]]:
+    """The live `workers` that would run a job of `model` (None: every one)."""
+    return [w for w in workers if model is None or served_model(w) == model]
 
 
 def _stream_stats(

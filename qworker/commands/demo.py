@@ -26,6 +26,8 @@ import redis
 
 from qworker.commands.up import EmbeddedRedis, LocalRedis, OwnRedis
 from qworker.engine.config import EngineConfig
+from qworker.model.errors import ModelInputError, one_line
+from qworker_client.connect import RedisURLError, checked_url
 from qworker_client.local_redis import die_with_parent
 from qworker_client.multiplex import Multiplexer
 from qworker_client.protocol import Keys
@@ -64,7 +66,7 @@ def own_redis(data_dir: Path) -> Iterator[str]:
     """$REDIS_URL, or a redis-server (else the embedded server) of ours until the end."""
     if os.environ.get("REDIS_URL"):
         say(f"using REDIS_URL (keys under {PREFIX}:)")
-        yield os.environ["REDIS_URL"]
+        yield checked_url(os.environ["REDIS_URL"])
         return
     binary = shutil.which("redis-server")
     server: OwnRedis = LocalRedis(binary, data_dir) if binary else EmbeddedRedis()
@@ -251,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted; stopping what the demo started")
         return 130
+    except (RedisURLError, ModelInputError) as exc:  # what the user gave: one line, exit 2
+        say(f"failed: {one_line(exc)}")
+        return 2
     except (RuntimeError, TimeoutError, redis.RedisError) as exc:
         say(f"failed: {exc}")
         return 1

@@ -1,4 +1,6 @@
-"""`qworker model fetch [NAME]` and `qworker model path NAME`: get or locate model files."""
+"""`qworker model fetch [NAME]` and `qworker model path NAME`: get or locate model files. The path
+goes to stdout, how far a fetch is to stderr; an unknown name exits 2, a failed download 3, a
+model not fetched yet (`path`) 1."""
 
 from __future__ import annotations
 
@@ -25,9 +27,12 @@ def run_fetch(args: argparse.Namespace) -> int:
 
     try:
         print(resolve_model(args.name))
-    except (UnknownModelError, ModelFetchError) as exc:
+    except UnknownModelError as exc:  # what the user typed: a usage error
         print(f"qworker model fetch: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except ModelFetchError as exc:  # the download failed: a runtime one
+        print(f"qworker model fetch: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -38,7 +43,7 @@ def run_path(args: argparse.Namespace) -> int:
         path = local_path(args.name)
     except UnknownModelError as exc:
         print(f"qworker model path: {exc}", file=sys.stderr)
-        return 1
+        return 2
     print(path)
     if not path.exists():
         print(f"not fetched yet; run: qworker model fetch {args.name}", file=sys.stderr)

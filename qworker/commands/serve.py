@@ -18,6 +18,7 @@ from qworker.engine.config import EngineConfig  # a plain dataclass: no torch
 from qworker.service.config import ServiceConfig  # stdlib and the protocol's names: no redis
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EXIT_INTERRUPTED = 130  # as a shell reports Ctrl-C
 # the flags of `serve` that are no config field: how the process logs, and its RQ callback
 NOT_CONFIG = (
     Flag("--log-level", "log_level", str, "info", "how much to log", LOG_LEVELS),
@@ -49,15 +50,24 @@ def add_flags(p: argparse.ArgumentParser, redis_required: bool = True,
         add_flag(p, flag)
 
 
-def engine_for(config: EngineConfig) -> Any:
-    """The simulated engine for a `sim` model, else the real one (torch: imported only then)."""
+def engine_for(config: EngineConfig, log: Any = None) -> Any:
+    """The simulated engine for a `sim` model, else the real one (torch: imported only then),
+    its loading shown on stderr (load_progress.py) through `log` (None: the default logger)."""
+    from qworker.commands.load_progress import LoadProgress
     from qworker.engine.simulated import SimulatedEngine, is_simulated
+    from qworker.service.logs import get_logger
 
     if is_simulated(config.model):
         return SimulatedEngine.from_config(config)
     from qworker.engine.engine import Engine  # torch: only for a real model
 
-    return Engine.from_config(config)
+    progress = LoadProgress(log or get_logger(), config.model)
+    engine = None
+    try:
+        engine = Engine.from_config(config, progress.stage)
+    finally:
+        progress.close(loaded=engine is not None)
+    return engine
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -65,8 +75,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**config_values(args, EngineConfig), requeue_preempted=True)
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    return engine_for(engine_config(args))
+def build_engine(args: argparse.Namespace, log: Any = None) -> Any:
+    return engine_for(engine_config(args), log)
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
@@ -74,6 +84,21 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     if not values.get("name"):  # none, or empty: host-pid
         values.pop("name", None)
     return ServiceConfig(**values, model=args.model)
+
+
+def checked_inputs(args: argparse.Namespace) -> ServiceConfig:
+    """The worker's settings, once the Redis URL parses and the model is a path or a known
+    name: what is wrong with them is said before seconds go into loading the model
+    (`RedisURLError`, a ValueError; `ModelInputError`)."""
+    from qworker.engine.simulated import is_simulated
+    from qworker.model.loading.hub import local_path
+    from qworker_client.connect import checked_url
+
+    config = service_config(args)
+    checked_url(config.redis_url)
+    if not is_simulated(args.model):
+        local_path(args.model)  # an unknown name raises; a known one is fetched when loaded
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,19 +109,29 @@ def run(args: argparse.Namespace) -> int:
     from qworker.service.worker import Worker
 
     configure_logging(args.log_level)
-    config = service_config(args)
+    try:
+        config = checked_inputs(args)
+    except ModelInputError as exc:
+        get_logger().error("model_not_loaded", model=args.model, error=one_line(exc))
+        return 2
+    except ValueError as exc:  # a Redis URL that does not parse, a served name that cannot be
+        get_logger().error("bad_settings", error=one_line(exc))
+        return 2
     log = get_logger(worker=config.name)
-    log.info("loading engine", model=args.model, device=args.device)
     try:
         on_done = OnDone.from_flags(args.on_done_rq_queue, args.on_done_rq_func, args.prefix)
     except (ValueError, ImportError) as exc:
         log.error("bad --on-done-rq-* flags", error=str(exc))
         return 2
     try:
-        engine = build_engine(args)
+        log.info("loading engine", model=args.model, device=args.device)
+        engine = build_engine(args, log)
     except ModelInputError as exc:  # a bad model: one line, no traceback (qworker/model/errors.py)
         log.error("model_not_loaded", model=args.model, error=one_line(exc))
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading: nothing taken yet, nothing to drain
+        log.warning("interrupted while loading the model")
+        return EXIT_INTERRUPTED
     worker = Worker(engine, config, on_done=on_done,
                     metrics=Metrics(stall_s=config.stall_timeout_s, host=config.metrics_host))
 

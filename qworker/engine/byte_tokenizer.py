@@ -17,6 +17,7 @@ class ByteTokenizer:
     vocab_size = VOCAB_SIZE
     eos_token_id = EOS_TOKEN_ID
     eos_token_ids = (EOS_TOKEN_ID,)
+    has_chat_template = True
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))

@@ -69,6 +69,8 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.tokenizer = vocab.tokenizer
+        # the model's own sampling defaults, for what a request leaves unset (request.py)
+        self.sampling_defaults: dict[str, float | int] = {}
         self._detokenizer = vocab.detokenizer
         self.eos_token_ids = vocab.eos_token_ids
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)

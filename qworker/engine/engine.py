@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 
 from qworker.engine.config import EngineConfig
@@ -16,7 +18,8 @@ from qworker.model.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 class Engine(EngineCore):
     runner: Runner
 
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
+                 sampling_defaults: Mapping[str, float | int] | None = None) -> None:
         mc = model.config
         num_blocks = config.num_blocks or blocks_for_budget(
             mc, config.block_size, model.dtype, config.kv_cache_gb)
@@ -25,18 +28,26 @@ class Engine(EngineCore):
         vocab = Vocabulary(tokenizer, lambda: IncrementalDetokenizer(tokenizer), eos_token_ids,
                            max_token_chars(tokenizer))
         super().__init__(config, Runner(model, cache, eos_token_ids), vocab, num_blocks)
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig,
+                    stage: Callable[[str], None] = lambda _name: None) -> Engine:
+        """The engine of `config.model`, fetched on first use, loaded and readied; `stage` hears
+        each stage as it begins: weights, tokenizer, kernels (the commands show it)."""
         from qworker.model.decoder import load_model
         from qworker.model.dtypes import resolve_dtype
+        from qworker.model.loading.generation import sampling_defaults
         from qworker.model.loading.hub import resolve_model
 
+        stage("weights")
         path = resolve_model(config.model)
         dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(
             config.weights, resolve_dtype(config.dtype, config.device))
         model = load_model(path, dtype=dtype, device=config.device, weights=config.weights)
-        engine = cls(model, Tokenizer.load(path), config)
+        stage("tokenizer")
+        engine = cls(model, Tokenizer.load(path), config, sampling_defaults(path))
+        stage("kernels")
         engine.prepare()
         return engine
 

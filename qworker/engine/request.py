@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled"]
 MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may ask for
@@ -45,6 +46,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sampling_params(given: Mapping[str, Any], model_defaults: Mapping[str, float | int]
+                    ) -> SamplingParams:
+    """The values `given` (None: unset); an unset one is the model's default where it states
+    one (engine.sampling_defaults), else the documented default above (vLLM's neutral ones)."""
+    chosen = {name: value for name, value in given.items() if value is not None}
+    return SamplingParams(**(dict(model_defaults) | chosen))
 
 
 @dataclass

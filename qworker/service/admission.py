@@ -24,6 +24,7 @@ from qworker_client.protocol import INTERNAL, INVALID_REQUEST, Job, Keys
 
 class AdmittingEngine(Protocol):
     tokenizer: Any
+    sampling_defaults: dict[str, float | int]
 
     def add(self, request: Request) -> None: ...
     def check_prompt_text(self, text: str) -> None: ...
@@ -157,7 +158,8 @@ class Admission:
             prompt = self.prompt_ids(t.job)
             # delivered before: an earlier run may have crashed its process on this job, so it
             # runs alone until it has produced a token and shares no step with others
-            self.engine.add(Request(t.job_id, prompt, sampling_params(t.job, t.job_id),
+            params = sampling_params(t.job, t.job_id, self.engine.sampling_defaults)
+            self.engine.add(Request(t.job_id, prompt, params,
                                     queued_s=t.waited_ms(read_ms) / 1000,  # for aging
                                     output_token_ids=list(t.readback.token_ids),
                                     priority=t.job.priority, isolate=t.entry.deliveries > 1,

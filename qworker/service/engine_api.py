@@ -11,6 +11,7 @@ from qworker.engine.request import Request, StepOutput
 class EngineLike(Protocol):
     tokenizer: Any
     max_model_len: int
+    sampling_defaults: dict[str, float | int]
 
     def add(self, request: Request) -> None: ...
     def check_prompt_text(self, text: str) -> None: ...

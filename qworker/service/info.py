@@ -1,4 +1,5 @@
-"""What a worker says of itself: its liveness key's value, and at start which kernels it runs."""
+"""What a worker says of itself: its liveness key's value, at start which kernels it runs, and
+once it takes jobs its ready line."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from typing import Any
 
 from qworker.service.config import ServiceConfig
 from qworker.service.metrics import Metrics
+from qworker_client.connect import masked
 from qworker_client.protocol import WorkerInfo
 
 
 def worker_info(config: ServiceConfig, started_ms: int, running: int, free_slots: int,
-                draining: bool, kernels: dict[str, str]) -> WorkerInfo:
+                draining: bool, kernels: dict[str, str], chat: bool) -> WorkerInfo:
     return WorkerInfo(name=config.name, host=socket.gethostname(), pid=os.getpid(),
                       model=config.model, group=config.group,
                       served_model_name=config.served_model or "", started_ms=started_ms,
                       running=running, free_slots=free_slots, draining=draining,
-                      native=kernels.get("native", ""))
+                      native=kernels.get("native", ""), chat=chat)
 
 
 def report_kernels(report: dict[str, str], metrics: Metrics, log: Any) -> None:
@@ -30,3 +32,12 @@ def report_kernels(report: dict[str, str], metrics: Metrics, log: Any) -> None:
                   "(they carry the build), or give the worker a C++ compiler")
     else:
         log.info("kernels", **report)
+
+
+def say_ready(log: Any, config: ServiceConfig, streams: tuple[str, ...],
+              kernels: dict[str, str], sampling_defaults: dict[str, float | int]) -> None:
+    """The one line that says the worker takes jobs, and from where (its password masked)."""
+    log.info("ready", redis=masked(config.redis_url), streams=len(streams),
+             reads=" ".join(streams), model=config.model,
+             served_model_name=config.served_model or "", kernels=kernels.get("native", ""),
+             sampling_defaults=sampling_defaults, worker=config.name)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 
 from qworker.engine.request import SamplingParams, StructuredOutputs
+from qworker.engine.request import sampling_params as engine_sampling_params
 from qworker_client.protocol import Job
 from qworker_client.protocol import StructuredOutputs as WireStructuredOutputs
 
@@ -22,15 +24,18 @@ def default_seed(job_id: str) -> int:
     return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") >> 1
 
 
-def sampling_params(job: Job, job_id: str) -> SamplingParams:
-    """The job's sampling fields by name (lists as tuples); a job without a seed gets its own."""
+def sampling_params(job: Job, job_id: str,
+                    model_defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+    """The job's sampling fields by name (lists as tuples); a job without a seed gets its own;
+    what it leaves unset (temperature, top_p, top_k, min_p, repetition_penalty) is the model's
+    default (`model_defaults`, the engine's `sampling_defaults`), else the engine's own."""
     values = {name: getattr(job, name) for name in Job.model_fields
               if name not in JOB_NOT_SAMPLING}
     values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     if values["seed"] is None:
         values["seed"] = default_seed(job_id)
     values["structured_outputs"] = structured_outputs(job.structured_outputs)
-    return SamplingParams(**values)
+    return engine_sampling_params(values, model_defaults or {})
 
 
 def structured_outputs(wire: WireStructuredOutputs | None) -> StructuredOutputs | None:

@@ -46,7 +46,7 @@ from qworker.service.errors import (
 )
 from qworker.service.groups import Groups
 from qworker.service.heartbeat import Heartbeat, Held
-from qworker.service.info import report_kernels, worker_info
+from qworker.service.info import report_kernels, say_ready, worker_info
 from qworker.service.intake import Intake
 from qworker.service.job import ActiveJob, Entry, now_ms
 from qworker.service.logprobs import token_text
@@ -101,6 +101,7 @@ class Worker:
                                    track=self._track)
         self.trip = RoundTrip(self.publisher, self.heartbeat.hold, config.name)
         self._ready = False  # group created and scripts loaded
+        self._said_ready = False  # the "ready" line, once: at the first setup
         self._last_info = float("-inf")
         self._tracked: tuple[tuple[str, ...], ...] | None = None  # the heartbeat's snapshot
         self._started_ms = now_ms()
@@ -211,6 +212,10 @@ class Worker:
     def _setup(self) -> None:
         self.groups.ensure()
         Scripts.load(self.client)
+        if not self._said_ready:
+            say_ready(self.log, self.config, self.intake.streams, self.kernels,
+                      self.engine.sampling_defaults)
+            self._said_ready = True
         self._ready = True
 
     def _guard(self, fn: Callable[[], Any]) -> bool:
@@ -331,4 +336,5 @@ class Worker:
 
     def _info(self) -> WorkerInfo:
         return worker_info(self.config, self._started_ms, len(self.active),
-                           self.engine.free_slots(), self.draining, self.kernels)
+                           self.engine.free_slots(), self.draining, self.kernels,
+                           chat=self.engine.tokenizer.has_chat_template)

@@ -12,10 +12,10 @@ from qworker_client.cli import (
     EXIT_USAGE,
     add_connection_args,
     print_json,
+    reachable_url,
     report_error,
     reports_redis_errors,
 )
-from qworker_client.connect import redis_url_from_env
 
 DEFAULT_RQ_JOB_TIMEOUT_S = 24 * 3600
 DEFAULT_RQ_RESULT_TTL_S = 7 * 24 * 3600
@@ -83,7 +83,7 @@ def _positive(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         summary = run_batch(
-            args.input, args.output, args.errors, redis_url=args.redis_url, prefix=args.prefix,
+            args.input, args.output, args.errors, redis_url=reachable_url(args), prefix=args.prefix,
             max_in_flight=args.max_in_flight, batch_id=args.batch_id,
             progress=make_progress(not args.no_progress))
     except BatchInputError as exc:
@@ -101,7 +101,7 @@ def submit_rq(args: argparse.Namespace) -> int:
     from qworker_client.rq import enqueue_batch
 
     job_id = enqueue_batch(
-        args.redis_url or redis_url_from_env(), args.queue, args.input.resolve(),
+        reachable_url(args), args.queue, args.input.resolve(),
         args.output.resolve(), args.errors.resolve() if args.errors else None,
         max_in_flight=args.max_in_flight, prefix=args.prefix, batch_id=args.batch_id,
         job_timeout=args.job_timeout, result_ttl=args.result_ttl)

@@ -1,11 +1,13 @@
 """`qworker status JOB_ID`: queued, running, done, error or unknown (docs/protocol.md, "Asking a
-job's status"); with the result when the job has ended. Exits 0 whatever the status."""
+job's status"); with the result when the job has ended. Exits 0, or 1 for a job Redis does not
+know (never submitted, or its output has expired)."""
 
 from __future__ import annotations
 
 import argparse
 
 from qworker_client.cli import (
+    EXIT_JOB_ERROR,
     EXIT_USAGE,
     add_connection_args,
     connect,
@@ -41,4 +43,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {found.error.code}: {found.error.message}")
     else:
         print(found.status)
-    return 0
+    return EXIT_JOB_ERROR if found.status == "unknown" else 0

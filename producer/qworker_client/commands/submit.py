@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from qworker_client.cli import (
+    EXIT_REDIS,
     EXIT_USAGE,
     add_connection_args,
     connect,
@@ -16,6 +17,8 @@ from qworker_client.cli import (
     report_error,
     reports_redis_errors,
 )
+from qworker_client.fields import job_fields
+from qworker_client.stats import serving, visible_workers, why_not_served
 
 # (flag, wire field, type) of the optional job fields taken as plain values.
 _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
@@ -68,15 +71,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--json", action="store_true",
                         help="machine output: the result object, or one event per line (--stream)")
-    parser.add_argument("--no-wait", action="store_true", help="print the job id and exit")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="queue it, print the job id and exit (even with no live worker)")
+    parser.add_argument("--wait", action="store_true",
+                        help="queue it and wait even when no live worker serves its model "
+                             "(default: say so and queue nothing)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for the end")
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
 
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chat", action="store_true",
-                        help="send the prompt as a user message (chat template applies)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--chat", action="store_true",
+                      help="send the prompt as a user message, the chat template applies (the "
+                           "default, unless the live workers of its model have no template)")
+    kind.add_argument("--raw", action="store_true",
+                      help="send the prompt as is: a plain completion, no chat template")
     parser.add_argument("--system", default=None, help="system message (implies --chat)")
     parser.add_argument("--messages-json", default=None,
                         help='chat messages as JSON: [{"role": "user", "content": "..."}]')
@@ -148,7 +159,9 @@ def _prompt_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.prompt_token_ids is not None:
         return {"prompt_token_ids": _json_arg("--prompt-token-ids", args.prompt_token_ids),
                 "prompt": prompt}
-    if args.chat or args.system is not None:
+    if prompt is None and args.system is None:
+        return {"prompt": None}  # the job's own check says what is missing
+    if not args.raw or args.system is not None:  # a system message is a chat
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         user = [{"role": "user", "content": prompt}] if prompt is not None else []
         return {"messages": system + user}
@@ -171,12 +184,24 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         report_error(str(exc))
         return EXIT_USAGE
+    try:
+        job_fields(spec)  # a job no worker would take is refused before Redis is asked
+    except (ValueError, TypeError) as exc:
+        report_error(f"invalid job: {exc}")
+        return EXIT_USAGE
     with connect(args) as producer:
-        try:
-            job = producer.submit(**spec)
-        except (ValueError, TypeError) as exc:
-            report_error(f"invalid job: {exc}")
-            return EXIT_USAGE
+        workers = visible_workers(producer.redis, producer.keys)  # None: this user may not look
+        if workers is not None and _sent_plain(args, workers, spec.get("model")):
+            spec.update(_raw_prompt(spec))
+        why_not = None if workers is None else why_not_served(workers, spec.get("model"))
+        if why_not is not None and not (args.wait or args.no_wait):
+            report_error(f"{why_not}: nothing queued (a worker is live once `qworker serve` "
+                         "says ready; --wait queues it and waits for one)")
+            return EXIT_REDIS
+        job = producer.submit(**spec)
+        if why_not is not None:
+            report_error(f"{why_not}: job {job.id} is queued"
+                         + ("" if args.no_wait else "; waiting for a worker"))
         if args.no_wait:
             if args.json:
                 print_json({"id": job.id})
@@ -186,3 +211,20 @@ def run(args: argparse.Namespace) -> int:
         logprobs = args.logprobs is not None and not args.json  # a line per token
         return follow(job, stream=args.stream or logprobs, as_json=args.json,
                       timeout=args.timeout, cancel_on_interrupt=True, logprobs=logprobs)
+
+
+def _sent_plain(args: argparse.Namespace, workers: list[dict[str, Any]],
+                  model: str | None) -> bool:
+    """Whether a prompt given plainly (no --chat, --raw, --system) goes as is: every live worker
+    that would run it says its model has no chat template (`chat` false in its key)."""
+    said = (args.chat, args.raw, args.system, args.messages_json, args.prompt_token_ids)
+    if any(flag not in (None, False) for flag in said):
+        return False
+    ours = serving(workers, model)
+    return bool(ours) and all(w.get("chat") is False for w in ours)
+
+
+def _raw_prompt(spec: dict[str, Any]) -> dict[str, Any]:
+    """The plain prompt's job fields, from the user message it was first made into."""
+    (user,) = spec["messages"]
+    return {"prompt": user["content"], "messages": None}

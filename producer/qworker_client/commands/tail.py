@@ -1,10 +1,14 @@
-"""`qworker tail JOB_ID`: follow a job's output stream from its first event (or `--from-id`)."""
+"""`qworker tail JOB_ID`: follow a job's output stream from its first event (or `--from-id`). A job
+Redis does not know exits 1 at once; a queued one with no live worker says so (exit 3); with
+`--wait` either is followed all the same."""
 
 from __future__ import annotations
 
 import argparse
 
 from qworker_client.cli import (
+    EXIT_JOB_ERROR,
+    EXIT_REDIS,
     EXIT_USAGE,
     add_connection_args,
     connect,
@@ -13,6 +17,7 @@ from qworker_client.cli import (
     reports_redis_errors,
 )
 from qworker_client.result import START_ID
+from qworker_client.stats import visible_workers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="seconds to wait for the end")
     parser.add_argument("--logprobs", action="store_true",
                         help="a line per token: index, id, logprob, text, top alternatives")
+    parser.add_argument("--wait", action="store_true",
+                        help="follow the job even when Redis does not know it yet (exit 1 "
+                             "otherwise) or no worker is live (exit 3 otherwise)")
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
@@ -40,5 +48,16 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             report_error(str(exc))
             return EXIT_USAGE
+        status = producer.status(args.job_id).status
+        if status == "unknown" and not args.wait:
+            report_error(f"job {args.job_id} is unknown: never submitted, expired, or written "
+                         "with a plain XADD and not started yet (--wait to follow it anyway)")
+            return EXIT_JOB_ERROR
+        if status == "queued" and visible_workers(producer.redis, producer.keys) == []:
+            if not args.wait:
+                report_error(f"job {args.job_id} is queued and no worker is live (start one "
+                             "with `qworker serve`, or --wait to wait for one)")
+                return EXIT_REDIS
+            report_error(f"job {args.job_id} is queued and no worker is live; waiting for one")
         return follow(job, stream=True, as_json=args.json, timeout=args.timeout,
                       cancel_on_interrupt=False, logprobs=args.logprobs and not args.json)

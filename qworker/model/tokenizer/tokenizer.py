@@ -217,6 +217,10 @@ class Tokenizer:
             **(self.special_tokens | kwargs),
         )
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         # The template writes its own special tokens, so none are added on top.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
