@@ -26,7 +26,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from qworker.commands import serve
 from qworker.commands.config_flags import add_config_flags, config_values
@@ -38,6 +37,7 @@ from qworker.commands.up_gateway import (
     example,
 )
 from qworker.engine.config import EngineConfig
+from qworker_client.connect import masked
 from qworker_client.local_redis import RedisProcess, RedisProcessError, free_port, wait_until_up
 
 DEFAULT_MAXMEMORY = "1gb"
@@ -193,16 +193,6 @@ def choose_redis(args: argparse.Namespace) -> tuple[OwnRedis, str | None]:
                           up.redis_maxmemory), None
     why = "--embedded" if up.embedded else "no redis-server on PATH"
     return EmbeddedRedis(up.redis_port), why
-
-
-def masked(url: str) -> str:
-    """`url` with its password, if any, as `***` (what `qworker up` prints)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def announce(url: str, description: str) -> None:
