@@ -28,16 +28,18 @@ EXPERTS = dict(count=4, per_token=2)  # arch="qwen3moe": each expert's MLP of SI
 
 
 def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
-                    others: dict[str, Q] | None = None, arch: str = "llama") -> Path:
+                    others: dict[str, Q] | None = None, arch: str = "llama",
+                    shard_tensors: int = 0) -> Path:
     """A one-layer Llama whose every matrix is random blocks of `kind` (norms float32), but
     those `others` names by their short name ("attn_v") in another format. arch="qwen2": the
     same with random float32 biases on q, k and v, as Qwen2 files have them. arch="qwen3moe":
     q/k norms, and routed experts (EXPERTS) in place of the MLP: a float32 router and 3-D expert
-    tensors, as llama.cpp writes them."""
+    tensors, as llama.cpp writes them. shard_tensors: split into shards of that many tensors,
+    as llama.cpp's gguf-split does (the first shard's path is returned)."""
     rng = np.random.default_rng(seed)
     s = SIZES
     head_dim = s["hidden"] // s["heads"]
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=shard_tensors)
     writer.add_context_length(256)
     writer.add_embedding_length(s["hidden"])
     writer.add_block_count(s["layers"])
@@ -91,4 +93,4 @@ def write_tiny_gguf(path: Path, kind: Q, seed: int = 0, tied: bool = True,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return min(path.parent.glob(f"{path.stem}-*-of-*.gguf")) if shard_tensors else path

@@ -123,3 +123,21 @@ def test_cli_fetch_and_path(
     assert "known: " in capsys.readouterr().err
     assert run_cli(["model", "path", "nope"]) == 2
     assert downloads == ["fake-model==1.0"]
+
+
+def test_cli_list_shows_known_models_and_cached_files(
+    home: Path, downloads: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_cli(["model", "list"]) == 0
+    assert "fake\tnot fetched (qworker model fetch fake)" in capsys.readouterr().out.splitlines()
+    assert run_cli(["model", "fetch", "fake"]) == 0
+    (home / "models" / "mine-00001-of-00002.gguf").write_bytes(b"GGUF" + bytes(2_000_000))
+    (home / "models" / "folder").mkdir()
+    (home / "models" / "folder" / "config.json").write_text("{}")
+    capsys.readouterr()
+    assert run_cli(["model", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"fake\t0 MB\t{home / 'models' / 'Fake.Q4_1.gguf'}" in lines
+    shard = home / "models" / "mine-00001-of-00002.gguf"
+    assert lines[-2:] == [f"folder\t0 MB\t{home / 'models' / 'folder'}",
+                          f"{shard.name}\t2 MB\t{shard}"]

@@ -25,6 +25,9 @@ from qworker.model.loading.tensors import (
 
 if TYPE_CHECKING:
     from qworker.model.loading.gguf_file import GGUFFile, GGUFTensor
+    from qworker.model.loading.gguf_shards import GGUFShards
+
+    GGUFReader = GGUFFile | GGUFShards  # one file, or a split one's shards as one
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -59,25 +62,28 @@ _EOG_TOKEN_TEXTS = frozenset(
 _CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens such as <|im_end|>
 
 
-def open_gguf(path: Path) -> GGUFFile:
-    """The GGUF file at `path`, with any parse failure as a LoaderError."""
+def open_gguf(path: Path) -> GGUFReader:
+    """The GGUF file at `path` (a shard's name: all its shards as one), with any parse failure
+    as a LoaderError."""
     from qworker.model.loading.gguf_file import (  # imports gguf: only when used
         GGUFFile,
         GGUFFormatError,
     )
+    from qworker.model.loading.gguf_shards import GGUFShards, shard_paths
 
     try:
-        return GGUFFile(path)
+        shards = shard_paths(Path(path))
+        return GGUFFile(path) if shards is None else GGUFShards(shards)
     except (GGUFFormatError, OSError, UnicodeDecodeError, struct.error) as exc:
         raise LoaderError(f"{path}: not a readable GGUF file: {exc}") from exc
 
 
-def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     """A metadata value (int, float, str, bool or list), or `default` when the key is absent."""
     return reader.get(key, default)
 
 
-def gguf_eos_token_ids(reader: GGUFFile) -> tuple[int, ...]:
+def gguf_eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
     """The file's eos / eot / eom ids, then any other control token that ends generation."""
     ids = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     tokens = gguf_value(reader, "tokenizer.ggml.tokens", [])
@@ -111,7 +117,7 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
     return config, tensors
 
 
-def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     """The ModelConfig a GGUF's metadata describes."""
     arch = gguf_value(reader, "general.architecture")
     if arch is None:
@@ -197,7 +203,7 @@ def _shortest_f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _gguf_vocab_size(reader: GGUFFile) -> int:
+def _gguf_vocab_size(reader: GGUFReader) -> int:
     tokens = reader.get("tokenizer.ggml.tokens")
     if tokens is not None:
         return len(tokens)
@@ -205,7 +211,7 @@ def _gguf_vocab_size(reader: GGUFFile) -> int:
     return 0 if embed is None else int(embed.shape[-1])
 
 
-def _gguf_rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any] | None:
+def _gguf_rope_scaling(reader: GGUFReader, arch: str, path: Path) -> dict[str, Any] | None:
     kind = gguf_value(reader, f"{arch}.rope.scaling.type")
     factors = _rope_freq_factors(reader, path)
     if factors is not None:
@@ -222,7 +228,7 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any
     return scaling
 
 
-def _rope_freq_factors(reader: GGUFFile, path: Path) -> tuple[float, ...] | None:
+def _rope_freq_factors(reader: GGUFReader, path: Path) -> tuple[float, ...] | None:
     """`rope_freqs.weight`: what llama.cpp's converter makes of Llama 3's RoPE scaling, a
     divisor of each frequency (of every layer alike)."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
@@ -233,7 +239,7 @@ def _rope_freq_factors(reader: GGUFFile, path: Path) -> tuple[float, ...] | None
     return tuple(float(f) for f in np.array(tensor.data, dtype=np.float32))
 
 
-def _check_gguf_types(reader: GGUFFile, path: Path) -> None:
+def _check_gguf_types(reader: GGUFReader, path: Path) -> None:
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_GGUF_TYPES:
             raise LoaderError(

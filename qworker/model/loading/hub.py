@@ -97,6 +97,17 @@ def local_path(name_or_path: str) -> Path:
     return qworker_home() / "models" / lookup(name_or_path).filename
 
 
+def cached_models() -> list[tuple[str, Path | None]]:
+    """Each known model with its file here (None: not fetched), then every other model file
+    or folder in the models folder, by its own name."""
+    folder = qworker_home() / "models"
+    known = [(name, folder / source.filename) for name, source in sorted(KNOWN_MODELS.items())]
+    listed = [(name, path if path.is_file() else None) for name, path in known]
+    others = sorted(p for p in folder.glob("*") if not p.name.startswith(".")
+                    and p not in {path for _, path in known}) if folder.is_dir() else []
+    return listed + [(p.name, p) for p in others]
+
+
 def resolve_model(name_or_path: str) -> Path:
     """An existing path as is; a known model name as its local file, fetched on first use."""
     path = Path(name_or_path).expanduser()
