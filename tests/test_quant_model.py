@@ -80,11 +80,12 @@ CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
     (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_down": Q.Q4_0}, "x8"),  # repacked in groups of 8 rows
     (Q.Q4_K, {"attn_v": Q.Q6_K}, "x8"),  # K-quants too
 ], ids=["int16-and-int8", "k-quants", "x8", "k-quants-x8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],
-        choice: str) -> None:
+        choice: str, dtype: torch.dtype) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", kind, seed=7, tied=False, others=others)
-    model = load_model(path, weights="quantized")
+    model = load_model(path, dtype=dtype, weights="quantized")
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 5 and len(model.layers[0].self_attn.qkv_proj.quant.segments) == (
         2 if others else 1)
@@ -92,7 +93,8 @@ def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         m.set_choice(CHOICES[choice])
     assert all(m.quant.is_x8 for m in linears) == (choice == "x8")
     qkv = model.layers[0].self_attn.qkv_proj  # a Qwen2-like bias, added after the kernel
-    qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features), requires_grad=False)
+    qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features, dtype=dtype),
+                                  requires_grad=False)
     calls: list[int] = []
     real = native.decode_step
     monkeypatch.setattr(native, "decode_step",

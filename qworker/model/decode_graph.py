@@ -6,8 +6,9 @@ its results are the same; what it saves is that path's per-op Python, tensor all
 thread wake-ups (a single-stream step: 11.6 -> 7.9 ms here). It serves steps whose every row is a
 single-token decode, at a row count for which every projection and the LM head run a native
 kernel (as `kernel_choice` measured, or by default): the native GEMM of a dense layer, or the
-chosen kernel of a layer kept in GGUF blocks (`QuantLinear`, float32 activations only, as that
-layer runs them). Others (and any step it declines) go layer by layer.
+chosen kernel of a layer kept in GGUF blocks (`QuantLinear`: in float32 as that layer runs it; a
+bfloat16 step's activations converted to float32 for it and its results back, as the layer
+does). Others (and any step it declines) go layer by layer.
 
 It reads the architecture's declaration (`ModelConfig.arch`): what the graph runs (q/k biases and
 norms, SiLU) it runs; a model that asks for anything else is refused once, with one log line, and
@@ -173,7 +174,7 @@ def _projection(lin: Linear | QuantLinear, rows: int, dtype: torch.dtype,
     appended to keep); None where the kind chosen there is no native one the graph runs."""
     kind = lin.kind_for(rows)
     if isinstance(lin, QuantLinear):
-        if kind not in native.QUANT_METHODS or dtype != torch.float32:
+        if kind not in native.QUANT_METHODS or dtype not in (torch.float32, torch.bfloat16):
             return None
         segments = lin.quant.segments
         array = (DecodeQuantSegment * len(segments))(*[

@@ -20,7 +20,8 @@ class DecodeQuantSegment(ctypes.Structure):
 
 class DecodeProj(ctypes.Structure):
     """One projection's weight (C `Proj`): a `gemm_pack` (pack) and the GEMM that reads it
-    (kernel: `GEMM_KERNELS`), or quantized segments (pack null; float32 activations only)."""
+    (kernel: `GEMM_KERNELS`), or quantized segments (pack null; run in float32, a bf16 step's
+    activations converted)."""
 
     _fields_ = [("pack", _P), ("segments", ctypes.POINTER(DecodeQuantSegment)),
                 ("num_segments", _I), ("kernel", _I)]

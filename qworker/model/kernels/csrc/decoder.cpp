@@ -26,7 +26,7 @@ struct QuantSegment {
   int64_t type, method, rows;
 };
 
-// one projection's weight: gemm-packed (dense), or quantized segments (pack null, float32 only)
+// one projection's weight: gemm-packed (dense), or quantized segments (pack null; in float32)
 struct Proj {
   const void* pack;
   const QuantSegment* segments;
@@ -78,7 +78,7 @@ bool proj_serves(const Proj& p, int64_t m, int64_t n, int64_t k) {
   if (p.pack != nullptr)
     return p.kernel == kAmxGemm ? amx_serves<T>(m, n, k)
                                 : p.kernel == kVectorGemm && qw::gemm_serves<T>(m, n, k);
-  if (!std::is_same_v<T, float> || p.num_segments < 1) return false;
+  if (p.num_segments < 1) return false;
   int64_t rows = 0;
   for (int64_t s = 0; s < p.num_segments; ++s) {
     const QuantSegment& seg = p.segments[s];
@@ -90,12 +90,35 @@ bool proj_serves(const Proj& p, int64_t m, int64_t n, int64_t k) {
   return rows == n;
 }
 
+// a quantized projection in float32: segment by segment into its columns, then the bias
+template <typename T>
+void quant_project(const Proj& p, const float* x, const T* bias, float* out, int64_t m,
+                   int64_t n, int64_t k, qw::quant::ActBlock* shared) {
+  int64_t row = 0;
+  for (int64_t s = 0; s < p.num_segments; ++s) {
+    const QuantSegment& seg = p.segments[s];
+    qw::quant::team_gemm(static_cast<int>(seg.type), static_cast<int>(seg.method), x, m, k,
+                         static_cast<const uint8_t*>(seg.blocks), seg.rows, out + row, n,
+                         shared);
+    row += seg.rows;
+  }
+  if (bias != nullptr) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) out[i * n + j] += qw::load(bias[j]);
+  }
+}
+
+// Staging: a bf16 step's activations as float32 for its quantized projections, and their
+// float32 results (each [m, widest])
+struct Staging { float* x; float* out; };
+
 // out [m, n] = x [m, k] W^T (+ bias) by every thread of the team, as the layer-by-layer path
-// computes it (a quantized one: segment by segment into its columns, then the bias in float32);
+// computes it (a quantized one in float32, a bf16 step's rounded back to bf16 after the bias);
 // ends on a barrier. shared: the integer dot's scratch, m * k/32 blocks.
 template <typename T>
 void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_t n, int64_t k,
-             qw::quant::ActBlock* shared) {
+             qw::quant::ActBlock* shared, const Staging& stage) {
   if (p.pack != nullptr) {
 #if defined(QW_GEMM_AMX)
     if constexpr (std::is_same_v<T, qw::bf16>) {
@@ -109,19 +132,14 @@ void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_
     return;
   }
   if constexpr (std::is_same_v<T, float>) {
-    int64_t row = 0;
-    for (int64_t s = 0; s < p.num_segments; ++s) {
-      const QuantSegment& seg = p.segments[s];
-      qw::quant::team_gemm(static_cast<int>(seg.type), static_cast<int>(seg.method), x, m, k,
-                           static_cast<const uint8_t*>(seg.blocks), seg.rows, out + row, n,
-                           shared);
-      row += seg.rows;
-    }
-    if (bias != nullptr) {
+    (void)stage;
+    quant_project(p, x, bias, out, m, n, k, shared);
+  } else {
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) out[i * n + j] += bias[j];
-    }
+    for (int64_t i = 0; i < m * k; ++i) stage.x[i] = qw::load(x[i]);
+    quant_project(p, stage.x, bias, stage.out, m, n, k, shared);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m * n; ++i) qw::store(out + i, stage.out[i]);
   }
 }
 
@@ -142,6 +160,16 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   auto cast = [](const void* p) { return static_cast<const T*>(p); };
   const T* none = nullptr;
   qw::quant::ActBlock* shared = q8.data();
+  // a bf16 step's quantized projections run in float32 (the LM head's too: vocab columns)
+  bool quantized = head.lm_head->pack == nullptr;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const Layer& w = layers[l];
+    quantized = quantized || !w.qkv.pack || !w.o.pack || !w.gate_up.pack || !w.down.pack;
+  }
+  const bool staged = !std::is_same_v<T, float> && quantized;
+  const int64_t out_widest = std::max({qkv_width, 2 * d.inter, d.hidden, head.vocab});
+  std::vector<float> stage_x(staged ? m * widest : 0), stage_out(staged ? m * out_widest : 0);
+  const Staging stage{stage_x.data(), stage_out.data()};
 #pragma omp parallel
   {
     for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier
@@ -150,7 +178,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
       T* v_cache = static_cast<T*>(w.v_cache);
       qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m,
                        d.hidden, eps);
-      project(w.qkv, h.data(), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden, shared);
+      project(w.qkv, h.data(), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden, shared, stage);
       if (w.q_norm != nullptr)
         qw::rms_norm_heads(qkv.data(), qkv_width, cast(w.q_norm), cast(w.k_norm), m, d.heads,
                            d.kv_heads, d.head_dim, eps);
@@ -158,11 +186,11 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
                      d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
       qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
                            shape, scale);
-      project(w.o, attn.data(), none, delta.data(), m, d.hidden, q_width, shared);
+      project(w.o, attn.data(), none, delta.data(), m, d.hidden, q_width, shared, stage);
       qw::add_rms_norm(x, delta.data(), cast(w.post_norm), h.data(), m, d.hidden, eps);
-      project(w.gate_up, h.data(), none, gate_up.data(), m, 2 * d.inter, d.hidden, shared);
+      project(w.gate_up, h.data(), none, gate_up.data(), m, 2 * d.inter, d.hidden, shared, stage);
       qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
-      project(w.down, act.data(), none, delta.data(), m, d.hidden, d.inter, shared);
+      project(w.down, act.data(), none, delta.data(), m, d.hidden, d.inter, shared, stage);
     }
     // as the model's tail: x[rows] + delta[rows], normed, through the LM head
 #pragma omp for
@@ -175,7 +203,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
                      d.hidden, eps);
     if (head.num_rows > 0)
       project(*head.lm_head, h.data(), none, static_cast<T*>(head.logits), head.num_rows,
-              head.vocab, d.hidden, shared);
+              head.vocab, d.hidden, shared, stage);
   }
 }
 
