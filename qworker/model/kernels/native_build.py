@@ -40,10 +40,13 @@ _AVX2 = ("-march=x86-64-v2", "-mavx", "-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 _AVX512_NEEDS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"})
 # best first; every level's kernels are a superset of the next one's
+# (every CPU with AVX512-BF16 has AVX512-VNNI too: Cooper Lake and later, Zen 4 and later; the
+# quantized kernels' 16-bit dots use its fused multiply-add)
 LEVELS = (
-    Level("amx", (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-          _AVX512_NEEDS | {"avx512_bf16", "amx_tile", "amx_bf16"}),
-    Level("avx512_bf16", (*_AVX512, "-mavx512bf16"), _AVX512_NEEDS | {"avx512_bf16"}),
+    Level("amx", (*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+          _AVX512_NEEDS | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}),
+    Level("avx512_bf16", (*_AVX512, "-mavx512bf16", "-mavx512vnni"),
+          _AVX512_NEEDS | {"avx512_bf16", "avx512_vnni"}),
     Level("avx512", _AVX512, _AVX512_NEEDS),
     Level("avx2", _AVX2, frozenset({"avx2", "fma", "f16c"})),
 )

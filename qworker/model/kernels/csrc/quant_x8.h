@@ -119,7 +119,7 @@ inline void x8_block_isums(const uint8_t* g, const Pairs<Pre> xb[R], __m256i isu
       const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(
           reinterpret_cast<const __m128i*>(q + 16 * p)));
       for (int r = 0; r < R; ++r)
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(w, xb[r].of(p)));
+        isum[r] = dot_add(isum[r], w, xb[r].of(p));
     }
   } else {
     for (int c = 0; c < 4; ++c) {
@@ -128,7 +128,7 @@ inline void x8_block_isums(const uint8_t* g, const Pairs<Pre> xb[R], __m256i isu
       for (int n = 0; n < 4; ++n) {
         const __m256i w = x8_nibbles<T>(v, high, c, n);
         for (int r = 0; r < R; ++r)
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(w, xb[r].of(4 * c + n)));
+          isum[r] = dot_add(isum[r], w, xb[r].of(4 * c + n));
       }
     }
   }
@@ -233,8 +233,7 @@ inline void x8k_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* ta
         for (int n = 0; n < 4; ++n) {
           const __m256i w = x8k_values<T>(q, v, c, n);
           for (int r = 0; r < R; ++r)
-            isum[c / 2][r] = _mm256_add_epi32(isum[c / 2][r],
-                                              _mm256_madd_epi16(w, xb[r].of(4 * c + n)));
+            isum[c / 2][r] = dot_add(isum[c / 2][r], w, xb[r].of(4 * c + n));
         }
       }
       if constexpr (T == Q4_K) {
