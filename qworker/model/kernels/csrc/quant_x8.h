@@ -257,6 +257,131 @@ inline void x8k_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* ta
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// ---- the K-quants' int16 dot on two groups at once (16 weight rows) in 512-bit registers:
+// group 0 in the low 256 bits of each, group 1 in the high; the activation pair broadcast to
+// both. The same sums and products as x8k_group_dot, each in its own lane.
+
+inline __m512i pair_of(const uint8_t* a, const uint8_t* b) {  // 32 bytes at a, then at b
+  return _mm512_inserti64x4(_mm512_castsi256_si512(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 halves_of(const uint8_t* a, const uint8_t* b) {  // 8 f16 at a, 8 at b: 16 floats
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+inline __m512 joined(__m256 low, __m256 high) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
+}
+
+inline __m512i dot_add512(__m512i isum, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(isum, w, x);
+#else
+  return _mm512_add_epi32(isum, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// chunk c's nibble n of both groups' sub-block (q0, q1: its value bytes), as 32 int16 (Q6_K:
+// q - 32, with the high bits)
+template <int T>
+inline __m512i x8k_values2(const uint8_t* q0, const uint8_t* q1, __m512i v, int c, int n) {
+  __m512i w = n == 3 ? _mm512_srli_epi16(v, 12)
+                     : _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * n)),
+                                        _mm512_set1_epi16(0x0F));
+  if constexpr (T == Q6_K) {
+    const __m512i h = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + 128 + 16 * c))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + 128 + 16 * c)), 1));
+    const __m512i high = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * n)),
+                                          _mm512_set1_epi16(3));
+    w = _mm512_sub_epi16(_mm512_or_si512(w, _mm512_slli_epi16(high, 4)), _mm512_set1_epi16(32));
+  }
+  return w;
+}
+
+// out[r * ldo + j] for the 16 rows of groups g0, g1 (consecutive) and R activation rows
+template <int T, int R>
+inline void x8k_pair_dot(const uint8_t* g0, const uint8_t* g1, const ActBlock* x,
+                         int64_t blocks, int64_t stride, float* out, int64_t ldo) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < blocks / 8; ++kb, g0 += X8K<T>::kBytes, g1 += X8K<T>::kBytes) {
+    const __m512 d = halves_of(g0, g1);
+    const __m256 d0 = _mm512_castps512_ps256(d), d1 = _mm512_extractf32x8_ps(d, 1);
+    __m256 dmin0 = _mm256_setzero_ps(), dmin1 = _mm256_setzero_ps();
+    if constexpr (T == Q4_K) {
+      const __m512 dmin = halves_of(g0 + 16, g1 + 16);
+      dmin0 = _mm512_castps512_ps256(dmin);
+      dmin1 = _mm512_extractf32x8_ps(dmin, 1);
+    }
+    for (int s = 0; s < 8; ++s) {
+      const int64_t b = 8 * kb + s;
+      const uint8_t* q0 = g0 + X8K<T>::kHead + s * X8K<T>::kSub;
+      const uint8_t* q1 = g1 + X8K<T>::kHead + s * X8K<T>::kSub;
+      __m512i isum[2][R];
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) isum[h][r] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = pair_of(q0 + 32 * c, q1 + 32 * c);
+        for (int n = 0; n < 4; ++n) {
+          const __m512i w = x8k_values2<T>(q0, q1, v, c, n);
+          for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, x[r * stride + b].q16 + 2 * (4 * c + n), 4);
+            isum[c / 2][r] = dot_add512(isum[c / 2][r], w, _mm512_set1_epi32(pair));
+          }
+        }
+      }
+      if constexpr (T == Q4_K) {
+        __m256 scale0, scale1, minimum0, minimum1;
+        x8_q4k_scales(g0, s, d0, dmin0, &scale0, &minimum0);
+        x8_q4k_scales(g1, s, d1, dmin1, &scale1, &minimum1);
+        const __m512 scale = joined(scale0, scale1), minimum = joined(minimum0, minimum1);
+        for (int r = 0; r < R; ++r) {
+          const ActBlock& xb = x[r * stride + b];
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(isum[0][r], isum[1][r]));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(xb.d)), dot, acc[r]);
+          acc[r] = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(xb.s), acc[r]);
+        }
+      } else {
+        const __m512 low = joined(x8_q6k_scale(g0, s, 0, d0), x8_q6k_scale(g1, s, 0, d1));
+        const __m512 high = joined(x8_q6k_scale(g0, s, 1, d0), x8_q6k_scale(g1, s, 1, d1));
+        for (int r = 0; r < R; ++r) {
+          const __m512 dot = _mm512_fmadd_ps(low, _mm512_cvtepi32_ps(isum[0][r]),
+                                             _mm512_mul_ps(high, _mm512_cvtepi32_ps(isum[1][r])));
+          acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(x[r * stride + b].d), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// team_x8_rows for a K-quant, two groups at a time
+template <int T>
+inline void team_x8k_pairs(const ActBlock* xq, const uint8_t* w, int64_t m, int64_t n,
+                           int64_t k, float* out, int64_t ldo) {
+  constexpr int64_t kRows = 4;
+  const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
+#pragma omp for schedule(static)
+  for (int64_t g = 0; g < n / 16; ++g) {
+    const uint8_t* g0 = w + 2 * g * group_bytes;
+    int64_t i = 0;
+    for (; i + kRows <= m; i += kRows)
+      x8k_pair_dot<T, kRows>(g0, g0 + group_bytes, xq + i * blocks, blocks, blocks,
+                             out + i * ldo + 16 * g, ldo);
+    for (; i < m; ++i)
+      x8k_pair_dot<T, 1>(g0, g0 + group_bytes, xq + i * blocks, blocks, blocks,
+                         out + i * ldo + 16 * g, ldo);
+  }
+}
+#endif
+
 template <int T, int R, bool Pre>
 inline void x8_any_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* table,
                              int64_t blocks, int64_t stride, float* out, int64_t ldo) {
@@ -269,6 +394,12 @@ inline void x8_any_group_dot(const uint8_t* g, const ActBlock* x, const int32_t*
 template <int T, bool Pre>
 inline void team_x8_rows(const ActBlock* xq, const int32_t* table, const uint8_t* w, int64_t m,
                          int64_t n, int64_t k, float* out, int64_t ldo) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+  if constexpr (T == Q4_K || T == Q6_K) {  // x8 weights come in whole 16-row pairs of groups
+    (void)table;
+    return team_x8k_pairs<T>(xq, w, m, n, k, out, ldo);
+  }
+#endif
   constexpr int64_t kRows = 4;  // activation rows per pass over a group
   const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
 #pragma omp for schedule(static)
