@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from qworker.model.arch import ARCHITECTURES
 from qworker.model.arch.architecture import Architecture
-from qworker.model.config import ModelConfig
+from qworker.model.config import LayerAttention, ModelConfig
 from qworker.model.decode_graph import refusal
 from qworker.model.decoder import DecoderModel
 from qworker.model.kernels import native
@@ -26,15 +26,19 @@ VOCAB = 128  # the native GEMM takes 16-column blocks: 120 would decline (tested
 
 
 def random_model(arch: Architecture, dtype: torch.dtype, seed: int = 3,
-                 activation: str | None = None) -> DecoderModel:
+                 activation: str | None = None,
+                 layer_attention: tuple[LayerAttention, ...] | None = None) -> DecoderModel:
     """A model of `arch` with every feature its declaration has (biases where its checkpoints have
-    them), random weights, and a head size the attention kernel vectorises."""
+    them, Gemma 3's local and global layers), random weights, and a head size the attention
+    kernel vectorises."""
     torch.manual_seed(seed)
+    if layer_attention is None:
+        layer_attention = GEMMA3_LAYERS if arch.name == "gemma3" else ()
     config = ModelConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=3,
         num_kv_heads=1, head_dim=64, arch=arch, max_position_embeddings=512,
         tie_word_embeddings=arch.tied_embeddings, attention_bias=arch.qkv_bias,
-        activation=activation or arch.activation,
+        activation=activation or arch.activation, layer_attention=layer_attention,
     )
     model = DecoderModel(config, dtype=dtype)
     with torch.no_grad():
@@ -42,6 +46,11 @@ def random_model(arch: Architecture, dtype: torch.dtype, seed: int = 3,
             p.normal_(0, 0.5)
     return model
 
+
+GEMMA3_LAYERS = (LayerAttention(8, 10000.0), LayerAttention(), LayerAttention(8, 10000.0))
+# what the graph does not run of each architecture it refuses (their decodes go layer by layer)
+REFUSED = {"gemma3": "gemma3: activation gelu_tanh, norms after attention and MLP, norms scaled "
+                     "by 1.0 + w, per-layer RoPE bases"}
 
 MODELS: dict[str, Callable[[torch.dtype], DecoderModel]] = {
     "tiny": lambda dtype: tiny_model(VOCAB, dtype=dtype, seed=4),
@@ -97,14 +106,37 @@ def test_the_graph_gives_the_layer_paths_logits_bit_for_bit(
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_every_supported_architecture_runs_its_decodes_in_the_graph_bit_for_bit(
         name: str, dtype: torch.dtype, graph_calls: list[int]) -> None:
-    model = random_model(ARCHITECTURES[name], dtype)
-    assert model.decode_graph.refused is None, "a supported architecture the graph does not run"
+    """...or, where the graph refuses it (REFUSED, with its reasons), layer by layer."""
+    with capture_logs() as logs:
+        model = random_model(ARCHITECTURES[name], dtype)
+    assert model.decode_graph.refused == REFUSED.get(name)
+    assert [e["event"] for e in logs] == ["decode_graph_refused"] * (name in REFUSED)
     rng = random.Random(5)
     sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (17, 26)]
     schedule: list[Step] = [[(0, 12), (1, 20)]] + [[(0, 1), (1, 1)] for _ in range(5)]
     got = run_schedule(model, sequences, schedule, block_size=4)
-    assert graph_calls == [2] * 5
+    assert graph_calls == ([] if name in REFUSED else [2] * 5)
     _assert_same(got, _layer_by_layer(model, sequences, schedule))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_window_hiding_part_of_a_steps_context_sends_that_step_layer_by_layer(
+        dtype: torch.dtype, graph_calls: list[int]) -> None:
+    """The graph runs no windows: it serves a windowed model's decode steps while no context is
+    longer than the window, and the later ones go layer by layer; the same logits either way."""
+    model = random_model(ARCHITECTURES["mistral"], dtype, layer_attention=(LayerAttention(8),) * 3)
+    assert model.decode_graph.refused is None
+    rng = random.Random(8)
+    sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (10, 11)]
+    schedule: list[Step] = [[(0, 5), (1, 6)]] + [[(0, 1), (1, 1)] for _ in range(5)]
+    got = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [2, 2]  # contexts of 6 and 7, then 7 and 8; then 9 > 8
+    _assert_same(got, _layer_by_layer(model, sequences, schedule))
+    if dtype == torch.float32:
+        with kernel_family("torch"):  # the torch path masks every step by the window
+            want = run_schedule(model, sequences, schedule, block_size=4)
+        for (seq, pos, a), (_, _, b) in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"seq {seq} pos {pos}")
 
 
 def test_a_declaration_the_graph_does_not_run_is_refused_once_and_runs_layer_by_layer(
@@ -128,6 +160,8 @@ def test_a_declaration_the_graph_does_not_run_is_refused_once_and_runs_layer_by_
     for declared in (replace(arch, post_norms=True), replace(arch, experts=True),
                      replace(arch, norm_offset=1.0)):
         assert refusal(ModelConfig(VOCAB, 64, 96, 1, 2, 2, 32, arch=declared)) is not None
+    scaled = ModelConfig(VOCAB, 64, 96, 1, 2, 2, 32, arch=arch, query_pre_attn_scalar=24)
+    assert refusal(scaled) == "llama: an attention scale other than 1 / sqrt(head_dim)"
 
 
 def test_decodes_in_several_groups_and_out_of_length_order(

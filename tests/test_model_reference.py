@@ -42,11 +42,31 @@ VARIANTS = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, use_sliding_window=False,
     ),
-    # a window wider than every test sequence: the context is capped at it, nothing else changes
+    # a window wider than every test sequence: it hides nothing (the decode graph serves it)
     "mistral-window": lambda: transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         sliding_window=64, tie_word_embeddings=False,
+    ),
+    # a window shorter than the test sequences: every layer sees only its last 16 positions
+    "mistral-short-window": lambda: transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=16, tie_word_embeddings=False,
+    ),
+    # 7 layers: 5 local (window 8, base 10000), the 6th global (base 1e6), a 7th local; the
+    # attention scale of head_dim 256 (transformers' GGUF reader assumes that too)
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=256, max_position_embeddings=256,
+        sliding_window=8,
+    ),
+    # its own attention scale and a linear RoPE scaling of the global layers (Gemma 3 4B+)
+    "gemma3-scaled": lambda: transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        sliding_window=8, query_pre_attn_scalar=24,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
     ),
     "qwen3": lambda: transformers.Qwen3Config(  # q/k norms; head_dim 128, not hidden / heads
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -67,6 +87,11 @@ VARIANTS = {
 # each architecture's variant for the tests that run one of each (every supported one has one)
 OF_ARCHITECTURE = {"llama": "llama-gqa-tied", "mistral": "mistral-window", "qwen2": "qwen2-bias",
                    "qwen3": "qwen3", "phi3": "phi3"}
+OF_ARCHITECTURE["gemma3"] = "gemma3"
+HF_FAMILIES = {"gemma3_text": "gemma3"}  # HF model_types named otherwise in ARCHITECTURES
+GRAPH_REFUSED = {"gemma3"}  # the decode graph refuses them: their decodes go layer by layer
+WINDOWS = {"mistral-window": (64,) * 2, "mistral-short-window": (16,) * 2, "gemma3": (8,) * 6,
+           "gemma3-scaled": (8,) * 6}
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
 
 
@@ -79,15 +104,16 @@ def hf_model(variant: str, seed: int) -> transformers.PreTrainedModel:
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0, 0.5)
-            elif "norm" in name:
-                param.uniform_(0.5, 1.5)
+            elif "norm" in name:  # Gemma's scale by 1 + w
+                param.uniform_(0.5, 1.5).sub_(1.0 if model.config.model_type == "gemma3_text"
+                                              else 0.0)
     return model.eval()
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = hf_model(request.param, seed=sorted(VARIANTS).index(request.param))
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(request.param) / request.param  # named as the variant
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -150,16 +176,19 @@ def test_packed_batch_mixing_prefill_chunks_and_decodes(checkpoint: Path, dtype:
     check(checkpoint, dtype, sequences, schedule, block_size)
 
 
-def test_a_sliding_window_caps_the_context(checkpoint: Path) -> None:
+def test_sliding_windows_are_read_and_do_not_cap_the_context(checkpoint: Path) -> None:
     model = load_model(checkpoint)
-    windowed = checkpoint.name.rstrip("0123456789") == "mistral-window"
-    assert model.config.windows == ((64, 64) if windowed else ())
-    assert model.config.context_length == (64 if windowed else 256)
-    assert model.rope.cos.shape[0] == model.config.context_length
+    variant = checkpoint.name
+    assert model.config.windows == WINDOWS.get(variant, ())
+    assert model.config.context_length == 256 == model.rope.cos.shape[0]
+    if variant.startswith("gemma3"):  # local layers on their own base, unscaled
+        local, global_ = model.config.attention_of(0), model.config.attention_of(5)
+        assert (local.rope_theta, global_.rope_theta, global_.window) == (10000.0, None, None)
+        assert model.config.rope_theta == 1e6
+        assert sorted(model.layer_ropes) == [10000.0]
 
 
-@pytest.mark.parametrize("declared", [{"post_norms": True}, {"experts": True},
-                                      {"norm_offset": 1.0}, {"embed_scale": True}])
+@pytest.mark.parametrize("declared", [{"experts": True}])
 def test_a_declaration_the_layers_do_not_run_is_refused(declared: dict[str, object]) -> None:
     arch = replace(ARCHITECTURES["llama"], name="test", **declared)  # type: ignore[arg-type]
     config = ModelConfig(VOCAB, 64, 96, 1, 4, 2, 16, arch=arch)
@@ -169,7 +198,8 @@ def test_a_declaration_the_layers_do_not_run_is_refused(declared: dict[str, obje
 
 def test_every_supported_architecture_has_a_variant() -> None:
     assert set(OF_ARCHITECTURE) == set(ARCHITECTURES)
-    assert all(VARIANTS[v]().model_type == arch for arch, v in OF_ARCHITECTURE.items())
+    assert all(HF_FAMILIES.get(VARIANTS[v]().model_type, VARIANTS[v]().model_type) == arch
+               for arch, v in OF_ARCHITECTURE.items())
 
 
 def _hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
@@ -191,7 +221,7 @@ def test_each_architecture_from_each_source_on_each_kernel_family(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Teacher-forced logits within FAMILY_TOLERANCE of transformers' on the same file (a GGUF
     read by transformers' own GGUF loader), greedy tokens identical, and on a native family the
-    decode steps through the decode graph."""
+    decode steps through the decode graph (layer by layer where it refuses the architecture)."""
     variant = OF_ARCHITECTURE[arch]
     original = hf_model(variant, seed=len(arch))
     if source == "gguf":
@@ -214,7 +244,9 @@ def test_each_architecture_from_each_source_on_each_kernel_family(
         model = load_model(path, dtype=torch.float32)
         results = run_schedule(model, sequences, schedule, block_size=4)
         ours = greedy(model, sequences[0][:9], 10)
-    assert calls == ([] if family == "torch" else [2] * 8 + [1] * 9)  # greedy: a prefill first
+    assert (model.decode_graph.refused is not None) == (arch in GRAPH_REFUSED)
+    graph = family != "torch" and arch not in GRAPH_REFUSED
+    assert calls == ([2] * 8 + [1] * 9 if graph else [])  # greedy: a prefill first
     with torch.no_grad():
         reference = [hf(torch.tensor([s])).logits[0] for s in sequences]
     for seq, pos, logits in results:

@@ -24,7 +24,7 @@ class LayerAttention:
     """How one layer attends, where a model's layers differ."""
 
     window: int | None = None  # a token sees itself and the window - 1 before it; None: all
-    rope_theta: float | None = None  # the layer's RoPE base; None: the model's
+    rope_theta: float | None = None  # the layer's own RoPE base, unscaled; None: the model's
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class ModelConfig:
     attention_bias: bool = False
     activation: str = "silu"
     layer_attention: tuple[LayerAttention, ...] = ()  # one per layer; () where all attend alike
+    query_pre_attn_scalar: float | None = None  # attention scale 1 / sqrt(it); None: head_dim
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -89,7 +90,14 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The positions a sequence may take: the checkpoint's, but no more than its smallest
-        sliding window. The layers do not run windows yet: within the smallest, a windowed layer
-        sees every position before a token, as the whole-context layers do."""
-        return min((self.max_position_embeddings, *self.windows))
+        """The positions a sequence may take: the checkpoint's (a windowed layer attends only to
+        its window, `paged_attention`)."""
+        return self.max_position_embeddings
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        """How `layer` attends."""
+        return self.layer_attention[layer] if self.layer_attention else LayerAttention()

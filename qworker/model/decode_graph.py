@@ -12,7 +12,9 @@ layer runs them). Others (and any step it declines) go layer by layer.
 It reads the architecture's declaration (`ModelConfig.arch`): what the graph runs (q/k biases and
 norms, SiLU) it runs; a model that asks for anything else is refused once, with one log line, and
 every step of it goes layer by layer (`refusal`). A new feature of a declaration is refused here
-until decoder.cpp runs it.
+until decoder.cpp runs it. Sliding windows it does not run either, but where no sequence of a step
+is longer than the smallest window they hide nothing, so it serves that step; a longer one goes
+layer by layer.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ log = structlog.get_logger(__name__)
 
 def refusal(config: ModelConfig) -> str | None:
     """Why the graph cannot run this model's decode steps as the layers do; None where it can.
-    (Embedding scale is the embedding's, before the graph; sliding windows cap the context,
-    `ModelConfig.context_length`, so every position a layer sees is one the graph sees too.)"""
+    (Embedding scale is the embedding's, before the graph; sliding windows are a step's,
+    `DecodeGraph.run`.)"""
     arch = config.arch
     unrun = {
         f"activation {config.activation}": config.activation != "silu",
@@ -55,6 +57,8 @@ def refusal(config: ModelConfig) -> str | None:
         f"norms scaled by {arch.norm_offset} + w": arch.norm_offset != 0.0,
         "routed experts": arch.experts,
         "per-layer RoPE bases": any(a.rope_theta is not None for a in config.layer_attention),
+        "an attention scale other than 1 / sqrt(head_dim)":
+            config.attention_scale != config.head_dim**-0.5,
     }
     reasons = [what for what, asked in unrun.items() if asked]
     return f"{arch.name}: {', '.join(reasons)}" if reasons else None
@@ -105,6 +109,8 @@ class DecodeGraph:
                   and x.dtype in native.GEMM_DTYPES)
         if not (self.enabled and self.refused is None and served):
             return None
+        if self.config.windows and plan.longest_context > min(self.config.windows):
+            return None  # a window hides some of this step's context: the layers run it
         rows = batch.logits_indices
         current = self._current(cache)
         layers = self._table(current, cache, x.shape[0], x.dtype).layers

@@ -7,12 +7,16 @@ sequence) are attended in two batched matmuls per group of similar lengths; pref
 time, by the native flash kernel where it serves the cache (first and later chunks alike: it reads
 the cached context in place), else by PyTorch's fused SDPA kernel. Grouped-query attention is
 folded into the query axis: K/V are never repeated.
+
+A layer with a sliding window (a token sees itself and the window - 1 before it) runs as the
+others do where no sequence of the step is longer than the window; else by the torch path, its
+masks hiding what lies before each token's window (`AttentionPlan.windowed`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,38 +44,88 @@ class AttentionPlan:
     decodes: tuple[DecodePlan, ...]
     prefill_rows: tuple[torch.Tensor, ...]
     prefill_masks: tuple[torch.Tensor | None, ...]  # [1, 1, group * n, T]; None: nothing cached
+    cache_k: torch.Tensor  # layer 0's: the geometry and dtype every layer's cache shares
+    group: int  # query heads per KV head
+    ropes: dict[float, RotaryTable] = field(default_factory=dict)  # layers' own bases, unscaled
+    window: int | None = None  # a plan of a windowed layer's: attention by the torch path
+    _windowed: dict[int, AttentionPlan] = field(default_factory=dict)
+    _rotations: dict[float, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, batch: ForwardBatch, cache_k: torch.Tensor, rope: RotaryTable,
-              group: int) -> AttentionPlan:
+              group: int, ropes: dict[float, RotaryTable] | None = None,
+              window: int | None = None) -> AttentionPlan:
+        """`window`: the plan of a layer with that sliding window, always the torch path."""
         kv_heads, num_blocks, block_size, _ = cache_k.shape
         device = cache_k.device
         heads = torch.arange(kv_heads, device=device)[:, None] * num_blocks
+        native_attention = native.serves(cache_k) and window is None
 
         def rows(block_ids: torch.Tensor) -> torch.Tensor:
             return (heads + block_ids.flatten()[None, :]).flatten()
 
         decodes = []
         for d in batch.decodes:
-            if native.serves(cache_k):  # the kernel reads the cache in place
+            if native_attention:  # the kernel reads the cache in place
                 decodes.append(DecodePlan(d))
                 continue
             width = d.block_tables.shape[1] * block_size
-            hidden = torch.arange(width, device=device)[None, :] >= d.context_lens[:, None]
+            key_pos = torch.arange(width, device=device)[None, :]
+            hidden = key_pos >= d.context_lens[:, None]
+            if window is not None:
+                hidden |= key_pos < d.context_lens[:, None] - window
             bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype), device=device)
             bias.masked_fill_(hidden, float("-inf"))
             decodes.append(DecodePlan(d, rows(d.block_tables), bias[None, :, None]))
         masks: list[torch.Tensor | None] = []
         for chunk in batch.prefills:
-            if chunk.num_cached == 0 or native.serves(cache_k):  # the kernel masks by itself
-                masks.append(None)
+            if window is None and (chunk.num_cached == 0 or native_attention):
+                masks.append(None)  # causal by itself, or the kernel masks by itself
                 continue
             total = chunk.num_cached + chunk.end - chunk.start
-            query_pos = torch.arange(chunk.num_cached, total, device=device)
-            visible = torch.arange(total, device=device)[None, :] <= query_pos[:, None]
+            query_pos = torch.arange(chunk.num_cached, total, device=device)[:, None]
+            key_pos = torch.arange(total, device=device)[None, :]
+            visible = key_pos <= query_pos
+            if window is not None:
+                visible &= key_pos > query_pos - window
             masks.append(visible.repeat(group, 1)[None, None])
         return cls(batch, rope, native.serves(cache_k), tuple(decodes),
-                   tuple(rows(c.block_table) for c in batch.prefills), tuple(masks))
+                   tuple(rows(c.block_table) for c in batch.prefills), tuple(masks), cache_k,
+                   group, ropes or {}, window)
+
+    @property
+    def native_attention(self) -> bool:
+        return self.fused and self.window is None
+
+    def windowed(self, window: int) -> AttentionPlan:
+        """The plan of a layer that sees only `window` positions up to each token: this one
+        where no sequence of the step is longer, else one whose masks hide the rest (made once
+        per forward)."""
+        if self.longest_context <= window:
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = AttentionPlan.build(
+                self.batch, self.cache_k, self.rope, self.group, self.ropes, window)
+        return self._windowed[window]
+
+    @functools.cached_property
+    def longest_context(self) -> int:
+        """The most positions any token of the step attends to, without a window."""
+        batch = self.batch
+        decoded = [int(d.context_lens.max()) for d in batch.decodes]
+        return max([*decoded, *(c.num_cached + c.end - c.start for c in batch.prefills), 0])
+
+    def rope_of(self, theta: float | None) -> RotaryTable:
+        """The model's table (None), or the one of a layer's own base."""
+        return self.rope if theta is None else self.ropes[theta]
+
+    def rotation_of(self, theta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotation` by the table of a layer's own base (None: the model's)."""
+        if theta is None:
+            return self.rotation
+        if theta not in self._rotations:
+            self._rotations[theta] = self.ropes[theta].lookup(self.batch.positions)
+        return self._rotations[theta]
 
 
     @functools.cached_property
@@ -96,10 +150,12 @@ def write_kv(
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-    cache_v: torch.Tensor, plan: AttentionPlan, scale: float,
+    cache_v: torch.Tensor, plan: AttentionPlan, scale: float, window: int | None = None,
 ) -> torch.Tensor:
     """q: [N, heads, head_dim], k / v: [N, kv_heads, head_dim] of the step's tokens (rotated,
-    already written to the cache) -> [N, heads, head_dim]."""
+    already written to the cache) -> [N, heads, head_dim]. `window`: the layer's sliding window."""
+    if window is not None:
+        plan = plan.windowed(window)
     only = plan.decodes[0] if len(plan.decodes) == 1 and not plan.batch.prefills else None
     if only is not None and isinstance(only.group.rows, slice):  # every row, in order
         return _decode(q, cache_k, cache_v, only, scale)
@@ -109,7 +165,7 @@ def paged_attention(
     for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
                                        plan.prefill_masks, strict=True):
         rows = slice(chunk.start, chunk.end)
-        if plan.fused:  # read back from the cache just written, after its cached tokens
+        if plan.native_attention:  # read back from the cache just written, after its cached tokens
             out[rows] = native.prefill_attention(q[rows], cache_k, cache_v, chunk.block_table,
                                                  chunk.num_cached, scale)
         elif mask is None:  # a first chunk: its own keys are all there is, causal

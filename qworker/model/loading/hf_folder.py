@@ -15,21 +15,31 @@ from qworker.model.loading.tensors import LoaderError, UnsupportedArchitectureEr
 
 # HF `hidden_act` / `hidden_activation` names of the activations the layers run
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# HF `model_type`s of a family named otherwise in ARCHITECTURES (its GGUF name)
+_FAMILIES = {"gemma3_text": "gemma3"}
+_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's local layers', where a config does not say
 
 
 def hf_config(raw: dict[str, Any]) -> ModelConfig:
     """The ModelConfig a Hugging Face `config.json` describes; its family first, so a model of
     another kind is refused for what it is, not for a field it lacks."""
     name = raw.get("model_type", "llama")
-    arch = ARCHITECTURES.get(name)
+    arch = ARCHITECTURES.get(_FAMILIES.get(name, name))
     if arch is None:
         raise UnsupportedModelError(f"unsupported architecture {name!r}; "
                                     f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    if "text_config" in raw:
+        raise UnsupportedModelError(f"a {name!r} checkpoint with a vision tower: only its text "
+                                    "model is supported (a `gemma3_text` folder, or its GGUF)")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(cap) is not None:
+            raise UnsupportedModelError(f"{cap} {raw[cap]} is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention is not supported")
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    # transformers >= 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope, local_theta = _rope_parameters(raw, arch.name)
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     partial = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     if partial != 1.0:
@@ -56,20 +66,43 @@ def hf_config(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=raw.get("tie_word_embeddings", arch.tied_embeddings),
         attention_bias=raw.get("attention_bias", arch.qkv_bias),
         activation=_ACTIVATIONS.get(act, act),
-        layer_attention=_windows(raw, num_layers),
+        layer_attention=_windows(raw, num_layers, local_theta),
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
 
 
-def _windows(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]:
-    """Each layer's sliding window, as transformers reads the config: `layer_types` where given;
-    else, with `use_sliding_window` (Qwen2, Qwen3), the layers from `max_window_layers` on; else
-    (Mistral, Phi-3) every layer, where `sliding_window` is set."""
+def _rope_parameters(raw: dict[str, Any], family: str) -> tuple[dict[str, Any], float | None]:
+    """The (global) layers' RoPE parameters, and the windowed layers' own base where they have
+    one (Gemma 3). transformers >= 5 folds rope_theta and rope_scaling into one
+    `rope_parameters` dict, one per layer type where they differ; older configs say
+    `rope_local_base_freq`."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    local = raw.get("rope_local_base_freq")
+    if "full_attention" in rope:
+        local = (rope.get("sliding_attention") or {}).get("rope_theta")
+        rope = rope["full_attention"] or {}
+    if local is None and family == "gemma3":
+        local = _LOCAL_ROPE_THETA
+    return rope, local
+
+
+def _windows(raw: dict[str, Any], num_layers: int,
+             local_theta: float | None = None) -> tuple[LayerAttention, ...]:
+    """Each layer's sliding window (and, given, the windowed layers' own RoPE base), as
+    transformers reads the config: `layer_types` where given; else every
+    `sliding_window_pattern`-th layer global (Gemma 3); else, with `use_sliding_window` (Qwen2,
+    Qwen3), the layers from `max_window_layers` on; else (Mistral, Phi-3) every layer, where
+    `sliding_window` is set."""
     window = raw.get("sliding_window")
     if window is None or raw.get("use_sliding_window") is False:
         return ()
     types = raw.get("layer_types")
+    if types is None and local_theta is not None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(num_layers)]
     if types is None:
         first = raw.get("max_window_layers", 0) if "use_sliding_window" in raw else 0
         types = ["sliding_attention" if i >= first else "full_attention"
@@ -79,7 +112,8 @@ def _windows(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]
         raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)}")
     if "sliding_attention" not in types:
         return ()
-    return tuple(LayerAttention(window if kind == "sliding_attention" else None) for kind in types)
+    return tuple(LayerAttention(window, local_theta) if kind == "sliding_attention"
+                 else LayerAttention() for kind in types)
 
 
 INDEX_FILE = "model.safetensors.index.json"
