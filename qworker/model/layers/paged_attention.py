@@ -44,6 +44,7 @@ class AttentionPlan:
     decodes: tuple[DecodePlan, ...]
     prefill_rows: tuple[torch.Tensor, ...]
     prefill_masks: tuple[torch.Tensor | None, ...]  # [1, 1, group * n, T]; None: nothing cached
+    prefill_skipped: tuple[int, ...]  # positions before each chunk's rows (whole blocks)
     cache_k: torch.Tensor  # layer 0's: the geometry and dtype every layer's cache shares
     group: int  # query heads per KV head
     ropes: dict[float, RotaryTable] = field(default_factory=dict)  # layers' own bases, unscaled
@@ -69,29 +70,37 @@ class AttentionPlan:
             if native_attention:  # the kernel reads the cache in place
                 decodes.append(DecodePlan(d))
                 continue
-            width = d.block_tables.shape[1] * block_size
-            key_pos = torch.arange(width, device=device)[None, :]
+            tables, first = d.block_tables, torch.zeros_like(d.context_lens)
+            if window is not None:  # only the blocks the window can see
+                tables, first = _window_blocks(d.block_tables, d.context_lens, window, block_size)
+            width = tables.shape[1] * block_size
+            key_pos = first[:, None] * block_size + torch.arange(width, device=device)[None, :]
             hidden = key_pos >= d.context_lens[:, None]
             if window is not None:
                 hidden |= key_pos < d.context_lens[:, None] - window
             bias = torch.zeros(hidden.shape, dtype=_score_dtype(cache_k.dtype), device=device)
             bias.masked_fill_(hidden, float("-inf"))
-            decodes.append(DecodePlan(d, rows(d.block_tables), bias[None, :, None]))
+            decodes.append(DecodePlan(d, rows(tables), bias[None, :, None]))
         masks: list[torch.Tensor | None] = []
+        skipped = []  # positions before a chunk's first block its window sees
         for chunk in batch.prefills:
+            skip = 0 if window is None else (
+                max(0, chunk.num_cached - window + 1) // block_size * block_size)
+            skipped.append(skip)
             if window is None and (chunk.num_cached == 0 or native_attention):
                 masks.append(None)  # causal by itself, or the kernel masks by itself
                 continue
             total = chunk.num_cached + chunk.end - chunk.start
             query_pos = torch.arange(chunk.num_cached, total, device=device)[:, None]
-            key_pos = torch.arange(total, device=device)[None, :]
+            key_pos = torch.arange(skip, total, device=device)[None, :]
             visible = key_pos <= query_pos
             if window is not None:
                 visible &= key_pos > query_pos - window
             masks.append(visible.repeat(group, 1)[None, None])
-        return cls(batch, rope, native.serves(cache_k), tuple(decodes),
-                   tuple(rows(c.block_table) for c in batch.prefills), tuple(masks), cache_k,
-                   group, ropes or {}, window)
+        prefill_rows = tuple(rows(c.block_table[skip // block_size:])
+                             for c, skip in zip(batch.prefills, skipped, strict=True))
+        return cls(batch, rope, native.serves(cache_k), tuple(decodes), prefill_rows,
+                   tuple(masks), tuple(skipped), cache_k, group, ropes or {}, window)
 
     @property
     def native_attention(self) -> bool:
@@ -134,6 +143,17 @@ class AttentionPlan:
         return self.rope.lookup(self.batch.positions)
 
 
+def _window_blocks(tables: torch.Tensor, lens: torch.Tensor, window: int,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of each row's blocks, the few its window can see: [D, n] block ids from each row's first
+    visible block on (past its table: its last again, every position there hidden), and the
+    index of that first block [D]."""
+    first = (lens - window).clamp(min=0) // block_size
+    count = min(tables.shape[1], (window - 1) // block_size + 2)
+    index = first[:, None] + torch.arange(count, device=tables.device)[None, :]
+    return tables.gather(1, index.clamp(max=tables.shape[1] - 1)), first
+
+
 def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -162,8 +182,9 @@ def paged_attention(
     out = torch.empty_like(q)
     for d in plan.decodes:
         out[d.group.rows] = _decode(q[d.group.rows], cache_k, cache_v, d, scale)
-    for chunk, block_rows, mask in zip(plan.batch.prefills, plan.prefill_rows,
-                                       plan.prefill_masks, strict=True):
+    for chunk, block_rows, mask, skipped in zip(plan.batch.prefills, plan.prefill_rows,
+                                                plan.prefill_masks, plan.prefill_skipped,
+                                                strict=True):
         rows = slice(chunk.start, chunk.end)
         if plan.native_attention:  # read back from the cache just written, after its cached tokens
             out[rows] = native.prefill_attention(q[rows], cache_k, cache_v, chunk.block_table,
@@ -171,8 +192,8 @@ def paged_attention(
         elif mask is None:  # a first chunk: its own keys are all there is, causal
             out[rows] = _causal(q[rows], k[rows], v[rows], scale)
         else:
-            out[rows] = _prefill(q[rows], cache_k, cache_v, block_rows, mask, chunk.num_cached,
-                                 scale)
+            out[rows] = _prefill(q[rows], cache_k, cache_v, block_rows, mask,
+                                 chunk.num_cached - skipped, scale)
     return out
 
 
@@ -214,6 +235,7 @@ def _prefill(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_rows: torch.Tensor,
     mask: torch.Tensor, num_cached: int, scale: float,
 ) -> torch.Tensor:
+    """num_cached: the tokens of `block_rows` before the chunk."""
     num, heads, head_dim = q.shape
     kv_heads = cache_k.shape[0]
     group = heads // kv_heads
