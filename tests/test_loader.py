@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.config import LayerAttention, ModelConfig, UnsupportedModelError
 from qworker.model.loading import gguf_checkpoint
 from qworker.model.loading.checkpoint import load_checkpoint
 from qworker.model.loading.hf_folder import hf_config
@@ -233,12 +233,34 @@ def test_a_gemma3_config_of_either_era_is_read_as_transformers_reads_it() -> Non
 @pytest.mark.parametrize(("fields", "says"), [
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
-    ({"model_type": "gemma3", "text_config": {}}, "a 'gemma3' checkpoint with a vision tower"),
+    ({"use_bidirectional_attention": True}, "bidirectional attention is not supported"),
 ])
 def test_what_gemma3_runs_not_is_refused_at_the_config(fields: dict[str, object],
                                                        says: str) -> None:
     with pytest.raises(UnsupportedModelError, match=says):
         hf_config(TINY | GEMMA3_OLD_CONFIG | fields)
+
+
+def test_a_multimodal_gemma3_config_is_read_for_its_text_model_as_transformers_reads_it() -> None:
+    raw = {"model_type": "gemma3", "eos_token_id": [1, 106], "vision_config": {},
+           "text_config": {  # google/gemma-3-4b-it's: only what differs from the defaults
+               "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+               "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+               "sliding_window": 1024}}
+    text = transformers.Gemma3Config(**raw).text_config
+    config = hf_config(raw)
+    assert config.arch.name == "gemma3" and config.eos_token_ids == (1, 106)
+    assert (config.vocab_size, config.num_heads, config.num_kv_heads, config.head_dim,
+            config.max_position_embeddings, config.rms_norm_eps) == (
+        text.vocab_size, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
+        text.max_position_embeddings, text.rms_norm_eps)
+    assert config.attention_scale == text.query_pre_attn_scalar**-0.5
+    assert config.rope_theta == text.rope_parameters["full_attention"]["rope_theta"]
+    assert config.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    local = text.rope_parameters["sliding_attention"]["rope_theta"]
+    assert [config.attention_of(i) for i in range(34)] == [
+        LayerAttention(1024, local) if kind == "sliding_attention" else LayerAttention()
+        for kind in text.layer_types]
 
 
 def _gemma3_metadata(path: Path, layers: int, pattern: object = None) -> Path:

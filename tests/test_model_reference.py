@@ -202,6 +202,34 @@ def test_every_supported_architecture_has_a_variant() -> None:
                for arch, v in OF_ARCHITECTURE.items())
 
 
+def test_a_multimodal_gemma3_folder_runs_its_text_model(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration folder (a vision tower beside the text model): its text
+    model loaded, logits those of transformers on text alone."""
+    text = VARIANTS["gemma3"]().to_dict()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=7)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+                                       boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    torch.manual_seed(5)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "language_model" in name and "norm" in name:
+                param.uniform_(-0.5, 0.5)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    text_only = VOCAB - 3  # below the image tokens
+    sequences = [[t % text_only for t in random_tokens(n, seed=30 + n)] for n in (19, 26)]
+    schedule: list[Step] = [[(0, 11), (1, 20)]] + [[(0, 1), (1, 1)] for _ in range(6)]
+    results = run_schedule(model, sequences, schedule, block_size=4)
+    with torch.no_grad():
+        reference = [hf(input_ids=torch.tensor([s])).logits[0] for s in sequences]
+    for seq, pos, logits in results:
+        err = (logits - reference[seq][pos]).abs().max().item()
+        assert err < FAMILY_TOLERANCE, f"seq {seq} pos {pos}: max abs error {err:.3g}"
+
+
 def _hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], new_tokens: int) -> list[int]:
     tokens = list(prompt)
     with torch.no_grad():

@@ -18,19 +18,35 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 # HF `model_type`s of a family named otherwise in ARCHITECTURES (its GGUF name)
 _FAMILIES = {"gemma3_text": "gemma3"}
 _LOCAL_ROPE_THETA = 10000.0  # Gemma 3's local layers', where a config does not say
+# Gemma3TextConfig's defaults: a multimodal Gemma 3 folder's `text_config` states only the rest
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "model_type": "gemma3_text", "vocab_size": 262_208, "hidden_size": 2304,
+    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "bos_token_id": 2,
+    "eos_token_id": 1, "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": _LOCAL_ROPE_THETA, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6,
+}
+# a multimodal Gemma 3 folder's tensors: the text model's under a prefix (older and newer
+# transformers), the vision tower's and the projector's beside them (dropped)
+_TEXT_PREFIXES = {"language_model.": "", "model.language_model.": "model."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 
 
 def hf_config(raw: dict[str, Any]) -> ModelConfig:
     """The ModelConfig a Hugging Face `config.json` describes; its family first, so a model of
     another kind is refused for what it is, not for a field it lacks."""
     name = raw.get("model_type", "llama")
+    if name == "gemma3" and isinstance(raw.get("text_config"), dict):  # its text model alone
+        outer = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
+        raw = _GEMMA3_TEXT_DEFAULTS | outer | raw["text_config"]
+        name = raw["model_type"]
     arch = ARCHITECTURES.get(_FAMILIES.get(name, name))
     if arch is None:
         raise UnsupportedModelError(f"unsupported architecture {name!r}; "
                                     f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    if "text_config" in raw:
-        raise UnsupportedModelError(f"a {name!r} checkpoint with a vision tower: only its text "
-                                    "model is supported (a `gemma3_text` folder, or its GGUF)")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if raw.get(cap) is not None:
             raise UnsupportedModelError(f"{cap} {raw[cap]} is not supported")
@@ -142,10 +158,23 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             )
     for name in [n for n in tensors if n.endswith(_IGNORED_HF_SUFFIXES)]:
         del tensors[name]
+    if config.arch.name == "gemma3":
+        tensors, origin = _text_model(tensors), _text_model(origin)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters save the tied copy anyway
     validate(config, {n: tuple(t.shape) for n, t in tensors.items()}, origin, folder)
     return config, tensors
+
+
+def _text_model(named: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model, named as a text checkpoint names it."""
+    out = {}
+    for name, value in named.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else _TEXT_PREFIXES[prefix] + name[len(prefix):]] = value
+    return out
 
 
 def _read_json(file: Path) -> dict[str, Any]:
