@@ -263,6 +263,12 @@ def test_a_multimodal_gemma3_config_is_read_for_its_text_model_as_transformers_r
         for kind in text.layer_types]
 
 
+@pytest.mark.parametrize("scalar", [0, -4, "256"])
+def test_an_attention_scalar_not_a_positive_number_is_refused(scalar: object) -> None:
+    with pytest.raises(ValueError, match=f"query_pre_attn_scalar is {scalar!r}, not a positive"):
+        hf_config(TINY | GEMMA3_OLD_CONFIG | {"query_pre_attn_scalar": scalar})
+
+
 def _gemma3_metadata(path: Path, layers: int, pattern: object = None) -> Path:
     """A GGUF of Gemma 3's metadata alone (as llama.cpp's converter writes it; no tensors)."""
     writer = gguf.GGUFWriter(path, "gemma3")

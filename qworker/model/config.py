@@ -77,6 +77,10 @@ class ModelConfig:
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"rope scaling {kind!r}: {key} is {value!r}, "
                                  "not a positive number")
+        scalar = self.query_pre_attn_scalar
+        if scalar is not None and (not isinstance(scalar, int | float) or isinstance(scalar, bool)
+                                   or not scalar > 0):
+            raise ValueError(f"query_pre_attn_scalar is {scalar!r}, not a positive number")
         if any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.windows):
             raise ValueError(f"sliding windows {self.windows} are not positive integers")
         if self.layer_attention and len(self.layer_attention) != self.num_layers:
