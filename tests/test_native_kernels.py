@@ -145,6 +145,19 @@ def test_silu_mul(dtype: torch.dtype) -> None:
     _close(got, F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(33, 2 * 80, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])  # tanh saturates, no NaN
+    gate, up = gate_up.chunk(2, dim=-1)
+
+    got = native.gelu_tanh_mul(gate_up)
+
+    assert torch.isfinite(got).all()
+    _close(got, F.gelu(gate, approximate="tanh") * up)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_model_gives_the_same_logits_with_and_without_the_kernels(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,

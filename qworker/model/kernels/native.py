@@ -35,6 +35,7 @@ SIGNATURES = {
     "qw_rms_norm_heads": [_P] * 3 + [_I] * 5 + [_D],
     "qw_rope_store": [_P] * 7 + [_I] * 6,
     "qw_silu_mul": [_P, _P, _I, _I],
+    "qw_gelu_tanh_mul": [_P, _P, _I, _I],
 }
 KERNEL_FAMILIES = ("auto", "torch", *nb.FAMILIES)
 
@@ -331,6 +332,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n, width = gate_up.shape
     out = torch.empty((n, width // 2), dtype=gate_up.dtype)
     _kernel("qw_silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n, width // 2)
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (GeGLU)."""
+    assert gate_up.is_contiguous()
+    n, width = gate_up.shape
+    out = torch.empty((n, width // 2), dtype=gate_up.dtype)
+    _kernel("qw_gelu_tanh_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n,
+                                               width // 2)
     return out
 
 
