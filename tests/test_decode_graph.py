@@ -50,8 +50,8 @@ def random_model(arch: Architecture, dtype: torch.dtype, seed: int = 3,
     return model
 
 
-# local layers on their own base, windows wider than the tests' sequences (the graph serves them)
-GEMMA3_LAYERS = (LayerAttention(64, 10000.0), LayerAttention(), LayerAttention(64, 10000.0))
+# local layers on their own base, windows shorter than the tests' sequences
+GEMMA3_LAYERS = (LayerAttention(8, 10000.0), LayerAttention(), LayerAttention(8, 10000.0))
 # what the graph does not run of each architecture it refuses (their decodes go layer by layer)
 REFUSED: dict[str, str] = {}
 
@@ -123,20 +123,21 @@ def test_every_supported_architecture_runs_its_decodes_in_the_graph_bit_for_bit(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_window_hiding_part_of_a_steps_context_sends_that_step_layer_by_layer(
+def test_a_windowed_models_decodes_run_in_the_graph_past_the_window_bit_for_bit(
         dtype: torch.dtype, graph_calls: list[int]) -> None:
-    """The graph runs no windows: it serves a windowed model's decode steps while no context is
-    longer than the window, and the later ones go layer by layer; the same logits either way."""
+    """The graph hands each layer's window to the decode attention kernel, as the layers do:
+    steps whose contexts outgrow the window (8) run in it too, the layer path's logits bit for
+    bit, and in float32 the torch path's (which masks by the window) within 1e-4."""
     model = random_model(ARCHITECTURES["mistral"], dtype, layer_attention=(LayerAttention(8),) * 3)
     assert model.decode_graph.refused is None
     rng = random.Random(8)
     sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (10, 11)]
     schedule: list[Step] = [[(0, 5), (1, 6)]] + [[(0, 1), (1, 1)] for _ in range(5)]
     got = run_schedule(model, sequences, schedule, block_size=4)
-    assert graph_calls == [2, 2]  # contexts of 6 and 7, then 7 and 8; then 9 > 8
+    assert graph_calls == [2] * 5  # contexts 6 and 7 up to 10 and 11
     _assert_same(got, _layer_by_layer(model, sequences, schedule))
     if dtype == torch.float32:
-        with kernel_family("torch"):  # the torch path masks every step by the window
+        with kernel_family("torch"):
             want = run_schedule(model, sequences, schedule, block_size=4)
         for (seq, pos, a), (_, _, b) in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"seq {seq} pos {pos}")

@@ -21,7 +21,7 @@ from qworker.model.loading.gguf_checkpoint import is_quantized_file
 from tests.gguf_writer import write_gguf
 from tests.model_harness import Step, run_schedule
 from tests.quant_fixtures import KEPT, SIZES, write_tiny_gguf
-from tests.test_model_reference import GRAPH_DECLINED, OF_ARCHITECTURE, hf_model
+from tests.test_model_reference import OF_ARCHITECTURE, hf_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no native kernels built")
 
@@ -178,8 +178,7 @@ def test_every_architecture_kept_quantized_computes_its_file_expanded(
         tmp_path: Path, arch: str, kind: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GGUF of each architecture (fused q/k/v and gate/up, q/k norms, biases as the family has
     them) kept in its blocks: logits those of the file expanded to float32, and its decode steps
-    through the graph (where no window hides some of their context) bit for bit as layer by
-    layer."""
+    through the graph bit for bit as layer by layer."""
     original = hf_model(OF_ARCHITECTURE[arch], seed=3)
     state = {k: v for k, v in original.state_dict().items()
              if not (k == "lm_head.weight" and original.config.tie_word_embeddings)}
@@ -197,7 +196,7 @@ def test_every_architecture_kept_quantized_computes_its_file_expanded(
     sequences = [tokens, tokens[::-1] + [3, 4]]
     schedule: list[Step] = [[(0, 6), (1, 8)]] + [[(0, 1), (1, 1)] for _ in range(4)]
     got = run_schedule(quant, sequences, schedule, block_size=4)
-    assert calls == ([] if arch in GRAPH_DECLINED else [2] * 4)
+    assert calls == [2] * 4
     quant.decode_graph.enabled = False
     for (seq, pos, a), (_, _, b) in zip(got, run_schedule(quant, sequences, schedule, 4),
                                         strict=True):

@@ -13,9 +13,8 @@ It reads the architecture's declaration (`ModelConfig.arch`): what the graph run
 norms, SiLU and tanh GELU, Gemma's norms after attention and MLP, a layer's own RoPE base, the
 attention scale) it runs; a model that asks for anything else is refused once, with one log
 line, and every step of it goes layer by layer (`refusal`). A new feature of a declaration is
-refused here until decoder.cpp runs it. Sliding windows it does not run either, but where no
-sequence of a step is longer than the smallest window they hide nothing, so it serves that step;
-a longer one goes layer by layer.
+refused here until decoder.cpp runs it. A layer's sliding window it hands the decode attention
+kernel, as the layer-by-layer path does.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ log = structlog.get_logger(__name__)
 
 def refusal(config: ModelConfig) -> str | None:
     """Why the graph cannot run this model's decode steps as the layers do; None where it can.
-    (Embedding scale is the embedding's, before the graph; a norm's 1 + w is its weight's;
-    sliding windows are a step's, `DecodeGraph.run`.)"""
+    (Embedding scale is the embedding's, before the graph; a norm's 1 + w is its weight's.)"""
     arch = config.arch
     unrun = {
         f"activation {config.activation}": config.activation not in ACTIVATIONS,
@@ -106,8 +104,6 @@ class DecodeGraph:
                   and x.dtype in native.GEMM_DTYPES)
         if not (self.enabled and self.refused is None and served):
             return None
-        if self.config.windows and plan.longest_context > min(self.config.windows):
-            return None  # a window hides some of this step's context: the layers run it
         rows = batch.logits_indices
         current = self._current(cache)
         layers = self._table(current, cache, x.shape[0], x.dtype, plan).layers
@@ -174,7 +170,8 @@ class DecodeGraph:
                             "post_norm": layer.pre_feedforward_layernorm.weight,
                             "mlp_out_norm": layer.post_feedforward_layernorm.weight}
             entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down,
-                                        activation=ACTIVATIONS[mlp.activation]))
+                                        activation=ACTIVATIONS[mlp.activation],
+                                        window=attn.attends.window or 0))
             keep.extend(t for t in tensors.values() if t is not None)
         return _BucketTable((DecodeLayer * len(entries))(*entries), head, tuple(keep))
 
@@ -202,15 +199,15 @@ def _projection(lin: Linear | QuantLinear, rows: int, dtype: torch.dtype,
                       kernel=GEMM_KERNELS[kind])
 
 
-def _pointing_at(parts: dict[str, torch.Tensor | None], activation: int,
+def _pointing_at(parts: dict[str, torch.Tensor | None], activation: int, window: int,
                  **projs: DecodeProj | None) -> DecodeLayer:
     """A layer whose every field (by its C name) points at that tensor's data (null for None),
-    or is that projection, or the activation."""
-    named = parts.keys() | projs.keys() | {"activation"}
+    or is that projection, the activation or the window."""
+    named = parts.keys() | projs.keys() | {"activation", "window"}
     assert named == set(field_names(DecodeLayer)), "a misspelt field"
     assert all(p is None or p.is_contiguous() for p in parts.values())
     pointers = {name: None if p is None else p.data_ptr() for name, p in parts.items()}
-    return DecodeLayer(**pointers, **projs, activation=activation)
+    return DecodeLayer(**pointers, **projs, activation=activation, window=window)
 
 
 def _in_row_order(groups: tuple[DecodeGroup, ...], rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,9 +8,9 @@ time, by the native flash kernel where it serves the cache (first and later chun
 the cached context in place), else by PyTorch's fused SDPA kernel. Grouped-query attention is
 folded into the query axis: K/V are never repeated.
 
-A layer with a sliding window (a token sees itself and the window - 1 before it) runs as the
-others do where no sequence of the step is longer than the window; else by the torch path, its
-masks hiding what lies before each token's window (`AttentionPlan.windowed`).
+A layer with a sliding window (a token sees itself and the window - 1 before it) tells the native
+kernels its window; on the torch path, where some sequence of the step is longer than the window,
+its masks hide what lies before each token's window (`AttentionPlan.windowed`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class AttentionPlan:
     cache_k: torch.Tensor  # layer 0's: the geometry and dtype every layer's cache shares
     group: int  # query heads per KV head
     ropes: dict[float, RotaryTable] = field(default_factory=dict)  # layers' own bases, unscaled
-    window: int | None = None  # a plan of a windowed layer's: attention by the torch path
     _windowed: dict[int, AttentionPlan] = field(default_factory=dict)
     _rotations: dict[float, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -56,7 +55,7 @@ class AttentionPlan:
     def build(cls, batch: ForwardBatch, cache_k: torch.Tensor, rope: RotaryTable,
               group: int, ropes: dict[float, RotaryTable] | None = None,
               window: int | None = None) -> AttentionPlan:
-        """`window`: the plan of a layer with that sliding window, always the torch path."""
+        """`window`: the plan of a layer with that sliding window on the torch path."""
         kv_heads, num_blocks, block_size, _ = cache_k.shape
         device = cache_k.device
         heads = torch.arange(kv_heads, device=device)[:, None] * num_blocks
@@ -100,16 +99,12 @@ class AttentionPlan:
         prefill_rows = tuple(rows(c.block_table[skip // block_size:])
                              for c, skip in zip(batch.prefills, skipped, strict=True))
         return cls(batch, rope, native.serves(cache_k), tuple(decodes), prefill_rows,
-                   tuple(masks), tuple(skipped), cache_k, group, ropes or {}, window)
-
-    @property
-    def native_attention(self) -> bool:
-        return self.fused and self.window is None
+                   tuple(masks), tuple(skipped), cache_k, group, ropes or {})
 
     def windowed(self, window: int) -> AttentionPlan:
-        """The plan of a layer that sees only `window` positions up to each token: this one
-        where no sequence of the step is longer, else one whose masks hide the rest (made once
-        per forward)."""
+        """On the torch path, the plan of a layer that sees only `window` positions up to each
+        token: this one where no sequence of the step is longer, else one whose masks hide the
+        rest (made once per forward)."""
         if self.longest_context <= window:
             return self
         if window not in self._windowed:
@@ -174,21 +169,23 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [N, heads, head_dim], k / v: [N, kv_heads, head_dim] of the step's tokens (rotated,
     already written to the cache) -> [N, heads, head_dim]. `window`: the layer's sliding window."""
-    if window is not None:
+    if window is not None and not plan.fused:
         plan = plan.windowed(window)
     only = plan.decodes[0] if len(plan.decodes) == 1 and not plan.batch.prefills else None
     if only is not None and isinstance(only.group.rows, slice):  # every row, in order
-        return _decode(q, cache_k, cache_v, only, scale)
+        return _decode(q, cache_k, cache_v, only, scale, window)
     out = torch.empty_like(q)
     for d in plan.decodes:
-        out[d.group.rows] = _decode(q[d.group.rows], cache_k, cache_v, d, scale)
+        out[d.group.rows] = _decode(q[d.group.rows], cache_k, cache_v, d, scale, window)
     for chunk, block_rows, mask, skipped in zip(plan.batch.prefills, plan.prefill_rows,
                                                 plan.prefill_masks, plan.prefill_skipped,
                                                 strict=True):
         rows = slice(chunk.start, chunk.end)
-        if plan.native_attention:  # read back from the cache just written, after its cached tokens
+        if plan.fused:  # read back from the cache just written, after its cached tokens
+            hides = window is not None and chunk.num_cached + chunk.end - chunk.start > window
             out[rows] = native.prefill_attention(q[rows], cache_k, cache_v, chunk.block_table,
-                                                 chunk.num_cached, scale)
+                                                 chunk.num_cached, scale,
+                                                 window if hides else None)
         elif mask is None:  # a first chunk: its own keys are all there is, causal
             out[rows] = _causal(q[rows], k[rows], v[rows], scale)
         else:
@@ -206,11 +203,13 @@ def _gather(cache: torch.Tensor, block_rows: torch.Tensor) -> torch.Tensor:
 
 def _decode(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, plan: DecodePlan,
-    scale: float,
+    scale: float, window: int | None = None,
 ) -> torch.Tensor:
+    """`window` for the native kernel (always given, as the decode graph gives it: the same
+    kernel); the torch path's plan has it in its bias."""
     if plan.block_rows is None or plan.bias is None:
         return native.decode_attention(q, cache_k, cache_v, plan.group.block_tables,
-                                       plan.group.context_lens, scale)
+                                       plan.group.context_lens, scale, window)
     num, heads, head_dim = q.shape
     kv_heads = cache_k.shape[0]
     keys = _gather(cache_k, plan.block_rows).view(kv_heads, num, -1, head_dim)

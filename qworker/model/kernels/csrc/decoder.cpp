@@ -67,6 +67,7 @@ struct Layer {
   const void* cos;
   const void* sin;
   int64_t activation;  // kSilu or kGeluTanh
+  int64_t window;      // the layer's sliding window, or 0
 };
 
 struct Dims {
@@ -168,7 +169,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
                      w.sin != nullptr ? cast(w.sin) : sin, positions, slots, k_cache, v_cache, m,
                      d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
       qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
-                           shape, scale);
+                           shape, scale, w.window);
       if (w.attn_out_norm != nullptr) {
         project(w.o, attn.data(), none, unnormed.data(), m, d.hidden, q_width, shared);
         qw::add_rms_norm(unnormed.data(), none, cast(w.attn_out_norm), delta.data(), m, d.hidden,
@@ -244,6 +245,7 @@ const AbiEntry kAbi[] = {
     QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
     QW_FIELD(Layer, v_cache), QW_FIELD(Layer, attn_out_norm), QW_FIELD(Layer, mlp_out_norm),
     QW_FIELD(Layer, cos), QW_FIELD(Layer, sin), QW_FIELD(Layer, activation),
+    QW_FIELD(Layer, window),
     QW_SIZE(Dims), QW_FIELD(Dims, hidden), QW_FIELD(Dims, heads), QW_FIELD(Dims, kv_heads),
     QW_FIELD(Dims, head_dim), QW_FIELD(Dims, inter), QW_FIELD(Dims, num_blocks),
     QW_FIELD(Dims, block_size), QW_FIELD(Dims, max_blocks), QW_FIELD(Dims, vocab),
