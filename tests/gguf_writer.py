@@ -1,6 +1,7 @@
 """A Hugging Face model's weights written as a GGUF file the way llama.cpp's converter writes them:
 tensor names from gguf-py's own table for the architecture, q/k rows permuted for `llama`, the
-metadata of the HF config, a byte-level vocabulary of placeholder tokens."""
+metadata of the HF config, a byte-level vocabulary of placeholder tokens; Gemma's norms with
+their 1 added."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from qworker.model.layers.rope import llama3_divisors
 
 Q = gguf.GGMLQuantizationType
 # llama.cpp writes Mistral as `llama` (gguf-py has no plain `mistral` architecture)
-GGUF_ARCHITECTURES = {"mistral": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCHITECTURES = {"mistral": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+                      "gemma3_text": "gemma3"}
+NORMS_PLUS_ONE = ("gemma3",)  # llama.cpp's converter stores 1 + w for Gemma's norms
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -35,6 +38,7 @@ def write_gguf(
     kv_heads = config.num_key_value_heads or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(hidden)
@@ -74,6 +78,8 @@ def write_gguf(
             array = llama_cpp_permute(array, heads)
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, kv_heads)
+        elif arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            array = array + 1
         gguf_name = (names.get_name(name, try_suffixes=(".weight", ".bias"))
                      or dense.get_name(name, try_suffixes=(".weight", ".bias")))
         assert gguf_name is not None, f"gguf-py names no {name} for {arch}"

@@ -1,7 +1,8 @@
 """Each bad model input gets one clear line and exit code 2 from `qworker generate` and `qworker
 serve`, never a traceback and never a worker that starts: another kind of model, an architecture
 not supported, a missing tensor, a tensor of the wrong shape, truncated, empty, text or flipped
-GGUF files, a truncated safetensors file, a name that is neither a path nor a known model."""
+GGUF files, a truncated safetensors file, a name that is neither a path nor a known model; and a
+chat asked of a base model (no chat template) from `qworker generate`."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def bert(tmp: Path) -> Path:
     return tmp
 
 
-def gemma3_gguf(tmp: Path) -> Path:
-    return _gguf(tmp, arch="gemma3")
+def gemma2_gguf(tmp: Path) -> Path:
+    return _gguf(tmp, arch="gemma2")
 
 
 def missing_tensor(tmp: Path) -> Path:
@@ -137,7 +138,7 @@ def moe_fewer_experts(tmp: Path) -> Path:
 
 BAD: dict[str, tuple[Callable[[Path], Path], str]] = {
     "bert": (bert, "config.json: unsupported architecture 'bert'; supported: "),
-    "gemma3-gguf": (gemma3_gguf, "m.gguf: unsupported architecture 'gemma3'; supported: "),
+    "gemma2-gguf": (gemma2_gguf, "m.gguf: unsupported architecture 'gemma2'; supported: "),
     "missing-tensor": (missing_tensor,
                        "missing tensor 'model.layers.1.post_attention_layernorm.weight'"),
     "wrong-shape": (wrong_shape, "'model.layers.0.mlp.gate_proj.weight' has shape (64, 32), "
@@ -197,9 +198,24 @@ def test_a_real_process_prints_no_traceback(command: str, tmp_path: Path) -> Non
     lines = done.stderr.splitlines()
     if command == "generate":
         assert lines == [f"qworker generate: {model / 'config.json'}: unsupported architecture "
-                         "'bert'; supported: llama, mistral, mixtral, phi3, qwen2, qwen3, "
-                         "qwen3_moe"]
+                         "'bert'; supported: gemma3, llama, mistral, mixtral, phi3, qwen2, "
+                         "qwen3, qwen3_moe"]
     else:  # structured log lines: the worker's "loading engine" and stages, then the one error
         assert [line for line in lines if '"level": "error"' in line] == lines[-1:]
         assert '"event": "model_not_loaded"' in lines[-1]
         assert "m.gguf: not a readable GGUF file" in lines[-1]
+
+
+def test_a_chat_asked_of_a_base_model_is_one_line(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.gguf_writer import write_gguf
+    from tests.test_model_reference import hf_model
+
+    gemma = hf_model("gemma3", seed=1)  # a Gemma 3 GGUF with no tokenizer.chat_template
+    state = {k: v for k, v in gemma.state_dict().items() if k != "lm_head.weight"}
+    path = write_gguf(tmp_path / "base.gguf", gemma.config, state)
+    assert main(["generate", "hi", "--model", str(path), "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err  # (stdout: the model's loading, logged)
+    assert err.count("\n") == 1, err
+    assert err.startswith("qworker generate: ")
+    assert "base.gguf: the model has no chat template (a base model)" in err

@@ -13,9 +13,10 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from qworker.model import decode_graph
 from qworker.model.arch import ARCHITECTURES
 from qworker.model.arch.architecture import Architecture
-from qworker.model.config import Experts, ModelConfig
+from qworker.model.config import Experts, LayerAttention, ModelConfig
 from qworker.model.decode_graph import refusal
 from qworker.model.decoder import DecoderModel
 from qworker.model.kernels import native
@@ -28,15 +29,21 @@ EXPERTS = Experts(count=8, per_token=2, intermediate_size=32, normalize=True,
 
 
 def random_model(arch: Architecture, dtype: torch.dtype, seed: int = 3,
-                 activation: str | None = None) -> DecoderModel:
+                 activation: str | None = None,
+                 layer_attention: tuple[LayerAttention, ...] | None = None) -> DecoderModel:
     """A model of `arch` with every feature its declaration has (biases where its checkpoints have
-    them), random weights, and a head size the attention kernel vectorises."""
+    them, Gemma 3's local and global layers), random weights, and a head size the attention
+    kernel vectorises."""
     torch.manual_seed(seed)
+    gemma = arch.name == "gemma3"  # its local layers and its own attention scale
+    if layer_attention is None:
+        layer_attention = GEMMA3_LAYERS if gemma else ()
     config = ModelConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=3,
         num_kv_heads=1, head_dim=64, arch=arch, max_position_embeddings=512,
         tie_word_embeddings=arch.tied_embeddings, attention_bias=arch.qkv_bias,
-        activation=activation or arch.activation, experts=EXPERTS if arch.experts else None,
+        activation=activation or arch.activation, layer_attention=layer_attention,
+        experts=EXPERTS if arch.experts else None, query_pre_attn_scalar=48 if gemma else None,
     )
     model = DecoderModel(config, dtype=dtype)
     with torch.no_grad():
@@ -44,6 +51,11 @@ def random_model(arch: Architecture, dtype: torch.dtype, seed: int = 3,
             p.normal_(0, 0.5)
     return model
 
+
+# local layers on their own base, windows shorter than the tests' sequences
+GEMMA3_LAYERS = (LayerAttention(8, 10000.0), LayerAttention(), LayerAttention(8, 10000.0))
+# what the graph does not run of each architecture it refuses (their decodes go layer by layer)
+REFUSED = {"qwen3_moe": "qwen3_moe: routed experts", "mixtral": "mixtral: routed experts"}
 
 MODELS: dict[str, Callable[[torch.dtype], DecoderModel]] = {
     "tiny": lambda dtype: tiny_model(VOCAB, dtype=dtype, seed=4),
@@ -99,23 +111,45 @@ def test_the_graph_gives_the_layer_paths_logits_bit_for_bit(
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_every_supported_architecture_runs_its_decodes_in_the_graph_bit_for_bit(
         name: str, dtype: torch.dtype, graph_calls: list[int]) -> None:
-    """Or, for what the graph does not run yet (routed experts), refused by name: every step
-    then goes layer by layer."""
-    model = random_model(ARCHITECTURES[name], dtype)
-    unrun = {"qwen3_moe": "qwen3_moe: routed experts", "mixtral": "mixtral: routed experts"}
-    assert model.decode_graph.refused == unrun.get(name), "the graph's refusal of this family"
+    """...or, where the graph refuses it (REFUSED, with its reasons), layer by layer."""
+    with capture_logs() as logs:
+        model = random_model(ARCHITECTURES[name], dtype)
+    assert model.decode_graph.refused == REFUSED.get(name)
+    assert [e["event"] for e in logs] == ["decode_graph_refused"] * (name in REFUSED)
     rng = random.Random(5)
     sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (17, 26)]
     schedule: list[Step] = [[(0, 12), (1, 20)]] + [[(0, 1), (1, 1)] for _ in range(5)]
     got = run_schedule(model, sequences, schedule, block_size=4)
-    assert graph_calls == ([] if name in unrun else [2] * 5)
+    assert graph_calls == ([] if name in REFUSED else [2] * 5)
     _assert_same(got, _layer_by_layer(model, sequences, schedule))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_windowed_models_decodes_run_in_the_graph_past_the_window_bit_for_bit(
+        dtype: torch.dtype, graph_calls: list[int]) -> None:
+    """The graph hands each layer's window to the decode attention kernel, as the layers do:
+    steps whose contexts outgrow the window (8) run in it too, the layer path's logits bit for
+    bit, and in float32 the torch path's (which masks by the window) within 1e-4."""
+    model = random_model(ARCHITECTURES["mistral"], dtype, layer_attention=(LayerAttention(8),) * 3)
+    assert model.decode_graph.refused is None
+    rng = random.Random(8)
+    sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (10, 11)]
+    schedule: list[Step] = [[(0, 5), (1, 6)]] + [[(0, 1), (1, 1)] for _ in range(5)]
+    got = run_schedule(model, sequences, schedule, block_size=4)
+    assert graph_calls == [2] * 5  # contexts 6 and 7 up to 10 and 11
+    _assert_same(got, _layer_by_layer(model, sequences, schedule))
+    if dtype == torch.float32:
+        with kernel_family("torch"):
+            want = run_schedule(model, sequences, schedule, block_size=4)
+        for (seq, pos, a), (_, _, b) in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"seq {seq} pos {pos}")
+
+
 def test_a_declaration_the_graph_does_not_run_is_refused_once_and_runs_layer_by_layer(
-        graph_calls: list[int]) -> None:
+        graph_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     arch = ARCHITECTURES["llama"]
     assert refusal(ModelConfig(VOCAB, 64, 96, 1, 2, 2, 32, arch=arch)) is None
+    monkeypatch.setattr(decode_graph, "ACTIVATIONS", {"silu": 0})  # a graph of SiLU alone
     with capture_logs() as logs:
         model = random_model(arch, torch.float32, activation="gelu_tanh")
     assert model.decode_graph.refused == "llama: activation gelu_tanh"
@@ -130,8 +164,6 @@ def test_a_declaration_the_graph_does_not_run_is_refused_once_and_runs_layer_by_
         want = run_schedule(model, sequences, schedule, block_size=4)
     for (seq, pos, a), (_, _, b) in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"seq {seq} pos {pos}")
-    for declared in (replace(arch, post_norms=True), replace(arch, norm_offset=1.0)):
-        assert refusal(ModelConfig(VOCAB, 64, 96, 1, 2, 2, 32, arch=declared)) is not None
     routed = replace(arch, experts=True)
     assert refusal(ModelConfig(VOCAB, 64, 96, 1, 2, 2, 32, arch=routed,
                                experts=EXPERTS)) == "llama: routed experts"

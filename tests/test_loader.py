@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.config import LayerAttention, ModelConfig, UnsupportedModelError
 from qworker.model.loading import gguf_checkpoint
 from qworker.model.loading.checkpoint import load_checkpoint
 from qworker.model.loading.hf_folder import hf_config
@@ -178,7 +178,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     assert str(tmp_path / "config.json") in str(err.value) and "'dbrx'" in str(err.value)
 
 
-@pytest.mark.parametrize("other", ["BertConfig", "T5Config", "Gemma3Config"])
+@pytest.mark.parametrize("other", ["BertConfig", "T5Config", "Gemma2Config"])
 def test_another_kind_of_model_is_refused_for_what_it_is(tmp_path: Path, other: str) -> None:
     config = getattr(transformers, other)()
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
@@ -196,12 +196,118 @@ def test_another_kind_of_model_is_refused_for_what_it_is(tmp_path: Path, other: 
       "max_window_layers": 1}, (48,)),
     ({"model_type": "qwen2", "sliding_window": 48, "use_sliding_window": True,
       "layer_types": ["sliding_attention", "full_attention"]}, (48,)),
+    ({"model_type": "gemma3_text", "sliding_window": 48, "sliding_window_pattern": 2}, (48,)),
 ])
 def test_sliding_windows_are_read_as_transformers_reads_them(
         fields: dict[str, object], windows: tuple[int, ...]) -> None:
     config = hf_config(TINY | {"tie_word_embeddings": False} | fields)
     assert config.windows == windows
-    assert config.context_length == min((128, *windows))
+    assert config.context_length == 128  # a window hides positions; it does not cap them
+
+
+GEMMA3_OLD_CONFIG = {  # as google/gemma-3-4b's text config said it before transformers 5
+    "model_type": "gemma3_text", "num_hidden_layers": 7, "head_dim": 32, "sliding_window": 16,
+    "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 24,
+    "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}
+
+
+def test_a_gemma3_config_of_either_era_is_read_as_transformers_reads_it() -> None:
+    old = TINY | GEMMA3_OLD_CONFIG
+    new = transformers.Gemma3TextConfig(**old).to_dict()  # rope_parameters per layer type
+    assert "rope_parameters" in new and "rope_local_base_freq" not in new
+    for raw in (old, new):
+        config = hf_config(raw)
+        assert config.arch.name == "gemma3" and config.activation == "gelu_tanh"
+        assert config.tie_word_embeddings and config.attention_scale == 24**-0.5
+        assert (config.rope_theta, config.rope_scaling) == (
+            1e6, {"rope_type": "linear", "factor": 8.0} | ({"rope_theta": 1e6} if raw is new
+                                                            else {}))
+        layers = [config.attention_of(i) for i in range(7)]
+        assert [a.window for a in layers] == [16] * 5 + [None, 16]
+        assert [a.rope_theta for a in layers] == [10000.0] * 5 + [None, 10000.0]
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "bidirectional attention is not supported"),
+])
+def test_what_gemma3_runs_not_is_refused_at_the_config(fields: dict[str, object],
+                                                       says: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=says):
+        hf_config(TINY | GEMMA3_OLD_CONFIG | fields)
+
+
+def test_a_multimodal_gemma3_config_is_read_for_its_text_model_as_transformers_reads_it() -> None:
+    raw = {"model_type": "gemma3", "eos_token_id": [1, 106], "vision_config": {},
+           "text_config": {  # google/gemma-3-4b-it's: only what differs from the defaults
+               "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+               "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+               "sliding_window": 1024}}
+    text = transformers.Gemma3Config(**raw).text_config
+    config = hf_config(raw)
+    assert config.arch.name == "gemma3" and config.eos_token_ids == (1, 106)
+    assert (config.vocab_size, config.num_heads, config.num_kv_heads, config.head_dim,
+            config.max_position_embeddings, config.rms_norm_eps) == (
+        text.vocab_size, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
+        text.max_position_embeddings, text.rms_norm_eps)
+    assert config.attention_scale == text.query_pre_attn_scalar**-0.5
+    assert config.rope_theta == text.rope_parameters["full_attention"]["rope_theta"]
+    assert config.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    local = text.rope_parameters["sliding_attention"]["rope_theta"]
+    assert [config.attention_of(i) for i in range(34)] == [
+        LayerAttention(1024, local) if kind == "sliding_attention" else LayerAttention()
+        for kind in text.layer_types]
+
+
+@pytest.mark.parametrize("scalar", [0, -4, "256"])
+def test_an_attention_scalar_not_a_positive_number_is_refused(scalar: object) -> None:
+    with pytest.raises(ValueError, match=f"query_pre_attn_scalar is {scalar!r}, not a positive"):
+        hf_config(TINY | GEMMA3_OLD_CONFIG | {"query_pre_attn_scalar": scalar})
+
+
+def _gemma3_metadata(path: Path, layers: int, pattern: object = None) -> Path:
+    """A GGUF of Gemma 3's metadata alone (as llama.cpp's converter writes it; no tensors)."""
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_embedding_length(1152)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(6912)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(256)
+    writer.add_value_length(256)
+    writer.add_sliding_window(512)
+    writer.add_rope_freq_base(1e6)
+    if pattern is not None:
+        writer.add_array("gemma3.attention.sliding_window_pattern", pattern)
+    writer.add_token_list([f"t{i}" for i in range(8)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("layers", "pattern", "local"), [
+    (7, None, [True] * 5 + [False, True]),  # llama.cpp's every sixth global
+    (3, [True, False, True], [True, False, True]),  # a flag a layer, where the file has them
+])
+def test_gemma3_gguf_layers_as_llama_cpp_runs_them(
+        tmp_path: Path, layers: int, pattern: object, local: list[bool]) -> None:
+    path = _gemma3_metadata(tmp_path / "g.gguf", layers, pattern)
+    config = gguf_checkpoint.gguf_config(gguf_checkpoint.open_gguf(path), path)
+    attends = [config.attention_of(i) for i in range(layers)]
+    assert [a.window for a in attends] == [512 if w else None for w in local]
+    assert [a.rope_theta for a in attends] == [10000.0 if w else None for w in local]
+    assert config.rope_theta == 1e6 and config.attention_scale == 256**-0.5
+
+
+def test_gemma3_27b_gguf_scales_attention_by_hidden_over_heads(tmp_path: Path) -> None:
+    path = _gemma3_metadata(tmp_path / "g.gguf", 62)  # llama.cpp's rule for the 62-layer 27B
+    config = gguf_checkpoint.gguf_config(gguf_checkpoint.open_gguf(path), path)
+    assert config.attention_scale == (1152 // 4) ** -0.5
 
 
 @pytest.mark.parametrize(("fields", "says"), [

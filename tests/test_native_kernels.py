@@ -27,11 +27,13 @@ def test_the_kernel_builds_where_a_compiler_is() -> None:
     assert native.library() is not None
 
 
-def _torch_plan(group: DecodeGroup, cache: torch.Tensor) -> DecodePlan:
+def _torch_plan(group: DecodeGroup, cache: torch.Tensor, window: int | None = None) -> DecodePlan:
     kv_heads, num_blocks, block_size, _ = cache.shape
     rows = (torch.arange(kv_heads)[:, None] * num_blocks + group.block_tables.flatten()).flatten()
     width = group.block_tables.shape[1] * block_size
     hidden = torch.arange(width)[None, :] >= group.context_lens[:, None]
+    if window is not None:  # and what lies before each row's window
+        hidden |= torch.arange(width)[None, :] < group.context_lens[:, None] - window
     score_dtype = torch.promote_types(cache.dtype, torch.float32)
     bias = torch.zeros(hidden.shape, dtype=score_dtype).masked_fill_(hidden, float("-inf"))
     return DecodePlan(group, rows, bias[None, :, None])
@@ -47,8 +49,9 @@ def _torch_plan(group: DecodeGroup, cache: torch.Tensor) -> DecodePlan:
     (16, 1, 64, 48),  # AMX: a whole tile of query heads; 32-token runs across blocks
     (8, 2, 128, 32),  # AMX: four 32-dimension slices of keys
 ])
+@pytest.mark.parametrize("window", [None, 20])
 def test_kernel_matches_the_torch_path(dtype: torch.dtype, heads: int, kv_heads: int,
-                                       head_dim: int, block_size: int) -> None:
+                                       head_dim: int, block_size: int, window: int | None) -> None:
     gen = torch.Generator().manual_seed(heads * head_dim + block_size)
     lens = torch.tensor([1, 2, 15, 16, 17, 33, 64, 100, 257])
     width = int(-(-lens.max() // block_size))
@@ -61,8 +64,9 @@ def test_kernel_matches_the_torch_path(dtype: torch.dtype, heads: int, kv_heads:
     group = DecodeGroup(slice(0, len(lens)), tables.view(len(lens), width), lens)
     scale = head_dim**-0.5
 
-    got = native.decode_attention(qk[:, :heads], cache_k, cache_v, group.block_tables, lens, scale)
-    want = _decode(qk[:, :heads], cache_k, cache_v, _torch_plan(group, cache_k), scale)
+    got = native.decode_attention(qk[:, :heads], cache_k, cache_v, group.block_tables, lens, scale,
+                                  window)
+    want = _decode(qk[:, :heads], cache_k, cache_v, _torch_plan(group, cache_k, window), scale)
 
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -145,6 +149,19 @@ def test_silu_mul(dtype: torch.dtype) -> None:
     _close(got, F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(33, 2 * 80, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])  # tanh saturates, no NaN
+    gate, up = gate_up.chunk(2, dim=-1)
+
+    got = native.gelu_tanh_mul(gate_up)
+
+    assert torch.isfinite(got).all()
+    _close(got, F.gelu(gate, approximate="tanh") * up)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_model_gives_the_same_logits_with_and_without_the_kernels(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
@@ -179,8 +196,10 @@ def test_loading_the_kernels_keeps_subnormal_floats() -> None:
     (1100, 21, 16),  # a long cached context, as a cached prefix's suffix reads it
     (250, 19, 256),  # blocks longer than the flash kernel's key panels
 ])
+@pytest.mark.parametrize("window", [None, 24])
 def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, num_cached: int,
-                                                 num: int, block_size: int) -> None:
+                                                 num: int, block_size: int,
+                                                 window: int | None) -> None:
     gen = torch.Generator().manual_seed(num_cached + num)
     heads, kv_heads, head_dim = 9, 3, 64
     total = num_cached + num
@@ -191,7 +210,8 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, num_cached:
     qk = torch.randn(num, heads + kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
 
-    got = native.prefill_attention(qk[:, :heads], cache_k, cache_v, table, num_cached, scale)
+    got = native.prefill_attention(qk[:, :heads], cache_k, cache_v, table, num_cached, scale,
+                                   window)
 
     # reference: every key of the sequence gathered, repeated per group, masked causally
     pos = torch.arange(total)
@@ -199,6 +219,8 @@ def test_prefill_kernel_matches_causal_attention(dtype: torch.dtype, num_cached:
     keys = cache_k.reshape(kv_heads, -1, head_dim)[:, slots].repeat_interleave(3, 0)
     values = cache_v.reshape(kv_heads, -1, head_dim)[:, slots].repeat_interleave(3, 0)
     visible = pos[None, :] <= (num_cached + torch.arange(num))[:, None]
+    if window is not None:  # the last `window` positions only
+        visible &= pos[None, :] > (num_cached + torch.arange(num))[:, None] - window
     scores = (qk[:, :heads].transpose(0, 1).double() @ keys.double().transpose(1, 2)) * scale
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     want = (weights @ values.double()).transpose(0, 1)

@@ -32,6 +32,7 @@ from qworker.model.tokenizer.tokenizer import REPLACEMENT_CHAR, Tokenizer
 from tests.detok_check import assert_stream_exact, stream
 
 USER_TOKEN = "<|tool|>"  # a user-defined piece: matched whole in text, not special
+TURNS = ["<start_of_turn>", "<end_of_turn>"]  # Gemma's, user-defined pieces of its vocabulary
 LLAMA2_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
     "{% set system_message = messages[0]['content'] %}{% else %}"
@@ -132,7 +133,7 @@ def token_type(sp: Any, i: int) -> int:
         return 3
     if sp.is_byte(i):
         return 6
-    return 4 if sp.id_to_piece(i) == USER_TOKEN else 1
+    return 4 if sp.id_to_piece(i) in (USER_TOKEN, *TURNS) else 1
 
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 32, 4, 2, 48, 2
@@ -341,6 +342,62 @@ def test_chat_template_raises(spm: Fixture) -> None:
         spm.ours.apply_chat_template(bad)
     with pytest.raises(TemplateError, match="must alternate"):
         spm.hf.apply_chat_template(bad, tokenize=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3: no space prefix, <bos>, turns marked by user-defined pieces, its chat template
+
+GEMMA3_TEMPLATE = (  # google/gemma-3-*-it's, text parts only
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def test_a_gemma3_vocabulary_tokenizes_as_sentencepiece_and_ends_a_turn(tmp_path: Path) -> None:
+    """As llama.cpp's converter writes Gemma 3: `add_space_prefix` false, BOS added, the turn
+    markers user-defined pieces (matched whole; `<end_of_turn>` ends generation)."""
+    import sentencepiece as spm_lib
+
+    from qworker.model.loading.gguf_checkpoint import gguf_eos_token_ids, open_gguf
+
+    model = io.BytesIO()
+    spm_lib.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus()), model_writer=model, model_type="bpe", vocab_size=420,
+        byte_fallback=True, character_coverage=1.0, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, user_defined_symbols=TURNS, unk_id=0, bos_id=1, eos_id=2,
+        pad_id=-1, bos_piece="<bos>", eos_piece="<eos>", minloglevel=2, num_threads=1,
+    )
+    sp = spm_lib.SentencePieceProcessor(model_proto=model.getvalue())
+    path = write_gguf(tmp_path / "gemma.gguf", sp, GEMMA3_TEMPLATE, add_bos=True,
+                      add_space_prefix=False)
+    ours = Tokenizer.load(path)
+    for text in PLAIN_TEXTS:
+        assert ours.encode(text) == sp.encode(text)
+        assert ours.decode(ours.encode(text)) == text.replace(SPACE, " ")
+    assert ours.encode("hi", add_special_tokens=True) == [sp.bos_id(), *sp.encode("hi")]
+    for messages in CHATS:
+        text = ours.apply_chat_template(messages)
+        assert text.startswith("<bos><start_of_turn>user\n") and text.endswith("model\n")
+        assert ours.encode_chat(messages) == [sp.bos_id(), *sp.encode(text[len("<bos>"):])]
+    end = sp.piece_to_id("<end_of_turn>")
+    assert ours.encode("<end_of_turn>") == [end]
+    assert end in gguf_eos_token_ids(open_gguf(path))
 
 
 # ---------------------------------------------------------------------------------------------

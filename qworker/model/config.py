@@ -24,7 +24,7 @@ class LayerAttention:
     """How one layer attends, where a model's layers differ."""
 
     window: int | None = None  # a token sees itself and the window - 1 before it; None: all
-    rope_theta: float | None = None  # the layer's RoPE base; None: the model's
+    rope_theta: float | None = None  # the layer's own RoPE base, unscaled; None: the model's
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class ModelConfig:
     activation: str = "silu"
     layer_attention: tuple[LayerAttention, ...] = ()  # one per layer; () where all attend alike
     experts: Experts | None = None  # where the architecture routes tokens to experts
+    query_pre_attn_scalar: float | None = None  # attention scale 1 / sqrt(it); None: head_dim
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -96,6 +97,10 @@ class ModelConfig:
                                     or not all(f > 0 for f in factors)):
             raise ValueError(f"rope_freqs: {len(factors)} factors for head_dim {self.head_dim}, "
                              "or not all positive")
+        scalar = self.query_pre_attn_scalar
+        if scalar is not None and (not isinstance(scalar, int | float) or isinstance(scalar, bool)
+                                   or not scalar > 0):
+            raise ValueError(f"query_pre_attn_scalar is {scalar!r}, not a positive number")
         if any(not isinstance(w, int) or isinstance(w, bool) or w <= 0 for w in self.windows):
             raise ValueError(f"sliding windows {self.windows} are not positive integers")
         self._check_experts()
@@ -124,7 +129,14 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The positions a sequence may take: the checkpoint's, but no more than its smallest
-        sliding window. The layers do not run windows yet: within the smallest, a windowed layer
-        sees every position before a token, as the whole-context layers do."""
-        return min((self.max_position_embeddings, *self.windows))
+        """The positions a sequence may take: the checkpoint's (a windowed layer attends only to
+        its window, `paged_attention`)."""
+        return self.max_position_embeddings
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        """How `layer` attends."""
+        return self.layer_attention[layer] if self.layer_attention else LayerAttention()

@@ -11,9 +11,11 @@ bfloat16 step's activations converted to float32 for it and its results back, as
 does). Others (and any step it declines) go layer by layer.
 
 It reads the architecture's declaration (`ModelConfig.arch`): what the graph runs (q/k biases and
-norms, SiLU) it runs; a model that asks for anything else is refused once, with one log line, and
-every step of it goes layer by layer (`refusal`). A new feature of a declaration is refused here
-until decoder.cpp runs it.
+norms, SiLU and tanh GELU, Gemma's norms after attention and MLP, a layer's own RoPE base, the
+attention scale) it runs; a model that asks for anything else is refused once, with one log
+line, and every step of it goes layer by layer (`refusal`). A new feature of a declaration is
+refused here until decoder.cpp runs it. A layer's sliding window it hands the decode attention
+kernel, as the layer-by-layer path does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from qworker.model.batch import DecodeGroup
 from qworker.model.config import ModelConfig
 from qworker.model.kernels import kernel_choice, native
 from qworker.model.kernels.decode_abi import (
+    ACTIVATIONS,
     GEMM_KERNELS,
     DecodeDims,
     DecodeLayer,
@@ -48,15 +51,11 @@ log = structlog.get_logger(__name__)
 
 def refusal(config: ModelConfig) -> str | None:
     """Why the graph cannot run this model's decode steps as the layers do; None where it can.
-    (Embedding scale is the embedding's, before the graph; sliding windows cap the context,
-    `ModelConfig.context_length`, so every position a layer sees is one the graph sees too.)"""
+    (Embedding scale is the embedding's, before the graph; a norm's 1 + w is its weight's.)"""
     arch = config.arch
     unrun = {
-        f"activation {config.activation}": config.activation != "silu",
-        "norms after attention and MLP": arch.post_norms,
-        f"norms scaled by {arch.norm_offset} + w": arch.norm_offset != 0.0,
+        f"activation {config.activation}": config.activation not in ACTIVATIONS,
         "routed experts": arch.experts,
-        "per-layer RoPE bases": any(a.rope_theta is not None for a in config.layer_attention),
     }
     reasons = [what for what, asked in unrun.items() if asked]
     return f"{arch.name}: {', '.join(reasons)}" if reasons else None
@@ -109,8 +108,8 @@ class DecodeGraph:
             return None
         rows = batch.logits_indices
         current = self._current(cache)
-        layers = self._table(current, cache, x.shape[0], x.dtype).layers
-        lm_head = self._table(current, cache, max(rows.shape[0], 1), x.dtype).lm_head
+        layers = self._table(current, cache, x.shape[0], x.dtype, plan).layers
+        lm_head = self._table(current, cache, max(rows.shape[0], 1), x.dtype, plan).lm_head
         if layers is None or lm_head is None:
             return None
         c = self.config
@@ -121,7 +120,7 @@ class DecodeGraph:
         return native.decode_step(
             x, layers, self.norm.weight, lm_head, self.lm_head.out_features, rows,
             plan.rope.cos, plan.rope.sin, batch.positions, batch.slot_mapping, tables, lens, dims,
-            c.rms_norm_eps, c.head_dim**-0.5)
+            c.rms_norm_eps, c.attention_scale)
 
     def _current(self, cache: KVCache) -> _Tables:
         """The tables, made anew where the cache or any weight (its version) changed."""
@@ -131,12 +130,12 @@ class DecodeGraph:
             tables = self._tables = _Tables(cache, versions, {})
         return tables
 
-    def _table(self, tables: _Tables, cache: KVCache, rows: int,
-               dtype: torch.dtype) -> _BucketTable:
+    def _table(self, tables: _Tables, cache: KVCache, rows: int, dtype: torch.dtype,
+               plan: AttentionPlan) -> _BucketTable:
         bucket = kernel_choice.bucket(rows)
         if bucket not in tables.by_bucket:
             tables.by_bucket[bucket] = self._make_table(cache, kernel_choice.BUCKETS[bucket],
-                                                        dtype)
+                                                        dtype, plan)
         return tables.by_bucket[bucket]
 
     def _versions(self) -> tuple[int, ...]:
@@ -145,7 +144,8 @@ class DecodeGraph:
         return tuple(p._version for m in self._owners for p in m._parameters.values()
                      if p is not None)
 
-    def _make_table(self, cache: KVCache, rows: int, dtype: torch.dtype) -> _BucketTable:
+    def _make_table(self, cache: KVCache, rows: int, dtype: torch.dtype,
+                    plan: AttentionPlan) -> _BucketTable:
         keep: list[object] = []
         head = _projection(self.lm_head, rows, dtype, keep)
         entries: list[DecodeLayer] = []
@@ -158,12 +158,23 @@ class DecodeGraph:
                 return _BucketTable(None, head, tuple(keep))
             qkv, o, gate_up, down = projs
             q_norm, k_norm = attn.q_norm, attn.k_norm
+            theta = attn.attends.rope_theta
+            rope = None if theta is None else plan.rope_of(theta)
             tensors: dict[str, torch.Tensor | None] = {
                 "input_norm": layer.input_layernorm.weight, "qkv_bias": attn.qkv_proj.bias,
                 "q_norm": None if q_norm is None else q_norm.weight,
                 "k_norm": None if k_norm is None else k_norm.weight,
-                "post_norm": layer.post_attention_layernorm.weight, "k_cache": k, "v_cache": v}
-            entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down))
+                "post_norm": layer.post_attention_layernorm.weight, "k_cache": k, "v_cache": v,
+                "attn_out_norm": None, "mlp_out_norm": None,
+                "cos": None if rope is None else rope.cos,
+                "sin": None if rope is None else rope.sin}
+            if layer.post_norms:  # the MLP's input norm is a third one
+                tensors |= {"attn_out_norm": layer.post_attention_layernorm.weight,
+                            "post_norm": layer.pre_feedforward_layernorm.weight,
+                            "mlp_out_norm": layer.post_feedforward_layernorm.weight}
+            entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down,
+                                        activation=ACTIVATIONS[mlp.activation],
+                                        window=attn.attends.window or 0))
             keep.extend(t for t in tensors.values() if t is not None)
         return _BucketTable((DecodeLayer * len(entries))(*entries), head, tuple(keep))
 
@@ -191,13 +202,15 @@ def _projection(lin: Linear | QuantLinear, rows: int, dtype: torch.dtype,
                       kernel=GEMM_KERNELS[kind])
 
 
-def _pointing_at(parts: dict[str, torch.Tensor | None], **projs: DecodeProj | None) -> DecodeLayer:
+def _pointing_at(parts: dict[str, torch.Tensor | None], activation: int, window: int,
+                 **projs: DecodeProj | None) -> DecodeLayer:
     """A layer whose every field (by its C name) points at that tensor's data (null for None),
-    or is that projection."""
-    assert parts.keys() | projs.keys() == set(field_names(DecodeLayer)), "a misspelt field"
+    or is that projection, the activation or the window."""
+    named = parts.keys() | projs.keys() | {"activation", "window"}
+    assert named == set(field_names(DecodeLayer)), "a misspelt field"
     assert all(p is None or p.is_contiguous() for p in parts.values())
     pointers = {name: None if p is None else p.data_ptr() for name, p in parts.items()}
-    return DecodeLayer(**pointers, **projs)
+    return DecodeLayer(**pointers, **projs, activation=activation, window=window)
 
 
 def _in_row_order(groups: tuple[DecodeGroup, ...], rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from qworker.model.batch import ForwardBatch
-from qworker.model.config import ModelConfig, UnsupportedModelError
+from qworker.model.config import ModelConfig
 from qworker.model.decode_graph import DecodeGraph
 from qworker.model.kernels import kernel_choice, native
 from qworker.model.kernels.linear import Linear
@@ -33,41 +33,24 @@ from qworker.model.loading.tensors import Weight
 log = structlog.get_logger(__name__)
 
 
-def unimplemented(config: ModelConfig) -> list[str]:
-    """What the model's declaration asks that these layers do not run yet."""
-    arch = config.arch
-    unrun = {
-        "norms after attention and MLP (post_norms)": arch.post_norms,
-        f"norms scaled by {arch.norm_offset} + w (norm_offset)": arch.norm_offset != 0.0,
-        "scaled embeddings (embed_scale)": arch.embed_scale,
-        "per-layer RoPE bases": any(a.rope_theta is not None for a in config.layer_attention),
-    }
-    return [what for what, asked in unrun.items() if asked]
-
-
 class DecoderModel(nn.Module):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu", init_weights: bool = True,
     ) -> None:
         """With init_weights=False the parameters stay on the meta device until
-        `load_hf_weights` (which allocates only what it does not keep quantized). A declaration
-        these layers do not run is refused (UnsupportedModelError)."""
+        `load_hf_weights` (which allocates only what it does not keep quantized)."""
         super().__init__()
-        if missing := unimplemented(config):
-            raise UnsupportedModelError(f"{config.arch.name}: not implemented: "
-                                        f"{', '.join(missing)}")
-        if config.windows:
-            log.info("context_capped_at_sliding_window", window=min(config.windows),
-                     context_length=config.context_length)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         with torch.device(self.device if init_weights else "meta"):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-            layers = [DecoderLayer(config, i) for i in range(config.num_layers)]
+            layers = [DecoderLayer(config, i, config.attention_of(i))
+                      for i in range(config.num_layers)]
             self.layers = nn.ModuleList(layers)
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                float32_product=config.arch.norm_offset != 0.0)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -76,6 +59,13 @@ class DecoderModel(nn.Module):
             config.head_dim, config.context_length, config.rope_theta,
             config.rope_scaling, dtype, device,
         )
+        own_bases = {a.rope_theta for a in config.layer_attention if a.rope_theta is not None}
+        self.layer_ropes = {  # a layer's own base (Gemma 3's local layers), unscaled
+            theta: RotaryTable(config.head_dim, config.context_length, theta, None, dtype, device)
+            for theta in sorted(own_bases)}
+        # sqrt(hidden) in the model's dtype, as the reference casts it
+        self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
+                            if config.arch.embed_scale else None)
         self.to(dtype=dtype, device=device if init_weights else "meta")
         self.requires_grad_(False)
 
@@ -83,8 +73,11 @@ class DecoderModel(nn.Module):
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] (float32, float64 for a float64 model)."""
         x = self.embed_tokens(batch.input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         plan = AttentionPlan.build(batch, cache.keys[0], self.rope,
-                                   self.config.num_heads // self.config.num_kv_heads)
+                                   self.config.num_heads // self.config.num_kv_heads,
+                                   self.layer_ropes)
         logits = self.decode_graph.run(x, plan, cache)
         if logits is None:  # not a step the graph serves: layer by layer
             logits = self._layer_by_layer(x, plan, cache)
@@ -186,8 +179,14 @@ class DecoderModel(nn.Module):
     def load_hf_weights(self, weights: Mapping[str, Weight]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up).
         A `QuantWeight` stays in its blocks: its layer becomes a `QuantLinear` (an embedding, a
-        quantized row lookup, shared with a tied LM head); nothing else is allocated for it."""
+        quantized row lookup, shared with a tied LM head); nothing else is allocated for it. A
+        norm whose architecture scales by offset + w holds offset + w (so every norm kernel runs
+        it), added in float32."""
         given = _fused(weights, self.config)
+        offset = self.config.arch.norm_offset
+        for name, tensor in given.items():
+            if offset and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+                given[name] = tensor.float() + offset
         kept = [n for n, w in given.items() if isinstance(w, QuantWeight)]
         for name in kept:
             quant = given.pop(name)

@@ -37,6 +37,9 @@ def prompt_ids(engine: AdmittingEngine, job: Job) -> list[int]:
     if job.prompt_token_ids is not None:
         return list(job.prompt_token_ids)
     tokenizer = engine.tokenizer
+    if job.messages is not None and getattr(tokenizer, "chat_template", "") is None:
+        raise RequestRejectedError(INVALID_REQUEST, "the model has no chat template (a base "
+                                   "model): send a plain `prompt` to complete, not `messages`")
     text = (tokenizer.apply_chat_template([m.model_dump() for m in job.messages])
             if job.messages is not None else job.prompt or "")
     engine.check_prompt_text(text)  # far too long for the context: rejected untokenized

@@ -2,6 +2,7 @@
 A family is supported once it is in ARCHITECTURES."""
 
 from qworker.model.arch.architecture import Architecture
+from qworker.model.arch.gemma3 import GEMMA3
 from qworker.model.arch.llama import LLAMA
 from qworker.model.arch.mistral import MISTRAL
 from qworker.model.arch.mixtral import MIXTRAL
@@ -17,3 +18,4 @@ ARCHITECTURES[MIXTRAL.name] = MIXTRAL
 GGUF_NAMES = {"qwen3moe": QWEN3_MOE.name}
 # a GGUF family whose files with experts (`<arch>.expert_count`) are another family's
 GGUF_WITH_EXPERTS = {"llama": MIXTRAL.name}
+ARCHITECTURES[GEMMA3.name] = GEMMA3

@@ -31,14 +31,23 @@ GEMM_KERNELS = {"native": 0, "amx": 1}  # C kVectorGemm, kAmxGemm
 
 
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer's tensors (C `Layer`); qkv_bias may be null, and q_norm with k_norm."""
+    """One decoder layer's tensors (C `Layer`); qkv_bias may be null, and q_norm with k_norm;
+    attn_out_norm and mlp_out_norm (Gemma's norms of the attention's and the MLP's outputs; then
+    post_norm is the MLP input's) null where the model has none, cos / sin (the layer's own RoPE
+    tables) null for the step's; activation: `ACTIVATIONS`; window: the layer's sliding window,
+    0 for none."""
 
     _fields_ = [
         ("input_norm", _P), ("qkv", DecodeProj), ("qkv_bias", _P), ("q_norm", _P),
         ("k_norm", _P), ("o", DecodeProj),
         ("post_norm", _P), ("gate_up", DecodeProj), ("down", DecodeProj), ("k_cache", _P),
         ("v_cache", _P),
+        ("attn_out_norm", _P), ("mlp_out_norm", _P), ("cos", _P), ("sin", _P),
+        ("activation", _I), ("window", _I),
     ]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # C kSilu, kGeluTanh
 
 
 class DecodeDims(ctypes.Structure):

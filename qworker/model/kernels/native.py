@@ -29,12 +29,13 @@ from qworker.model.kernels.decode_abi import DecodeDims, DecodeLayer, DecodeProj
 SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
-    "qw_decode_attention": [_P] * 6 + [_I] * 8 + [_D],
-    "qw_prefill_attention": [_P] * 5 + [_I] * 8 + [_I, _I, _D],
+    "qw_decode_attention": [_P] * 6 + [_I] * 8 + [_D, _I],
+    "qw_prefill_attention": [_P] * 5 + [_I] * 8 + [_I, _I, _D, _I],
     "qw_add_rms_norm": [_P] * 4 + [_I, _I, _D],
     "qw_rms_norm_heads": [_P] * 3 + [_I] * 5 + [_D],
     "qw_rope_store": [_P] * 7 + [_I] * 6,
     "qw_silu_mul": [_P, _P, _I, _I],
+    "qw_gelu_tanh_mul": [_P, _P, _I, _I],
 }
 KERNEL_FAMILIES = ("auto", "torch", *nb.FAMILIES)
 
@@ -148,10 +149,11 @@ def serves(cache: torch.Tensor) -> bool:
 
 def decode_attention(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, window: int | None = None,
 ) -> torch.Tensor:
-    """Attends each query row to its sequence's cached keys; q: [D, heads, head_dim] (rows may be
-    strided) -> [D, heads, head_dim]. Only for caches that `serves` accepts."""
+    """Attends each query row to its sequence's cached keys (the last `window` of them, given);
+    q: [D, heads, head_dim] (rows may be strided) -> [D, heads, head_dim]. Only for caches that
+    `serves` accepts."""
     assert q.dtype == cache_k.dtype
     num, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = cache_k.shape
@@ -164,17 +166,18 @@ def decode_attention(
     _kernel("qw_decode_attention", q.dtype)(
         q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), num, tables.shape[1], heads, kv_heads, head_dim, num_blocks, block_size,
-        q.stride(0), scale,
+        q.stride(0), scale, window or 0,
     )
     return out
 
 
 def prefill_attention(
     q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor,
-    num_cached: int, scale: float,
+    num_cached: int, scale: float, window: int | None = None,
 ) -> torch.Tensor:
-    """A chunk of one sequence, causal after `num_cached` tokens, its own K/V already in the cache;
-    q: [n, heads, head_dim] (rows may be strided) -> [n, heads, head_dim]."""
+    """A chunk of one sequence, causal after `num_cached` tokens (each token seeing the last
+    `window` positions, given), its own K/V already in the cache; q: [n, heads, head_dim] (rows
+    may be strided) -> [n, heads, head_dim]."""
     assert q.dtype == cache_k.dtype and q.stride(2) == 1 and q.stride(1) == q.shape[2]
     assert cache_k.is_contiguous() and cache_v.is_contiguous()
     num, heads, head_dim = q.shape
@@ -185,7 +188,7 @@ def prefill_attention(
     _kernel("qw_prefill_attention", q.dtype)(
         q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), table.data_ptr(), out.data_ptr(),
         1, table.numel(), heads, kv_heads, head_dim, num_blocks, block_size, q.stride(0),
-        num_cached, num, scale,
+        num_cached, num, scale, window or 0,
     )
     return out
 
@@ -331,6 +334,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n, width = gate_up.shape
     out = torch.empty((n, width // 2), dtype=gate_up.dtype)
     _kernel("qw_silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n, width // 2)
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2 * inter] -> gelu_tanh(gate) * up, [n, inter] (GeGLU)."""
+    assert gate_up.is_contiguous()
+    n, width = gate_up.shape
+    out = torch.empty((n, width // 2), dtype=gate_up.dtype)
+    _kernel("qw_gelu_tanh_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n,
+                                               width // 2)
     return out
 
 

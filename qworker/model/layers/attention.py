@@ -1,13 +1,14 @@
 """A decoder layer's self-attention: the fused q/k/v projection, each q and k head normed where
-the architecture says (Qwen3), rotary embedding, the step's K/V written to the paged cache,
-attention over it (`paged_attention`), the output projection."""
+the architecture says (Qwen3, Gemma 3), rotary embedding (by the layer's own base where it has
+one), the step's K/V written to the paged cache, attention over it (`paged_attention`, within the
+layer's sliding window where it has one), the output projection."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from qworker.model.config import ModelConfig
+from qworker.model.config import LayerAttention, ModelConfig
 from qworker.model.kernels import native
 from qworker.model.kernels.linear import Linear
 from qworker.model.layers.norm import RMSNorm
@@ -16,8 +17,9 @@ from qworker.model.layers.rope import rotate
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attends: LayerAttention | None = None) -> None:
         super().__init__()
+        self.attends = attends or LayerAttention()
         self.heads, self.kv_heads, self.head_dim = (
             config.num_heads, config.num_kv_heads, config.head_dim,
         )
@@ -27,9 +29,10 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         qk_norm, eps = config.arch.qk_norm, config.rms_norm_eps
-        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.scale = self.head_dim**-0.5
+        float32_product = config.arch.norm_offset != 0.0
+        self.q_norm = RMSNorm(self.head_dim, eps, float32_product) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, float32_product) if qk_norm else None
+        self.scale = config.attention_scale
 
     def forward(
         self, x: torch.Tensor, plan: AttentionPlan, cache_k: torch.Tensor, cache_v: torch.Tensor,
@@ -38,19 +41,22 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_heads(qkv, self.q_norm, self.k_norm, plan.fused)
+        theta = self.attends.rope_theta
         if plan.fused:
-            native.rope_store(qkv, plan.rope.cos, plan.rope.sin, plan.batch.positions,
+            rope = plan.rope_of(theta)
+            native.rope_store(qkv, rope.cos, rope.sin, plan.batch.positions,
                               plan.batch.slot_mapping, cache_k, cache_v, self.heads)
             qk, v = qkv.split(self.split, dim=-1)
             qk = qk.view(n, self.heads + self.kv_heads, self.head_dim)
         else:
             qk, v = qkv.split(self.split, dim=-1)
-            qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim), *plan.rotation)
+            qk = rotate(qk.view(n, self.heads + self.kv_heads, self.head_dim),
+                        *plan.rotation_of(theta))
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = v.view(n, self.kv_heads, self.head_dim)
         if not plan.fused:
             write_kv(cache_k, cache_v, k, v, plan.batch.slot_mapping)
-        out = paged_attention(q, k, v, cache_k, cache_v, plan, self.scale)
+        out = paged_attention(q, k, v, cache_k, cache_v, plan, self.scale, self.attends.window)
         return self.o_proj(out.reshape(n, -1))
 
     def _norm_heads(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm,

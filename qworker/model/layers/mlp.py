@@ -1,5 +1,6 @@
 """A decoder layer's gated MLP: the fused gate/up projection, act(gate) * up, then down. The
-native path fuses SiLU with the product; another activation runs as torch's."""
+native path fuses SiLU or tanh GELU with the product (`native.silu_mul`, `gelu_tanh_mul`, which
+the decode graph runs too); the torch path runs torch's."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+FUSED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": native.silu_mul, "gelu_tanh": native.gelu_tanh_mul,
+}
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         """intermediate_size: the config's where not given (an expert's is its own)."""
@@ -30,7 +36,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused and self.activation == "silu":
-            return self.down_proj(native.silu_mul(gate_up))
+        if fused and self.activation in FUSED:
+            return self.down_proj(FUSED[self.activation](gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(ACTIVATIONS[self.activation](gate) * up)

@@ -11,14 +11,19 @@ from qworker.model.kernels import native
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, float32_product: bool = False) -> None:
+        """float32_product: scaled by the weight in float32, then cast (Gemma's order; Llama's
+        casts first)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.float32_product = float32_product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalised in float32 whatever the model dtype, as the reference implementation does
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        if self.float32_product:
+            return (normed * self.weight.float()).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,

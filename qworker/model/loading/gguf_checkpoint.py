@@ -53,6 +53,14 @@ ROPE_FREQS = "rope_freqs.weight"  # read into the config (`_rope_freq_factors`),
 # 3-D [experts, rows, columns]: expert j's matrix is HF's `mlp.experts.{j}.<name>`
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                       "ffn_down_exps": "down_proj"}
+# where the declaration has norms after attention and MLP (Gemma): the MLP's input norm is a third
+_GGUF_POST_NORM_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's, for Gemma 3's local layers: the file says none
+_GEMMA3_27B_LAYERS = 62  # llama.cpp scales its attention by 1 / sqrt(hidden / heads), not head_dim
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", *TYPE_IDS)  # Q4_0 ... Q6_K
 # General end-of-generation tokens llama.cpp also stops on when a file marks them as control tokens.
@@ -60,6 +68,7 @@ _EOG_TOKEN_TEXTS = frozenset(
     {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
 )
 _CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens such as <|im_end|>
+_USER_DEFINED_TOKEN = 4  # a SentencePiece vocabulary's <end_of_turn> may be one (llama.cpp: EOG)
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -89,7 +98,8 @@ def gguf_eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
     tokens = gguf_value(reader, "tokenizer.ggml.tokens", [])
     types = gguf_value(reader, "tokenizer.ggml.token_type", [])
     pairs = enumerate(zip(tokens, types, strict=False))
-    ids += [i for i, (text, kind) in pairs if text in _EOG_TOKEN_TEXTS and kind == _CONTROL_TOKEN]
+    ids += [i for i, (text, kind) in pairs if text in _EOG_TOKEN_TEXTS
+            and kind in (_CONTROL_TOKEN, _USER_DEFINED_TOKEN)]
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -114,6 +124,10 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
             tensors[names[t.name]] = _gguf_tensor(t, keep_quantized)
     if config.arch.gguf_permuted_qk:
         _unpermute_qk(tensors, config)
+    if config.arch.norm_offset:  # llama.cpp's converter added it; HF's names hold w alone
+        for name, tensor in tensors.items():
+            if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+                tensors[name] = tensor.float() - config.arch.norm_offset
     return config, tensors
 
 
@@ -174,8 +188,10 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
             attention_bias=bool(names & {"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"}),
             activation=family.activation,
             arch=family,
-            layer_attention=(LayerAttention(window),) * layers if window else (),
+            layer_attention=_gguf_layer_attention(reader, arch, window, layers),
             experts=_gguf_experts_config(get, names, layers) if family.experts else None,
+            query_pre_attn_scalar=(hidden // heads if arch == "gemma3"
+                                   and layers == _GEMMA3_27B_LAYERS else None),
             bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=gguf_eos_token_ids(reader),
         )
@@ -196,6 +212,25 @@ def _gguf_experts_config(get: Any, names: set[str], layers: int) -> Experts:
         dense_layers=frozenset(i for i in range(layers)
                                if f"blk.{i}.ffn_gate_inp.weight" not in names),
     )
+
+
+def _gguf_layer_attention(reader: GGUFReader, arch: str, window: int | None,
+                          layers: int) -> tuple[LayerAttention, ...]:
+    """Every layer windowed where the file names a window; Gemma 3's every sixth global, as
+    llama.cpp runs it (or by `attention.sliding_window_pattern`: a period, or a flag a layer),
+    its windowed layers on their own RoPE base."""
+    if not window:
+        return ()
+    if arch != "gemma3":
+        return (LayerAttention(window),) * layers
+    pattern = gguf_value(reader, f"{arch}.attention.sliding_window_pattern", 6)
+    windowed = ([bool(p) for p in pattern] if isinstance(pattern, list)
+                else [bool((i + 1) % pattern) for i in range(layers)])
+    if len(windowed) != layers:
+        raise ValueError(f"{arch}.attention.sliding_window_pattern names {len(windowed)} layers "
+                         f"of {layers}")
+    local = LayerAttention(window, _GEMMA3_LOCAL_ROPE_THETA)
+    return tuple(local if w else LayerAttention() for w in windowed)
 
 
 def _shortest_f32(value: float) -> float:
@@ -254,8 +289,10 @@ def _hf_name(gguf_name: str, arch: Architecture, path: Path) -> str:
     match = _GGUF_LAYER_RE.fullmatch(gguf_name)
     if match and match[2] in _GGUF_EXPERT_NAMES and arch.experts:
         return f"model.layers.{match[1]}.mlp.experts.{_GGUF_EXPERT_NAMES[match[2]]}.{match[3]}"
-    if match and match[2] in _GGUF_LAYER_NAMES:
-        part = _GGUF_LAYER_NAMES[match[2]]
+    if match and (match[2] in _GGUF_LAYER_NAMES
+                  or arch.post_norms and match[2] in _GGUF_POST_NORM_NAMES):
+        part = (_GGUF_POST_NORM_NAMES if arch.post_norms and match[2] in _GGUF_POST_NORM_NAMES
+                else _GGUF_LAYER_NAMES)[match[2]]
         if match[2] == "ffn_up" and arch.fused_gate_up:
             part = "mlp.gate_up_proj"
         return f"model.layers.{match[1]}.{part}.{match[3]}"

@@ -17,21 +17,47 @@ from qworker.model.loading.tensors import LoaderError, UnsupportedArchitectureEr
 
 # HF `hidden_act` / `hidden_activation` names of the activations the layers run
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# HF `model_type`s of a family named otherwise in ARCHITECTURES (its GGUF name)
+_FAMILIES = {"gemma3_text": "gemma3"}
+_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's local layers', where a config does not say
+# Gemma3TextConfig's defaults: a multimodal Gemma 3 folder's `text_config` states only the rest
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "model_type": "gemma3_text", "vocab_size": 262_208, "hidden_size": 2304,
+    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "bos_token_id": 2,
+    "eos_token_id": 1, "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": _LOCAL_ROPE_THETA, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 6,
+}
+# a multimodal Gemma 3 folder's tensors: the text model's under a prefix (older and newer
+# transformers), the vision tower's and the projector's beside them (dropped)
+_TEXT_PREFIXES = {"language_model.": "", "model.language_model.": "model."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 
 
 def hf_config(raw: dict[str, Any]) -> ModelConfig:
     """The ModelConfig a Hugging Face `config.json` describes; its family first, so a model of
     another kind is refused for what it is, not for a field it lacks."""
     name = raw.get("model_type", "llama")
-    arch = ARCHITECTURES.get(name)
+    if name == "gemma3" and isinstance(raw.get("text_config"), dict):  # its text model alone
+        outer = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
+        raw = _GEMMA3_TEXT_DEFAULTS | outer | raw["text_config"]
+        name = raw["model_type"]
+    arch = ARCHITECTURES.get(_FAMILIES.get(name, name))
     if arch is None:
         raise UnsupportedModelError(f"unsupported architecture {name!r}; "
                                     f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(cap) is not None:
+            raise UnsupportedModelError(f"{cap} {raw[cap]} is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention is not supported")
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    # transformers >= 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope, local_theta = _rope_parameters(raw, arch.name)
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     partial = raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     if partial != 1.0:
@@ -58,21 +84,44 @@ def hf_config(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=raw.get("tie_word_embeddings", arch.tied_embeddings),
         attention_bias=raw.get("attention_bias", arch.qkv_bias),
         activation=_ACTIVATIONS.get(act, act),
-        layer_attention=_windows(raw, num_layers),
+        layer_attention=_windows(raw, num_layers, local_theta),
         experts=_experts(raw, arch, num_layers),
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
 
 
-def _windows(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]:
-    """Each layer's sliding window, as transformers reads the config: `layer_types` where given;
-    else, with `use_sliding_window` (Qwen2, Qwen3), the layers from `max_window_layers` on; else
-    (Mistral, Phi-3) every layer, where `sliding_window` is set."""
+def _rope_parameters(raw: dict[str, Any], family: str) -> tuple[dict[str, Any], float | None]:
+    """The (global) layers' RoPE parameters, and the windowed layers' own base where they have
+    one (Gemma 3). transformers >= 5 folds rope_theta and rope_scaling into one
+    `rope_parameters` dict, one per layer type where they differ; older configs say
+    `rope_local_base_freq`."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    local = raw.get("rope_local_base_freq")
+    if "full_attention" in rope:
+        local = (rope.get("sliding_attention") or {}).get("rope_theta")
+        rope = rope["full_attention"] or {}
+    if local is None and family == "gemma3":
+        local = _LOCAL_ROPE_THETA
+    return rope, local
+
+
+def _windows(raw: dict[str, Any], num_layers: int,
+             local_theta: float | None = None) -> tuple[LayerAttention, ...]:
+    """Each layer's sliding window (and, given, the windowed layers' own RoPE base), as
+    transformers reads the config: `layer_types` where given; else every
+    `sliding_window_pattern`-th layer global (Gemma 3); else, with `use_sliding_window` (Qwen2,
+    Qwen3), the layers from `max_window_layers` on; else (Mistral, Phi-3) every layer, where
+    `sliding_window` is set."""
     window = raw.get("sliding_window")
     if window is None or raw.get("use_sliding_window") is False:
         return ()
     types = raw.get("layer_types")
+    if types is None and local_theta is not None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(num_layers)]
     if types is None:
         first = raw.get("max_window_layers", 0) if "use_sliding_window" in raw else 0
         types = ["sliding_attention" if i >= first else "full_attention"
@@ -82,7 +131,8 @@ def _windows(raw: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]
         raise UnsupportedModelError(f"unsupported layer types {sorted(unknown)}")
     if "sliding_attention" not in types:
         return ()
-    return tuple(LayerAttention(window if kind == "sliding_attention" else None) for kind in types)
+    return tuple(LayerAttention(window, local_theta) if kind == "sliding_attention"
+                 else LayerAttention() for kind in types)
 
 
 def _experts(raw: dict[str, Any], arch: Architecture, num_layers: int) -> Experts | None:
@@ -140,10 +190,23 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for name in [n for n in tensors if n.endswith(_IGNORED_HF_SUFFIXES)]:
         del tensors[name]
     tensors = {_MIXTRAL_NAMES.sub(_qwen_moe_name, n): t for n, t in tensors.items()}
+    if config.arch.name == "gemma3":
+        tensors, origin = _text_model(tensors), _text_model(origin)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters save the tied copy anyway
     validate(config, {n: tuple(t.shape) for n, t in tensors.items()}, origin, folder)
     return config, tensors
+
+
+def _text_model(named: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text model, named as a text checkpoint names it."""
+    out = {}
+    for name, value in named.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else _TEXT_PREFIXES[prefix] + name[len(prefix):]] = value
+    return out
 
 
 def _read_json(file: Path) -> dict[str, Any]:

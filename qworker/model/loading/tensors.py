@@ -62,6 +62,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer + "input_layernorm.weight": (hidden,),
             layer + "post_attention_layernorm.weight": (hidden,),
         }
+        if arch.post_norms:
+            shapes[layer + "pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[layer + "post_feedforward_layernorm.weight"] = (hidden,)
     return shapes
 
 

@@ -27,6 +27,10 @@ REPLACEMENT_CHAR = "\ufffd"
 Message = dict[str, Any]
 
 
+NO_CHAT_TEMPLATE = ("the model has no chat template (a base model): it completes plain text "
+                    "(a `prompt`, or `qworker generate --raw`), not `messages`")
+
+
 class TokenizerError(ModelInputError):
     """A tokenizer could not be built or used; the message names the file and the problem."""
 
@@ -210,7 +214,7 @@ class Tokenizer:
     ) -> str:
         """Render `messages` with the model's chat template, as transformers does."""
         if self._compiled_template is None:
-            raise TokenizerError(f"{self.source}: the tokenizer has no chat template")
+            raise TokenizerError(f"{self.source}: {NO_CHAT_TEMPLATE}")
         return self._compiled_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,

@@ -12,22 +12,24 @@
 
 #define QW_EXPORT(name, T)                                                                     \
   extern "C" void name(const void* q, const void* k, const void* v, const int64_t* tables,     \
-                       const int64_t* lens, void* out, QW_SHAPE_ARGS, double scale) {          \
+                       const int64_t* lens, void* out, QW_SHAPE_ARGS, double scale,            \
+                       int64_t window) {                                                       \
     const qw::Shape s = QW_SHAPE;                                                              \
     _Pragma("omp parallel")                                                                    \
     qw::decode_attention(static_cast<const T*>(q), static_cast<const T*>(k),                  \
                          static_cast<const T*>(v), tables, lens, static_cast<T*>(out), s,      \
-                         scale);                                                               \
+                         scale, window);                                                       \
   }
 
 #define QW_EXPORT_PREFILL(name, T)                                                             \
   extern "C" void name(const void* q, const void* k, const void* v, const int64_t* table,      \
-                       void* out, QW_SHAPE_ARGS, int64_t cached, int64_t count, double scale) { \
+                       void* out, QW_SHAPE_ARGS, int64_t cached, int64_t count, double scale,   \
+                       int64_t window) {                                                       \
     const qw::Shape s = QW_SHAPE;                                                              \
     _Pragma("omp parallel")                                                                    \
     qw::prefill_attention(static_cast<const T*>(q), static_cast<const T*>(k),                 \
                           static_cast<const T*>(v), table, static_cast<T*>(out), s, cached,    \
-                          count, scale);                                                       \
+                          count, scale, window);                                               \
   }
 
 QW_EXPORT(qw_decode_attention_f32, float)

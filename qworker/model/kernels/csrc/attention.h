@@ -506,12 +506,13 @@ struct Scratch {  // one thread's buffers, reused across its tasks
 };
 
 // One task: `count` consecutive query tokens of one sequence through one KV head, the i-th
-// attending to the first len0 + i cached tokens (a decode is count 1). Each query token brings
-// `group` heads: count x group query rows share every key and value row read.
+// attending to the first len0 + i cached tokens (a decode is count 1), or with a sliding
+// `window` (0: none) to the last `window` of them. Each query token brings `group` heads:
+// count x group query rows share every key and value row read.
 template <typename T>
 void attend(const T* q, int64_t q_stride, int64_t count, int64_t len0, const int64_t* table,
             int64_t kv_head, T* out, int64_t out_stride, const T* k_cache, const T* v_cache,
-            const Shape& s, double scale, Scratch<T>& buf) {
+            const Shape& s, double scale, Scratch<T>& buf, int64_t window = 0) {
   using A = typename Acc<T>::type;
   const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size;
   const int64_t rows = count * group, len = len0 + count - 1;
@@ -528,25 +529,32 @@ void attend(const T* q, int64_t q_stride, int64_t count, int64_t len0, const int
   auto block_rows = [&](const T* cache, int64_t t) {
     return cache + ((kv_head * s.num_blocks + table[t / bs]) * bs + t % bs) * d;
   };
-  for (int64_t t = 0; t < len; t += bs) {
-    score_rows(buf.raw.data(), qf, block_rows(k_cache, t), std::min(bs, len - t), d, rows, len,
-               scale, scores + t);
+  // row r sees [first of its token, its visible); the task's keys start at its first row's first
+  auto first_of = [&](int64_t r) {
+    return window > 0 ? std::max<int64_t>(0, len0 + r / group - window) : int64_t(0);
+  };
+  const int64_t start = first_of(0);
+  for (int64_t t = start; t < len; t += std::min(bs - t % bs, len - t)) {
+    score_rows(buf.raw.data(), qf, block_rows(k_cache, t), std::min(bs - t % bs, len - t), d,
+               rows, len, scale, scores + t);
   }
   for (int64_t r = 0; r < rows; ++r) {  // softmax over each row's own context; zero past it
     A* sr = scores + r * len;
-    const int64_t visible = len0 + r / group;
-    A top = sr[0];
+    const int64_t visible = len0 + r / group, first = first_of(r);
+    A top = sr[first];
 #pragma omp simd reduction(max : top)
-    for (int64_t t = 1; t < visible; ++t) top = std::max(top, sr[t]);
+    for (int64_t t = first + 1; t < visible; ++t) top = std::max(top, sr[t]);
     A total = 0;
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < visible; ++t) total += (sr[t] = std::exp(sr[t] - top));
+    for (int64_t t = first; t < visible; ++t) total += (sr[t] = std::exp(sr[t] - top));
     const A inv = A(1) / total;
-    for (int64_t t = 0; t < visible; ++t) sr[t] *= inv;
+    for (int64_t t = first; t < visible; ++t) sr[t] *= inv;
+    std::fill(sr, sr + first, A(0));
     std::fill(sr + visible, sr + len, A(0));
   }
-  for (int64_t t = 0; t < len; t += bs) {
-    weigh_rows(scores + t, block_rows(v_cache, t), std::min(bs, len - t), d, rows, len, acc);
+  for (int64_t t = start; t < len; t += std::min(bs - t % bs, len - t)) {
+    weigh_rows(scores + t, block_rows(v_cache, t), std::min(bs - t % bs, len - t), d, rows, len,
+               acc);
   }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t j = 0; j < group * d; ++j) store(out + i * out_stride + j, acc[i * group * d + j]);
@@ -555,11 +563,12 @@ void attend(const T* q, int64_t q_stride, int64_t count, int64_t len0, const int
 // decodes: one query token per sequence, each with its own block table and context length
 template <typename T>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
-                      const int64_t* lens, T* out, const Shape& s, double scale) {
+                      const int64_t* lens, T* out, const Shape& s, double scale,
+                      int64_t window = 0) {
   const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
 #if defined(QW_ATTENTION_AMX)
   if constexpr (std::is_same_v<T, bf16>) {
-    if (amx_serves(s)) {
+    if (window == 0 && amx_serves(s)) {  // the tiles take no window: the vector kernel does
       return amx::attention_tasks(s.num_seqs, s.kv_heads, [&](int64_t seq, int64_t h, auto& buf) {
         amx::attend(q + seq * s.q_stride + h * group_width, 0, {1, group, lens[seq]},
                     tables + seq * s.max_blocks, h, k_cache, v_cache, s.num_blocks, s.block_size,
@@ -575,7 +584,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int6
     for (int64_t h = 0; h < s.kv_heads; ++h)
       attend(q + seq * s.q_stride + h * group_width, 0, 1, lens[seq],
              tables + seq * s.max_blocks, h, out + seq * s.heads * s.head_dim + h * group_width,
-             0, k_cache, v_cache, s, scale, buf);
+             0, k_cache, v_cache, s, scale, buf, window);
 }
 
 #if defined(QW_FLASH_PREFILL)
@@ -602,11 +611,12 @@ void flash_prefill(const T* q, const T* k_cache, const T* v_cache, const int64_t
 // go in tiles small enough that a tile's scores stay in cache (flash tiles where they serve)
 template <typename T>
 void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                       T* out, const Shape& s, int64_t cached, int64_t count, double scale) {
+                       T* out, const Shape& s, int64_t cached, int64_t count, double scale,
+                       int64_t window = 0) {
   const int64_t group = s.heads / s.kv_heads, group_width = group * s.head_dim;
 #if defined(QW_ATTENTION_AMX)
   if constexpr (std::is_same_v<T, bf16>) {  // tiles of as many tokens as 16 rows hold
-    if (amx_serves(s)) {
+    if (window == 0 && amx_serves(s)) {  // (a window: the vector kernel)
       const int64_t tile = amx::kRows / group, out_stride = s.heads * s.head_dim;
       return amx::attention_tasks((count + tile - 1) / tile, s.kv_heads,
                                   [&](int64_t k, int64_t h, auto& buf) {
@@ -621,8 +631,8 @@ void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int
 #endif
 #if defined(QW_FLASH_PREFILL)
   if constexpr (!std::is_same_v<T, double>) {
-    if (flash_serves(s.head_dim, group)) return flash_prefill(q, k_cache, v_cache, table, out, s,
-                                                              cached, count, scale);
+    if (window == 0 && flash_serves(s.head_dim, group))
+      return flash_prefill(q, k_cache, v_cache, table, out, s, cached, count, scale);
   }
 #endif
   const int64_t tile = std::clamp<int64_t>((64 << 10) / (group * (cached + count)), 1, 16);
@@ -635,7 +645,7 @@ void prefill_attention(const T* q, const T* k_cache, const T* v_cache, const int
       attend(q + first * s.q_stride + h * group_width, s.q_stride,
              std::min(tile, count - first), cached + first + 1, table, h,
              out + first * s.heads * s.head_dim + h * group_width, s.heads * s.head_dim,
-             k_cache, v_cache, s, scale, buf);
+             k_cache, v_cache, s, scale, buf, window);
     }
 }
 

@@ -45,6 +45,8 @@ bool amx_serves(int64_t m, int64_t n, int64_t k) {
   return false;
 }
 
+constexpr int64_t kSilu = 0, kGeluTanh = 1;  // Layer.activation
+
 // one layer's tensors
 struct Layer {
   const void* input_norm;
@@ -58,6 +60,14 @@ struct Layer {
   Proj down;
   void* k_cache;
   void* v_cache;
+  // Gemma's: the attention's and the MLP's outputs normed before they are added (post_norm is
+  // then the MLP input's norm), or null; the layer's own RoPE tables, or null (the step's)
+  const void* attn_out_norm;
+  const void* mlp_out_norm;
+  const void* cos;
+  const void* sin;
+  int64_t activation;  // kSilu or kGeluTanh
+  int64_t window;      // the layer's sliding window, or 0
 };
 
 struct Dims {
@@ -152,6 +162,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
   std::vector<T> h(m * d.hidden), qkv(m * qkv_width), attn(m * q_width);
   std::vector<T> gate_up(m * 2 * d.inter), act(m * d.inter), delta(m * d.hidden);
+  std::vector<T> unnormed(m * d.hidden);  // an output before its post norm
   std::vector<T> picked(head.num_rows * d.hidden), picked_delta(head.num_rows * d.hidden);
   const qw::Shape shape{m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.num_blocks,
                         d.block_size, qkv_width};
@@ -178,19 +189,37 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
       T* v_cache = static_cast<T*>(w.v_cache);
       qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m,
                        d.hidden, eps);
-      project(w.qkv, h.data(), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden, shared, stage);
+      project(w.qkv, h.data(), cast(w.qkv_bias), qkv.data(), m, qkv_width, d.hidden, shared,
+              stage);
       if (w.q_norm != nullptr)
         qw::rms_norm_heads(qkv.data(), qkv_width, cast(w.q_norm), cast(w.k_norm), m, d.heads,
                            d.kv_heads, d.head_dim, eps);
-      qw::rope_store(qkv.data(), qkv_width, cos, sin, positions, slots, k_cache, v_cache, m,
+      qw::rope_store(qkv.data(), qkv_width, w.cos != nullptr ? cast(w.cos) : cos,
+                     w.sin != nullptr ? cast(w.sin) : sin, positions, slots, k_cache, v_cache, m,
                      d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
       qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
-                           shape, scale);
-      project(w.o, attn.data(), none, delta.data(), m, d.hidden, q_width, shared, stage);
+                           shape, scale, w.window);
+      if (w.attn_out_norm != nullptr) {
+        project(w.o, attn.data(), none, unnormed.data(), m, d.hidden, q_width, shared, stage);
+        qw::add_rms_norm(unnormed.data(), none, cast(w.attn_out_norm), delta.data(), m, d.hidden,
+                         eps);
+      } else {
+        project(w.o, attn.data(), none, delta.data(), m, d.hidden, q_width, shared, stage);
+      }
       qw::add_rms_norm(x, delta.data(), cast(w.post_norm), h.data(), m, d.hidden, eps);
-      project(w.gate_up, h.data(), none, gate_up.data(), m, 2 * d.inter, d.hidden, shared, stage);
-      qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
-      project(w.down, act.data(), none, delta.data(), m, d.hidden, d.inter, shared, stage);
+      project(w.gate_up, h.data(), none, gate_up.data(), m, 2 * d.inter, d.hidden, shared,
+              stage);
+      if (w.activation == kGeluTanh)
+        qw::gelu_tanh_mul(gate_up.data(), act.data(), m, d.inter);
+      else
+        qw::silu_mul(gate_up.data(), act.data(), m, d.inter);
+      if (w.mlp_out_norm != nullptr) {
+        project(w.down, act.data(), none, unnormed.data(), m, d.hidden, d.inter, shared, stage);
+        qw::add_rms_norm(unnormed.data(), none, cast(w.mlp_out_norm), delta.data(), m, d.hidden,
+                         eps);
+      } else {
+        project(w.down, act.data(), none, delta.data(), m, d.hidden, d.inter, shared, stage);
+      }
     }
     // as the model's tail: x[rows] + delta[rows], normed, through the LM head
 #pragma omp for
@@ -244,7 +273,9 @@ const AbiEntry kAbi[] = {
     QW_FIELD(Layer, qkv_bias), QW_FIELD(Layer, q_norm), QW_FIELD(Layer, k_norm),
     QW_FIELD(Layer, o), QW_FIELD(Layer, post_norm),
     QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
-    QW_FIELD(Layer, v_cache),
+    QW_FIELD(Layer, v_cache), QW_FIELD(Layer, attn_out_norm), QW_FIELD(Layer, mlp_out_norm),
+    QW_FIELD(Layer, cos), QW_FIELD(Layer, sin), QW_FIELD(Layer, activation),
+    QW_FIELD(Layer, window),
     QW_SIZE(Dims), QW_FIELD(Dims, hidden), QW_FIELD(Dims, heads), QW_FIELD(Dims, kv_heads),
     QW_FIELD(Dims, head_dim), QW_FIELD(Dims, inter), QW_FIELD(Dims, num_blocks),
     QW_FIELD(Dims, block_size), QW_FIELD(Dims, max_blocks), QW_FIELD(Dims, vocab),

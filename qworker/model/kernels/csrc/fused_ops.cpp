@@ -1,5 +1,6 @@
 // The elementwise ops of fused_ops.h for the model's layer-by-layer path
-// (`qworker.model.kernels.native.add_rms_norm`, `rms_norm_heads`, `rope_store`, `silu_mul`).
+// (`qworker.model.kernels.native.add_rms_norm`, `rms_norm_heads`, `rope_store`, `silu_mul`,
+// `gelu_tanh_mul`).
 #include "fused_ops.h"
 
 namespace {
@@ -36,6 +37,11 @@ constexpr int64_t kParallelElements = 1 << 15;  // below this, threads cost more
                                        int64_t inter) {                                        \
     _Pragma("omp parallel if (n * inter >= kParallelElements)")                                \
     qw::silu_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), n, inter);             \
+  }                                                                                            \
+  extern "C" void qw_gelu_tanh_mul_##suffix(const void* gate_up, void* out, int64_t n,        \
+                                            int64_t inter) {                                   \
+    _Pragma("omp parallel if (n * inter >= kParallelElements)")                                \
+    qw::gelu_tanh_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), n, inter);        \
   }
 
 QW_EXPORT_ALL(f32, float)

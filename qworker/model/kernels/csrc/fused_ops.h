@@ -107,4 +107,22 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
   }
 }
 
+// gate_up: [n, 2 * inter] (gate then up per row). out [n, inter] = gelu_tanh(gate) * up (GeGLU,
+// Gemma's), the activation rounded to T before the product as torch's gelu then multiply does.
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
+  using A = typename Acc<T>::type;
+  const A beta = A(0.7978845608028654), kappa = A(0.044715);  // sqrt(2 / pi)
+#pragma omp for
+  for (int64_t r = 0; r < n; ++r) {
+    const T* gate = gate_up + r * 2 * inter;
+    const T* up = gate + inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const A g = load(gate[i]);
+      const T activated = round_to<T>(A(0.5) * g * (A(1) + std::tanh(beta * (g + kappa * g * g * g))));
+      store(out + r * inter + i, load(activated) * load(up[i]));
+    }
+  }
+}
+
 }  // namespace qw
