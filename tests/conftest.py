@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import redis
+import structlog
 
 from qworker_client.local_redis import RedisProcess, free_port
 from tests import internal_errors
@@ -38,6 +39,17 @@ class RedisServer(RedisProcess):
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{internal_errors.MARKER}: the test provokes `internal` "
                             "job failures on purpose (tests/internal_errors.py)")
+
+
+@pytest.fixture(autouse=True)
+def structlog_as_it_was() -> Iterator[None]:
+    """A command run in this process (`main(["generate", ...])`) configures structlog to print
+    to the sys.stderr of that moment, pytest's capture of that test: later tests would log to a
+    closed file (their worker threads dying of it). Each test gets back the configuration it
+    started with."""
+    before = structlog.get_config()
+    yield
+    structlog.configure(**before)
 
 
 @pytest.fixture(autouse=True)

@@ -214,8 +214,8 @@ def test_a_chat_asked_of_a_base_model_is_one_line(tmp_path: Path,
     gemma = hf_model("gemma3", seed=1)  # a Gemma 3 GGUF with no tokenizer.chat_template
     state = {k: v for k, v in gemma.state_dict().items() if k != "lm_head.weight"}
     path = write_gguf(tmp_path / "base.gguf", gemma.config, state)
-    assert main(["generate", "hi", "--model", str(path), "--dtype", "float32"]) == 2
-    err = capsys.readouterr().err  # (stdout: the model's loading, logged)
+    assert main(["generate", "--chat", "hi", "--model", str(path), "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("qworker generate: ")
     assert "base.gguf: the model has no chat template (a base model)" in err

@@ -32,7 +32,7 @@ def test_minimal_job_defaults_and_entry_id() -> None:
     job = parse_job_fields(_wire({"prompt": "hi"}), "1700000000000-0")
     assert job.id == "1700000000000-0"
     assert (job.max_tokens, job.temperature, job.top_p, job.stop, job.seed) == (
-        256, 1.0, 1.0, [], None)
+        256, None, None, [], None)  # sampling left unset: the model's defaults, at the worker
 
 
 def test_every_field_decodes() -> None:
