@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +27,7 @@ from qworker.service.on_done import OnDone, OnDoneTarget, callback_payload
 from qworker_client import Producer
 from qworker_client.protocol import DoneEvent
 from qworker_client.rq import GENERATE, json_queue
-from tests.conftest import free_port
+from tests.conftest import RedisServer, free_port
 from tests.service_harness import ROOT, wait_for
 from tests.worker_process import rq_burst, sim_worker
 
@@ -65,6 +66,25 @@ def assert_json_only(conn: redis.Redis) -> int:
     for value in values:
         json.loads(value.decode("utf-8"))
     return len(values)
+
+
+@pytest.fixture(scope="module")
+def rq_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("rq-redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(rq_redis: RedisServer) -> Iterator[str]:
+    """A server of this module's own, flushed before each test: the RQ workers here run for up to
+    a minute, and on the session's server (seen twice in a full run, never alone) their jobs were
+    not all answered in that time."""
+    client = redis.Redis.from_url(rq_redis.url)
+    client.flushall()
+    yield rq_redis.url
+    client.close()
 
 
 @pytest.fixture
