@@ -100,7 +100,7 @@ def test_generate_runs_in_a_real_rq_worker(redis_url: str, conn: redis.Redis) ->
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "seed": 1})
     invalid = queue.enqueue(GENERATE, kwargs={"prompt": "x", "max_tokens": 0})
     with sim_worker(redis_url):
-        burst = rq_burst(redis_url, "llm")
+        burst = rq_burst(redis_url, "llm", jobs=[ok.id, chat.id, invalid.id])
         with Producer(redis_url) as producer:
             expected = producer.submit("Hello", max_tokens=12, seed=7).result(timeout=30).text
     assert burst.returncode == 0, burst.stderr
@@ -143,7 +143,7 @@ def test_batch_as_one_rq_job(redis_url: str, conn: redis.Redis, tmp_path: Path) 
     rq_job_id = json.loads(submitted.stdout)["rq_job_id"]
     assert fetch(conn, rq_job_id).get_status() == "queued"
     with sim_worker(redis_url):
-        burst = rq_burst(redis_url, "batches")
+        burst = rq_burst(redis_url, "batches", jobs=[rq_job_id])
     assert burst.returncode == 0, burst.stderr
     job = fetch(conn, rq_job_id)
     assert job.get_status() == "finished"
@@ -165,7 +165,7 @@ def test_on_done_enqueues_the_configured_callback(redis_url: str, conn: redis.Re
         queue = json_queue("done", conn)
         rq_ids = wait_for(lambda: queue.get_job_ids() if queue.count == 3 else None,
                           timeout=30, what="3 on-done RQ jobs")
-    burst = rq_burst(redis_url, "done")
+    burst = rq_burst(redis_url, "done", jobs=rq_ids)
     assert burst.returncode == 0, burst.stderr
     seen = {}
     for rq_id in rq_ids:
