@@ -40,6 +40,18 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def stop_child(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """A child we started, if it still runs: SIGTERM, then SIGKILL after `timeout` s."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_until_up(url: str, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
     """Returns once a Redis answers PING at `url`; RedisProcessError after `timeout` seconds, or
     as soon as `alive()` says the server died."""
@@ -120,14 +132,7 @@ class RedisProcess:
     def stop(self) -> None:
         """Stops our server (if it runs): SIGTERM, then SIGKILL after 30 s."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_child(proc, 30)
 
     def restart(self) -> str:
         self.stop()

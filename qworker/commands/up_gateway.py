@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from qworker_client.gateway.config import base_url
-from qworker_client.local_redis import die_with_parent
+from qworker_client.local_redis import die_with_parent, stop_child
 
 GATEWAY_EXTRA = "pip install 'qworker-client[gateway]'"
 EXTRA_MODULES = ("starlette", "uvicorn")  # what the extra brings (producer/pyproject.toml)
@@ -105,14 +105,7 @@ class GatewayChild:
     def stop(self) -> None:
         """SIGTERM (uvicorn stops gracefully), SIGKILL after STOP_TIMEOUT_S."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_child(proc, STOP_TIMEOUT_S)
 
 
 def _answers(url: str) -> bool:
