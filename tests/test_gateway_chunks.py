@@ -13,13 +13,13 @@ import pytest
 import redis
 import redis.asyncio
 
-from qworker_client.gateway import shaping
-from qworker_client.gateway.chunks import ChoiceFrames
-from qworker_client.gateway.hub import Hub
-from qworker_client.gateway.reader import OutputReader
-from qworker_client.gateway.shaping import Shape
-from qworker_client.gateway.sse import frame
-from qworker_client.gateway.tokens import Text, plain_token, plain_token_listed
+from qworker_client.gateway.chat import shaping
+from qworker_client.gateway.chat.chunks import ChoiceFrames
+from qworker_client.gateway.chat.shaping import Shape
+from qworker_client.gateway.streams.hub import Hub
+from qworker_client.gateway.streams.reader import OutputReader
+from qworker_client.gateway.streams.sse import frame
+from qworker_client.gateway.streams.tokens import Text, plain_token, plain_token_listed
 from qworker_client.protocol import DoneEvent, Keys, TokenEvent, parse_event
 from qworker_client.result import START_ID
 

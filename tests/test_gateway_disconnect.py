@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from qworker_client.gateway.disconnect import until_disconnect
+from qworker_client.gateway.streams.disconnect import until_disconnect
 
 
 class Client:

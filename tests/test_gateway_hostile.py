@@ -18,7 +18,7 @@ from qworker_client.connect import ClientOptions
 from qworker_client.gateway.app import create_app
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.connection import gateway_client
-from qworker_client.gateway.hub import Hub, Item, Mailbox
+from qworker_client.gateway.streams.hub import Hub, Item, Mailbox
 from qworker_client.protocol import TokenEvent, event_to_fields, parse_entry_id
 from tests.gateway_harness import OpenRequest, gateway, live_worker
 from tests.service_harness import KEYS, sim_engine, wait_for

@@ -11,9 +11,9 @@ import httpx2
 import pytest
 import redis
 
-from qworker_client.gateway.reader import Batch
-from qworker_client.gateway.streams import coalesced
-from qworker_client.gateway.tokens import Text
+from qworker_client.gateway.streams.frames import coalesced
+from qworker_client.gateway.streams.reader import Batch
+from qworker_client.gateway.streams.tokens import Text
 from qworker_client.protocol import DoneEvent
 from tests.gateway_harness import gateway, live_worker
 from tests.service_harness import KEYS, check_stream, sim_engine

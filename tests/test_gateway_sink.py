@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from qworker_client.gateway.sink import BodySink
+from qworker_client.gateway.streams.sink import BodySink
 
 
 class Server:

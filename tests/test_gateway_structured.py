@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+from qworker_client.gateway.chat.structured import structured_outputs
 from qworker_client.gateway.errors import APIError
-from qworker_client.gateway.structured import structured_outputs
 from tests.gateway_harness import gateway, live_worker
 
 MODEL = "sim"

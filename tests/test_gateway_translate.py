@@ -1,4 +1,4 @@
-"""An OpenAI request body as jobs (`qworker_client.gateway.translate`): fields mapped to the wire,
+"""An OpenAI request body as jobs (`gateway.chat.translate`): fields mapped to the wire,
 choices and seeds laid out, and each unsupported or malformed part refused with a 400 naming it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from qworker_client.gateway.chat.translate import translate
 from qworker_client.gateway.errors import APIError
-from qworker_client.gateway.translate import translate
 
 
 def chat(**body: Any) -> dict[str, Any]:

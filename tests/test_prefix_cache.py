@@ -241,7 +241,7 @@ def test_cache_salt_on_the_wire_the_cli_and_the_gateway() -> None:
     import argparse
 
     from qworker_client.commands.submit import add_param_args, add_prompt_args, job_spec
-    from qworker_client.gateway.translate import translate
+    from qworker_client.gateway.chat.translate import translate
     from qworker_client.protocol import JobValidationError, parse_job_fields
 
     assert parse_job_fields({"prompt": "x", "cache_salt": "t-1"}, "1-0").cache_salt == "t-1"

@@ -20,7 +20,7 @@ import redis
 from qworker.engine.request import Request, SamplingParams, sampling_params
 from qworker.model.loading.generation import sampling_defaults
 from qworker.model.loading.hub import KNOWN_MODELS
-from qworker_client.gateway.translate import translate
+from qworker_client.gateway.chat.translate import translate
 from qworker_client.protocol import Job, parse_job_fields
 from tests.quant_fixtures import Q, write_tiny_gguf
 from tests.service_harness import (

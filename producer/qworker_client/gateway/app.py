@@ -16,16 +16,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from qworker_client.gateway import batch_routes, jobs
 from qworker_client.gateway.auth import RequireKey
+from qworker_client.gateway.batches import routes as batch_routes
 from qworker_client.gateway.body import LimitBody
 from qworker_client.gateway.catalog import model_card, model_list
-from qworker_client.gateway.completions import complete
+from qworker_client.gateway.chat.completions import complete
 from qworker_client.gateway.config import GatewayConfig
-from qworker_client.gateway.disconnect import RAW_SEND
 from qworker_client.gateway.errors import APIError
 from qworker_client.gateway.metrics import CountResponses
 from qworker_client.gateway.service import Gateway
+from qworker_client.gateway.streams import jobs
+from qworker_client.gateway.streams.disconnect import RAW_SEND
 
 log = logging.getLogger("qworker.gateway")
 Handler = Callable[[Gateway, Request], Awaitable[Any]]

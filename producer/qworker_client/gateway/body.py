@@ -11,8 +11,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from qworker_client.gateway.batches.files import DEFAULT_MAX_BYTES as MAX_FILE_BYTES
 from qworker_client.gateway.errors import APIError, bad_request
-from qworker_client.gateway.files import DEFAULT_MAX_BYTES as MAX_FILE_BYTES
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside one another (OpenAI's schemas nest 5 deep)
 UPLOAD_PATH = "/v1/files"

@@ -11,20 +11,20 @@ from qworker_client.aio import AsyncProducer
 from qworker_client.connect import ClientOptions
 from qworker_client.fields import job_fields
 from qworker_client.gateway.backpressure import Gate
-from qworker_client.gateway.batches import Batches
+from qworker_client.gateway.batches.files import FileStore
+from qworker_client.gateway.batches.runs import Batches
 from qworker_client.gateway.catalog import Catalog
+from qworker_client.gateway.chat.shaping import Shape
+from qworker_client.gateway.chat.translate import GatewayRequest
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.connection import gateway_client
 from qworker_client.gateway.errors import bad_request
-from qworker_client.gateway.files import FileStore
-from qworker_client.gateway.hub import Hub
-from qworker_client.gateway.meta import JobMeta, meta_key
 from qworker_client.gateway.metrics import Metrics
 from qworker_client.gateway.owners import Owner
 from qworker_client.gateway.round_trip import Command, round_trip
-from qworker_client.gateway.shaping import Shape
-from qworker_client.gateway.translate import GatewayRequest
-from qworker_client.gateway.vanished import Queued
+from qworker_client.gateway.streams.hub import Hub
+from qworker_client.gateway.streams.meta import JobMeta, meta_key
+from qworker_client.gateway.streams.vanished import Queued
 from qworker_client.protocol import JobValidationError, Keys
 from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call, submitted
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from qworker_client.gateway import logprobs
-from qworker_client.gateway.translate import Kind
+from qworker_client.gateway.chat import logprobs
+from qworker_client.gateway.chat.translate import Kind
 from qworker_client.protocol import DoneEvent, TokenLogprob
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from json.encoder import encode_basestring
 
-from qworker_client.gateway import logprobs, shaping
-from qworker_client.gateway.shaping import Shape
-from qworker_client.gateway.sse import frame
+from qworker_client.gateway.chat import logprobs, shaping
+from qworker_client.gateway.chat.shaping import Shape
+from qworker_client.gateway.streams.sse import frame
 from qworker_client.protocol import TokenLogprob
 
 _MARK = "\x00text\x00"

@@ -9,15 +9,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
-from qworker_client.gateway import owners, streams
+from qworker_client.gateway import owners
 from qworker_client.gateway.body import parse_json
-from qworker_client.gateway.disconnect import EventStream, until_disconnect
-from qworker_client.gateway.live import LiveStream
+from qworker_client.gateway.chat.shaping import Shape
+from qworker_client.gateway.chat.translate import GatewayRequest, Kind, translate
 from qworker_client.gateway.metrics import Timing
-from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.service import Gateway
-from qworker_client.gateway.shaping import Shape
-from qworker_client.gateway.translate import GatewayRequest, Kind, translate
+from qworker_client.gateway.streams import frames
+from qworker_client.gateway.streams.disconnect import EventStream, until_disconnect
+from qworker_client.gateway.streams.live import LiveStream
+from qworker_client.gateway.streams.reader import OutputReader
 from qworker_client.result import START_ID
 
 JOB_ID_HEADER = "x-qworker-job-id"
@@ -48,15 +49,15 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     follow = _follow(gateway, req, shape)
     if req.stream:
         return EventStream(LiveStream(reader, follow, gateway.metrics, timing), abort, headers)
-    result = await until_disconnect(request.receive, lambda: streams.body(reader, follow), abort)
+    result = await until_disconnect(request.receive, lambda: frames.body(reader, follow), abort)
     if result is None:
         return Response(status_code=CLIENT_CLOSED)
     timing.done()  # the body is made: what is left is its send, the server's
     return JSONResponse(result, headers=headers)
 
 
-def _follow(gateway: Gateway, req: GatewayRequest, shape: Shape) -> streams.Follow:
-    return streams.Follow(
+def _follow(gateway: Gateway, req: GatewayRequest, shape: Shape) -> frames.Follow:
+    return frames.Follow(
         shape=shape,
         index={c.job_id: c.index for c in req.choices},
         prompt={c.job_id: c.prompt_index for c in req.choices},

@@ -15,14 +15,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qworker_client.gateway import shaping
-from qworker_client.gateway.chunks import ChoiceFrames
+from qworker_client.gateway.chat import shaping
+from qworker_client.gateway.chat.chunks import ChoiceFrames
+from qworker_client.gateway.chat.shaping import Shape
 from qworker_client.gateway.errors import from_job_error
 from qworker_client.gateway.metrics import Metrics
-from qworker_client.gateway.reader import Batch, Event, OutputReader
-from qworker_client.gateway.shaping import Shape
-from qworker_client.gateway.sse import DONE, frame
-from qworker_client.gateway.tokens import Text
+from qworker_client.gateway.streams.reader import Batch, Event, OutputReader
+from qworker_client.gateway.streams.sse import DONE, frame
+from qworker_client.gateway.streams.tokens import Text
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenLogprob
 
 

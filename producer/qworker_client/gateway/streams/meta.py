@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 
 import redis.asyncio
 
+from qworker_client.gateway.chat.shaping import Shape
 from qworker_client.gateway.owners import Owner
-from qworker_client.gateway.shaping import Shape
 from qworker_client.protocol import Keys
 
 

@@ -8,8 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from qworker_client.gateway import owners
-from qworker_client.gateway.batches import Batches
-from qworker_client.gateway.completions import read_json
+from qworker_client.gateway.batches.runs import Batches
+from qworker_client.gateway.chat.completions import read_json
 from qworker_client.gateway.errors import APIError, bad_request
 from qworker_client.gateway.service import Gateway
 

@@ -8,13 +8,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from qworker_client.gateway import meta, owners, streams
-from qworker_client.gateway.completions import JOB_ID_HEADER
-from qworker_client.gateway.disconnect import EventStream
+from qworker_client.gateway import owners
+from qworker_client.gateway.chat.completions import JOB_ID_HEADER
 from qworker_client.gateway.errors import APIError, bad_request
-from qworker_client.gateway.live import LiveStream
-from qworker_client.gateway.reader import OutputReader
 from qworker_client.gateway.service import Gateway
+from qworker_client.gateway.streams import frames, meta
+from qworker_client.gateway.streams.disconnect import EventStream
+from qworker_client.gateway.streams.live import LiveStream
+from qworker_client.gateway.streams.reader import OutputReader
 from qworker_client.protocol import ID_PATTERN, TERMINAL_TYPES, is_valid_id, parse_entry_id
 from qworker_client.result import START_ID
 from qworker_client.status import job_status_async
@@ -39,7 +40,7 @@ async def resume(gateway: Gateway, request: Request) -> ASGIApp:
     job_id = _job_id(request)
     job = await _own_meta(gateway, request, job_id)
     after = _after(request.headers.get("last-event-id"))
-    follow = streams.Follow(shape=job.shape, index={job_id: job.index}, prompt={job_id: 0},
+    follow = frames.Follow(shape=job.shape, index={job_id: job.index}, prompt={job_id: 0},
                             include_usage=job.include_usage, tagged=False, cancel=_keep,
                             coalesce=gateway.config.stream_interval_ms > 0)
     headers = {JOB_ID_HEADER: job_id}

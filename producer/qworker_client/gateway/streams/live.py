@@ -19,12 +19,12 @@ import asyncio
 
 from starlette.types import Send
 
-from qworker_client.gateway.hub import Item
 from qworker_client.gateway.metrics import Metrics, Timing
-from qworker_client.gateway.reader import Batch, OutputReader
-from qworker_client.gateway.sink import BodySink
-from qworker_client.gateway.sse import DONE
-from qworker_client.gateway.streams import Follow, Framer
+from qworker_client.gateway.streams.frames import Follow, Framer
+from qworker_client.gateway.streams.hub import Item
+from qworker_client.gateway.streams.reader import Batch, OutputReader
+from qworker_client.gateway.streams.sink import BodySink
+from qworker_client.gateway.streams.sse import DONE
 
 _DONE = DONE.encode()
 

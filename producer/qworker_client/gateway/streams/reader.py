@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from qworker_client.gateway.hub import Entries, Follower, Hub, Mailbox
-from qworker_client.gateway.tokens import Text, plain_token_listed
-from qworker_client.gateway.vanished import Queued
+from qworker_client.gateway.streams.hub import Entries, Follower, Hub, Mailbox
+from qworker_client.gateway.streams.tokens import Text, plain_token_listed
+from qworker_client.gateway.streams.vanished import Queued
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
 from qworker_client.result import OutputState, token_logprob

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 import anyio
 from starlette.types import Receive, Scope, Send
 
-from qworker_client.gateway.live import LiveStream
-from qworker_client.gateway.sse import DONE, HEADERS, MEDIA_TYPE
+from qworker_client.gateway.streams.live import LiveStream
+from qworker_client.gateway.streams.sse import DONE, HEADERS, MEDIA_TYPE
 
 T = TypeVar("T")
 Abort = Callable[[], Awaitable[None]]

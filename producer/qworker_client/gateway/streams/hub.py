@@ -46,8 +46,8 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
 
 from qworker_client.connect import READ_COUNT
-from qworker_client.gateway import vanished
-from qworker_client.gateway.vanished import Queued
+from qworker_client.gateway.streams import vanished
+from qworker_client.gateway.streams.vanished import Queued
 from qworker_client.multiplex import unreadable_stream
 from qworker_client.protocol import ErrorEvent, Keys, event_to_fields
 from qworker_client.retry import TRANSIENT_ERRORS, Backoff

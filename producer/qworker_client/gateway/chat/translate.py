@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from qworker_client.gateway.chat.structured import structured_outputs
 from qworker_client.gateway.errors import bad_request
-from qworker_client.gateway.structured import structured_outputs
 from qworker_client.protocol import MAX_LOGPROBS
 
 Kind = Literal["chat", "completion"]

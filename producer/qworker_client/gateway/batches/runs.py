@@ -28,7 +28,8 @@ import redis
 
 from qworker_client.batch import BatchConfig, BatchRun, iter_raw_lines, read_jsonl_repairing
 from qworker_client.connect import ClientOptions, sync_client
-from qworker_client.gateway.batch_lines import (
+from qworker_client.gateway.batches.files import OWNER, FileStore
+from qworker_client.gateway.batches.lines import (
     ENDPOINTS,
     error_line,
     invalid_line,
@@ -38,7 +39,6 @@ from qworker_client.gateway.batch_lines import (
 )
 from qworker_client.gateway.catalog import live_models, model_not_found
 from qworker_client.gateway.errors import APIError, bad_request
-from qworker_client.gateway.files import OWNER, FileStore
 from qworker_client.gateway.owners import Owner, may_see
 from qworker_client.protocol import Keys
 from qworker_client.scripts import CANCEL_SCRIPT, cancel_call

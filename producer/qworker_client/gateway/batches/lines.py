@@ -8,10 +8,10 @@ import json
 import uuid
 from typing import Any
 
-from qworker_client.gateway import shaping
+from qworker_client.gateway.chat import shaping
+from qworker_client.gateway.chat.shaping import Shape
+from qworker_client.gateway.chat.translate import Kind, translate
 from qworker_client.gateway.errors import APIError, from_job_error
-from qworker_client.gateway.shaping import Shape
-from qworker_client.gateway.translate import Kind, translate
 from qworker_client.protocol import DoneEvent
 
 ENDPOINTS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}

@@ -1,0 +1,1 @@
+"""OpenAI's Files and Batch APIs on qworker's batch runner."""
