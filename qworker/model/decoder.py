@@ -281,16 +281,15 @@ def load_model(
 ) -> DecoderModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
-    the CPU, whose expanded weights would not fit in memory; `keep_quantized_by_default`);
-    anything else dequantizes them to `dtype`."""
+    the CPU, where they measure at least as fast for decode, or the expanded weights would not
+    fit; `loading/weights_auto.py`); anything else dequantizes them to `dtype`."""
     from qworker.model.loading.checkpoint import load_checkpoint
-    from qworker.model.loading.gguf_checkpoint import keep_quantized_by_default
     from qworker.model.loading.hub import resolve_model
+    from qworker.model.loading.weights_auto import keep_quantized
 
     path = resolve_model(str(name_or_path))
-    itemsize = torch.empty(0, dtype=dtype).element_size()
     keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
-                                      and keep_quantized_by_default(path, itemsize))
+                                      and keep_quantized(path, dtype))
     config, weights_ = load_checkpoint(path, keep_quantized=keep)
     model = DecoderModel(config, dtype=dtype, device=device, init_weights=False)
     model.load_hf_weights(weights_)
