@@ -37,6 +37,7 @@ class Engine(EngineCore):
         each stage as it begins: weights, tokenizer, kernels (the commands show it)."""
         from qworker.model.decoder import load_model
         from qworker.model.dtypes import resolve_dtype
+        from qworker.model.home import qworker_home
         from qworker.model.loading.generation import sampling_defaults
         from qworker.model.loading.hub import resolve_model
 
@@ -44,7 +45,8 @@ class Engine(EngineCore):
         path = resolve_model(config.model)
         dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(
             config.weights, resolve_dtype(config.dtype, config.device))
-        model = load_model(path, dtype=dtype, device=config.device, weights=config.weights)
+        model = load_model(path, dtype=dtype, device=config.device, weights=config.weights,
+                           cache_dir=qworker_home() / "kernels")
         stage("tokenizer")
         engine = cls(model, Tokenizer.load(path), config, sampling_defaults(path))
         stage("kernels")

@@ -277,19 +277,20 @@ WEIGHTS = ("auto", "quantized", "bfloat16", "float32")  # --weights
 
 def load_model(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu", weights: str = "dense",
+    device: torch.device | str = "cpu", weights: str = "dense", cache_dir: Path | None = None,
 ) -> DecoderModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
     the CPU, where they measure at least as fast for decode, or the expanded weights would not
-    fit; `loading/weights_auto.py`); anything else dequantizes them to `dtype`."""
+    fit; `loading/weights_auto.py`, its timing cached in `cache_dir`); anything else dequantizes
+    them to `dtype`."""
     from qworker.model.loading.checkpoint import load_checkpoint
     from qworker.model.loading.hub import resolve_model
     from qworker.model.loading.weights_auto import keep_quantized
 
     path = resolve_model(str(name_or_path))
     keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
-                                      and keep_quantized(path, dtype))
+                                      and keep_quantized(path, dtype, cache_dir))
     config, weights_ = load_checkpoint(path, keep_quantized=keep)
     model = DecoderModel(config, dtype=dtype, device=device, init_weights=False)
     model.load_hf_weights(weights_)

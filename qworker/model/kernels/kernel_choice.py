@@ -251,19 +251,22 @@ def _cache_path(cache_dir: Path | None, rows_of: Mapping[str, int],
                 graph: bool) -> Path | None:
     if cache_dir is None:
         return None
-    status = native.status()
-    parts = [nb.cpu_model(), " ".join(sorted(nb.cpu_flags())), str(torch.get_num_threads()),
-             torch.__version__, str(status.level), nb.source_hash(),
-             json.dumps(sorted(rows_of.items())), str(BUCKETS)] + ([] if graph else ["no graph"])
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    key = machine_key(json.dumps(sorted(rows_of.items())), str(BUCKETS),
+                      *([] if graph else ["no graph"]))
     return cache_dir / f"kernels-{key}.json"
 
 
+def machine_key(*parts: str) -> str:
+    """A cache key of what a timing on this machine depends on (CPU, flags, threads, torch, the
+    native level and its source) and of `parts`."""
+    status = native.status()
+    machine = [nb.cpu_model(), " ".join(sorted(nb.cpu_flags())), str(torch.get_num_threads()),
+               torch.__version__, str(status.level), nb.source_hash()]
+    return hashlib.sha256("\0".join([*machine, *parts]).encode()).hexdigest()[:16]
+
+
 def _read(path: Path | None) -> dict[str, tuple[str, ...]] | None:
-    try:
-        data = json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        return None
+    data = read_cached(path) if path is not None else None
     if not isinstance(data, dict):
         return None
     return {k: tuple(v) for k, v in data.items()
@@ -271,15 +274,26 @@ def _read(path: Path | None) -> dict[str, tuple[str, ...]] | None:
 
 
 def _write(path: Path | None, chosen: Mapping[str, tuple[str, ...]]) -> None:
-    if path is None:
-        return
+    if path is not None:
+        write_cached(path, {k: list(v) for k, v in chosen.items()})
+
+
+def read_cached(path: Path) -> object:
+    """A cached measurement's JSON (None where absent or unreadable)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(path: Path, data: object) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}")  # renamed: readers see all or none
-        partial.write_text(json.dumps({k: list(v) for k, v in chosen.items()}, indent=1) + "\n")
+        partial.write_text(json.dumps(data, indent=1) + "\n")
         os.replace(partial, path)
     except OSError as exc:  # a read-only home: measured again at the next start
-        log.warning("kernel_choice_not_cached", path=str(path), reason=str(exc))
+        log.warning("measurement_not_cached", path=str(path), reason=str(exc))
 
 
 def describe(chosen: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
