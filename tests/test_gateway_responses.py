@@ -69,6 +69,17 @@ def test_create_stream_and_retrieve_agree(sdk: OpenAI) -> None:
     assert sdk.responses.retrieve(last.id).output_text == deltas
 
 
+def test_a_response_outlives_its_job_s_output_stream(sdk: OpenAI, redis_url: str) -> None:
+    """Once ended, the record keeps the output: its stream then is its end alone."""
+    whole = sdk.responses.create(model=SIM, input="keep", max_output_tokens=3)
+    redis.Redis.from_url(redis_url).delete(KEYS.out("resp-" + whole.id.removeprefix("resp_")))
+    assert sdk.responses.retrieve(whole.id).model_dump() == whole.model_dump()
+    events = list(sdk.responses.retrieve(whole.id, stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress",
+                                        "response.incomplete"]
+    assert events[-1].response.output_text == whole.output_text  # type: ignore[union-attr]
+
+
 def test_background_cancel_delete_and_input_items(sdk: OpenAI, base_url: str) -> None:
     long = sdk.responses.create(model=SIM, input=[{"role": "user", "content": "go on"}],
                                 background=True, max_output_tokens=2000)

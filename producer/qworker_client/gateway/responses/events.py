@@ -66,6 +66,13 @@ class ResponseEvents:
             return self._error(event)
         return []
 
+    def ended_as(self, final: Final) -> list[Event]:
+        """The end kept in the record, for a response whose output stream has expired first:
+        its events are not made again, only its terminal one."""
+        self.final = final
+        self.output = list(final.output)
+        return [self._ending()]
+
     def _token(self, text: str) -> list[Event]:
         events = [] if self._text is not None else self._open_message()
         assert self._text is not None

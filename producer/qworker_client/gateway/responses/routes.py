@@ -73,7 +73,7 @@ async def retrieve(gateway: Gateway, request: Request) -> Response:
     events = ResponseEvents(stored)
     first = [*events.start(), *await replay(gateway, events)]
     if stored.final is not None and not events.ended:  # its output stream expired first
-        return JSONResponse(await settled(gateway, stored))
+        first += events.ended_as(stored.final)
     return _event_stream(_sent(gateway, events, first, None, False, after),
                          {JOB_ID_HEADER: stored.job_id})
 
