@@ -63,6 +63,11 @@ def test_create_stream_and_retrieve_agree(sdk: OpenAI) -> None:
     last = events[-1].response  # type: ignore[union-attr]
     assert deltas == last.output_text != "" and kinds.count("response.output_text.delta") == 8
 
+    with sdk.responses.stream(model=SIM, input="hello there", max_output_tokens=8) as helper:
+        seen = [e for e in helper if e.type == "response.output_text.delta"]
+    # the SDK's own accumulator of the items and their parts
+    assert seen[-1].snapshot == "".join(e.delta for e in seen) != ""
+
     # the same events again, from any one on, by the stream's retrieve
     again = list(sdk.responses.retrieve(last.id, stream=True, starting_after=5))
     assert [e.model_dump() for e in again] == [e.model_dump() for e in events[6:]]
@@ -156,7 +161,9 @@ def test_bad_bodies_are_one_line_400s(base_url: str) -> None:
                         ({"model": SIM, "input": ["x"] * 1025}, "input"),
                         ({"model": SIM, "input": "x", "text": {"format": {"type": "xml"}}},
                          "text.format"),
-                        ({"model": SIM, "input": "x", "stream": "yes"}, "stream")]:
+                        ({"model": SIM, "input": "x", "stream": "yes"}, "stream"),
+                        ({"model": SIM, "input": "x", "text": {"format": {
+                            "type": "json_schema"}}}, "text.format")]:
         reply = httpx2.post(f"{base_url}/v1/responses", json=body)
         assert (reply.status_code, reply.json()["error"]["param"]) == (400, param), body
 
@@ -187,6 +194,10 @@ def test_tools_and_function_call_items_become_the_wire_s_chat_fields() -> None:
              "function": {"name": "weather", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "wet"}]
     assert "tools" not in request.parse_create({"model": "m", "input": "x"}).job
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    constrained = request.parse_create({"model": "m", "input": "x", "text": {"format": {
+        "type": "json_schema", "name": "n", "schema": schema, "strict": True}}})
+    assert constrained.job["structured_outputs"] == {"json": schema}
     with pytest.raises(Exception, match="not in `tools`"):
         tool_fields.chat_tool_choice({"type": "function", "name": "other"}, ["weather"])
     # an output's function calls, chained on, join the assistant message before them

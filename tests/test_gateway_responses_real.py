@@ -5,6 +5,7 @@ the other serving that response's stream from the event after the last one seen,
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -65,6 +66,13 @@ def test_responses_on_the_default_model_across_two_gateways(
         deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert deltas == whole.output_text != ""
         assert events[-1].type in ("response.completed", "response.incomplete")
+
+        # text.format: JSON that follows its schema, through the structured-output engine
+        schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
+                  "required": ["colour"], "additionalProperties": False}
+        shaped = a.responses.create(model=MODEL, input=QUESTION, max_output_tokens=20, text={
+            "format": {"type": "json_schema", "name": "colour", "schema": schema}})
+        assert json.loads(shaped.output_text)["colour"] in ("red", "blue")
 
         # the other gateway continues the conversation: the model sees it all
         second = b.responses.create(model=MODEL, input="Another one.", max_output_tokens=6,

@@ -107,7 +107,10 @@ def text_format(text: Any) -> dict[str, Any] | None:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("`text.format.schema` must be a JSON Schema object",
+                              param="text.format")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
-                                                       "schema": fmt.get("schema")}}
+                                                       "schema": fmt["schema"]}}
     raise bad_request("`text.format.type` must be text, json_object or json_schema",
                       param="text.format")
