@@ -1,8 +1,8 @@
 """`/v1/responses` through the official `openai` SDK on a simulated worker: create, stream (the
 SDK's event types, each `sequence_number` once, in order), retrieve (whole, and as a stream from
 any event), background and cancel, delete, input items, `previous_response_id` chains and their
-bound, owners; and a scripted worker whose `done` event carries `tool_calls`, read back as
-`function_call` items and `response.function_call_arguments.*` events."""
+bound, owners; and a scripted worker whose tokens carry `reasoning` and whose `done` event
+carries `tool_calls`, read back as `reasoning` and `function_call` items and their events."""
 
 from __future__ import annotations
 
@@ -213,9 +213,9 @@ CALLS = [{"id": "call_a", "type": "function",
 
 
 def test_tool_calls_of_the_done_event_are_function_call_items(redis_url: str) -> None:
-    """A scripted worker answers each job as docs/protocol.md says a worker with tools does: a
-    token or two of text, then `done` with `tool_calls` and `finish_reason` tool_calls (and a
-    token carrying `reasoning`, which is not shown)."""
+    """A scripted worker answers each job as docs/protocol.md says a worker with tools does:
+    tokens that think (`reasoning`), tokens of text, then `done` with `tool_calls` and
+    `finish_reason` tool_calls: a reasoning item, a message, two function calls."""
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     r.set(KEYS.worker("scripted"), '{"model": "tooly"}', ex=60)
     stop = threading.Event()
@@ -230,9 +230,14 @@ def test_tool_calls_of_the_done_event_are_function_call_items(redis_url: str) ->
         stop.set()
         worker.join(10)
     assert whole.status == "completed"
-    assert [o.type for o in whole.output] == ["message", "function_call", "function_call"]
+    assert [o.type for o in whole.output] == ["reasoning", "message", "function_call",
+                                              "function_call"]
     assert whole.output_text == "Checking."
-    calls = [(o.call_id, o.name, o.arguments, o.status) for o in whole.output[1:]]  # type: ignore[union-attr]
+    thought = whole.output[0]
+    assert thought.type == "reasoning" and thought.content is not None
+    assert [c.text for c in thought.content] == ["they want two tools"]
+    assert whole.usage is not None and whole.usage.output_tokens_details.reasoning_tokens == 2
+    calls = [(o.call_id, o.name, o.arguments, o.status) for o in whole.output[2:]]  # type: ignore[union-attr]
     assert calls == [("call_a", "weather", '{"city": "Paris"}', "completed"),
                      ("call_b", "time", '{"zone": "CET"}', "completed")]
 
@@ -245,10 +250,14 @@ def test_tool_calls_of_the_done_event_are_function_call_items(redis_url: str) ->
                              "response.output_item.done"] * 2, "response.completed"]
     deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
     assert [(e.output_index, e.delta) for e in deltas] == [  # type: ignore[union-attr]
-        (1, '{"city": "Paris"}'), (2, '{"zone": "CET"}')]
+        (2, '{"city": "Paris"}'), (3, '{"zone": "CET"}')]
     added = [e.item for e in events if e.type == "response.output_item.added"]  # type: ignore[union-attr]
     assert [(i.type, getattr(i, "arguments", None)) for i in added] == [
-        ("message", None), ("function_call", ""), ("function_call", "")]
+        ("reasoning", None), ("message", None), ("function_call", ""), ("function_call", "")]
+    assert kinds[2:9] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta", "response.reasoning_text.delta",
+                          "response.reasoning_text.done", "response.content_part.done",
+                          "response.output_item.done"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
@@ -259,9 +268,14 @@ def _scripted_worker(r: redis.Redis, keys: Keys, stop: threading.Event) -> None:
         for _, entries in reply or []:
             for entry_id, job in entries:
                 last, out = entry_id, keys.out(job["id"])
-                r.xadd(out, {"type": "token", "i": "0", "token_id": "1", "text": "Check"})
-                r.xadd(out, {"type": "token", "i": "1", "token_id": "2", "text": "ing.",
-                             "reasoning": "they want two tools"})
+                r.xadd(out, {"type": "token", "i": "0", "token_id": "7", "text": "",
+                             "reasoning": "they want"})
+                r.xadd(out, {"type": "token", "i": "1", "token_id": "8", "text": "",
+                             "reasoning": " two tools"})
+                r.xadd(out, {"type": "token", "i": "2", "token_id": "1", "text": "Check"})
+                r.xadd(out, {"type": "token", "i": "1", "token_id": "8", "text": "",
+                             "reasoning": " two tools"})  # a rollback's repeat: skipped
+                r.xadd(out, {"type": "token", "i": "3", "token_id": "2", "text": "ing."})
                 r.xadd(out, {"type": "done", "finish_reason": "tool_calls",
                              "text": "Checking.", "prompt_tokens": "5",
                              "completion_tokens": "9", "tool_calls": json.dumps(CALLS)})

@@ -48,6 +48,17 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning item: the model's thinking, as its `reasoning_text` content."""
+    content = [] if text is None else [reasoning_part(text)]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "status": status}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def function_call(item_id: str, call: dict[str, Any], arguments: str, status: str
                   ) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call["id"],
@@ -74,18 +85,18 @@ def tool_calls(raw: str | None) -> list[dict[str, Any]]:
     return found
 
 
-def usage(done: DoneEvent) -> dict[str, Any]:
+def usage(done: DoneEvent, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": done.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": done.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": done.prompt_tokens + done.completion_tokens}
 
 
 def final_of_done(done: DoneEvent, finish_reason: str, output: list[dict[str, Any]],
-                  completed_at: int) -> Final:
+                  completed_at: int, reasoning_tokens: int = 0) -> Final:
     status, reason = _ENDS.get(finish_reason, ("completed", None))
-    return Final(status=status, output=output, usage=usage(done),
+    return Final(status=status, output=output, usage=usage(done, reasoning_tokens),
                  incomplete_details=None if reason is None else {"reason": reason},
                  completed_at=completed_at)
 
