@@ -115,6 +115,24 @@ def test_background_cancel_delete_and_input_items(sdk: OpenAI, base_url: str) ->
     assert refused.status_code == 400 and "must be stored" in refused.text
 
 
+def test_a_streamed_response_whose_client_leaves_is_cancelled(base_url: str,
+                                                               redis_url: str) -> None:
+    body = {"model": SIM, "input": "long", "max_output_tokens": 5000, "stream": True}
+    with httpx2.stream("POST", f"{base_url}/v1/responses", json=body, timeout=30) as streamed:
+        job_id = streamed.headers["x-qworker-job-id"]
+        lines = streamed.iter_lines()
+        while "response.output_text.delta" not in next(lines):
+            pass
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    def last_event() -> dict[str, str]:
+        entries = r.xrevrange(KEYS.out(job_id), count=1)
+        return entries[0][1] if entries else {}
+
+    ended = wait_for(lambda: last_event().get("type") == "done" and last_event())
+    assert ended["finish_reason"] == "cancelled" and int(ended["completion_tokens"]) < 5000
+
+
 def test_previous_response_id_chains_the_conversation(sdk: OpenAI, redis_url: str) -> None:
     first = sdk.responses.create(model=SIM, input="one", instructions="sys", max_output_tokens=4)
     second = sdk.responses.create(model=SIM, input="two", previous_response_id=first.id,

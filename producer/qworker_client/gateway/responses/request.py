@@ -74,7 +74,8 @@ def parse_create(body: Any) -> Create:
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "structured_outputs": structured_outputs(
             {"response_format": shape.text_format(text)}),
-        # the tool fields, set only when asked: see tool_fields
+        # TOOL FIELDS: the wire's tool fields (docs/protocol.md), set only when asked; all of
+        # their conversion is in tool_fields.py, the one place to change on the wire's side
         **tool_fields.job_tool_fields(chat_tools, tool_fields.chat_tool_choice(choice, names),
                                       parallel, effort),
     }
