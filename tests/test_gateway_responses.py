@@ -18,6 +18,7 @@ import redis
 from openai import OpenAI
 
 from qworker_client.gateway.responses import items, request, tool_fields
+from qworker_client.gateway.responses.events import ResponseEvents
 from qworker_client.gateway.responses.record import MAX_CHAIN_DEPTH, StoredResponse
 from qworker_client.protocol import Keys
 from tests.gateway_harness import gateway, live_worker
@@ -298,3 +299,16 @@ def _scripted_worker(r: redis.Redis, keys: Keys, stop: threading.Event) -> None:
                              "text": "Checking.", "prompt_tokens": "5",
                              "completion_tokens": "9", "tool_calls": json.dumps(CALLS)})
 
+
+
+def test_an_unreadable_event_fails_the_response() -> None:
+    stored = StoredResponse(id="resp_x", job_id="resp-x", created_at=0, model="m", request={},
+                            input=[], history=[])
+    events = ResponseEvents(stored)
+    events.start()
+    events.entry("1-0", {"type": "token", "i": "0", "token_id": "1", "text": "a"})
+    last = events.entry("2-0", {"type": "done", "finish_reason": "sideways", "text": "a"})
+    assert [e["type"] for e in last] == ["response.failed"]
+    assert events.final is not None and events.final.status == "failed"
+    assert events.state.error is not None and events.state.error.code == "bad_event"
+    assert events.entry("3-0", {"type": "token", "i": "1", "token_id": "1", "text": "b"}) == []

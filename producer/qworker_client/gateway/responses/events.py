@@ -19,6 +19,7 @@ from typing import Any
 
 from qworker_client.gateway.responses import shape, tool_fields
 from qworker_client.gateway.responses.record import Final, StoredResponse
+from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
 from qworker_client.result import OutputState
 
@@ -83,7 +84,8 @@ class ResponseEvents:
         except ValueError as exc:
             if fields.get("type") == "token":
                 return []
-            event = ErrorEvent(code="bad_event", message=f"unreadable output event: {exc}")
+            event = self.state.error = ErrorEvent(code=BAD_EVENT,
+                                                  message=f"unreadable output event: {exc}")
         if isinstance(event, TokenEvent):
             return self._token(event.text, reasoning)
         if isinstance(event, DoneEvent):

@@ -106,12 +106,12 @@ def messages(items: list[Item]) -> list[Message]:
             text = "".join(part.get("text", "") for part in item["content"])
             out.append({"role": _ROLES[item["role"]], "content": text})
         elif kind == "function_call":
-            calls = tool_fields.assistant_calls([item])["tool_calls"]
+            call = tool_fields.chat_call(item)
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
-                last["tool_calls"] = [*last.get("tool_calls", []), *calls]
+                last["tool_calls"] = [*last.get("tool_calls", []), call]
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": calls})
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             out.append(tool_fields.tool_result(item))
     return out

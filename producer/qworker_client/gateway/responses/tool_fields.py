@@ -89,11 +89,11 @@ def effort(reasoning: Any) -> str | None:
     return str(value)
 
 
-def assistant_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """Function call items (the model's, given back) as one chat assistant message."""
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call["call_id"], "type": "function",
-         "function": {"name": call["name"], "arguments": call["arguments"]}} for call in calls]}
+def chat_call(item: dict[str, Any]) -> dict[str, Any]:
+    """A `function_call` item (the model's, given back) as one of a chat assistant message's
+    `tool_calls`."""
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
 def tool_result(item: dict[str, Any]) -> dict[str, Any]:
