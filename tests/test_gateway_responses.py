@@ -99,6 +99,14 @@ def test_background_cancel_delete_and_input_items(sdk: OpenAI, base_url: str) ->
 
     listed = sdk.responses.input_items.list(long.id)
     assert [(i.type, i.role) for i in listed.data] == [("message", "user")]  # type: ignore[union-attr]
+    three = sdk.responses.create(model=SIM, max_output_tokens=2, input=[
+        {"role": "user", "content": word} for word in ("a", "b", "c")])
+    page = sdk.responses.input_items.list(three.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["a", "b"] and page.has_more  # type: ignore[union-attr]
+    rest = sdk.responses.input_items.list(three.id, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["c"] and not rest.has_more  # type: ignore[union-attr]
+    newest = sdk.responses.input_items.list(three.id, limit=1).data
+    assert [i.content[0].text for i in newest] == ["c"]  # type: ignore[union-attr]
 
     short = sdk.responses.create(model=SIM, input="x", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError, match="only a background response"):
@@ -239,15 +247,20 @@ def test_tool_calls_of_the_done_event_are_function_call_items(redis_url: str) ->
     r.set(KEYS.worker("scripted"), '{"model": "tooly"}', ex=60)
     stop = threading.Event()
     worker = threading.Thread(target=_scripted_worker, args=(r, KEYS, stop), daemon=True)
-    worker.start()
-    try:
-        with gateway(redis_url) as url, OpenAI(base_url=f"{url}/v1", api_key="u",
-                                               max_retries=0, timeout=30) as sdk:
+    with gateway(redis_url) as url, OpenAI(base_url=f"{url}/v1", api_key="u",
+                                           max_retries=0, timeout=30) as sdk:
+        waiting = sdk.responses.create(model="tooly", input="later", background=True)
+        assert sdk.responses.retrieve(waiting.id).status == "queued"  # no worker took it yet
+        worker.start()
+        try:
             whole = sdk.responses.create(model="tooly", input="weather and time?")
             events = list(sdk.responses.create(model="tooly", input="again", stream=True))
-    finally:
-        stop.set()
-        worker.join(10)
+            answered = wait_for(lambda: (got := sdk.responses.retrieve(waiting.id)).completed_at
+                                and got)
+        finally:
+            stop.set()
+            worker.join(10)
+    assert answered.status == "completed" and len(answered.output) == 4
     assert whole.status == "completed"
     assert [o.type for o in whole.output] == ["reasoning", "message", "function_call",
                                               "function_call"]

@@ -21,7 +21,7 @@ from qworker_client.gateway.responses import shape, tool_fields
 from qworker_client.gateway.responses.record import Final, StoredResponse
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
-from qworker_client.result import OutputState
+from qworker_client.result import START_ID, OutputState
 
 Event = dict[str, Any]
 _TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",
@@ -64,9 +64,12 @@ class ResponseEvents:
         return self.final is not None
 
     def status(self) -> str:
+        """The response's status: `queued` until its job's first event (its first token)."""
         if self.final is not None:
             return self.final.status
-        return "cancelled" if self.stored.cancelled else "in_progress"
+        if self.stored.cancelled:
+            return "cancelled"
+        return "queued" if self.state.last_id == START_ID else "in_progress"
 
     def response(self) -> dict[str, Any]:
         """The response object as the events so far make it."""
