@@ -166,6 +166,10 @@ def test_a_gateway_serves_as_its_acl_user(acl_redis: AclRedis, tmp_path: Path) -
         done = wait_for(lambda: _ended(http.get(f"/v1/batches/{batch['id']}").json()),
                         what="the batch")
         assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
+        response = http.post("/v1/responses", json={"model": "sim", "input": "hi",
+                                                    "max_output_tokens": 4}).json()
+        assert http.get(f"/v1/responses/{response['id']}").json()["status"] == "incomplete"
+        assert http.delete(f"/v1/responses/{response['id']}").status_code == 200
     assert acl_redis.refused() == []
 
 

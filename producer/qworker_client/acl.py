@@ -53,6 +53,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     work = (*jobs, k.requeue, k.model_stream_patterns[1])  # and requeued work
     out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
+    response = k.response("*")  # the gateway's Responses API records
     delayed = (k.delayed_of(None), k.delayed_pattern)  # the delayed sets and their hashes
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
@@ -87,7 +88,8 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan"), producer(
-            reads=(gateway, worker), read_commands=("mget", "xlen"), sets=(gateway,))),
+            reads=(gateway, response, worker), read_commands=("mget", "xlen"),
+            sets=(gateway, response)) + (Grant(("del",), (response,)),)),
         "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
             Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),
                   (*work, k.dead, worker), read_only=True),

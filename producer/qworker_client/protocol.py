@@ -562,6 +562,11 @@ class Keys:
         """The gateway's record of a job it submitted (JSON: its response's shape, its owner)."""
         return f"{self.prefix}:gw:{job_id}"
 
+    def response(self, response_id: str) -> str:
+        """The gateway's record of a Responses API response (JSON: its request, input, chain
+        and, once ended, its output)."""
+        return f"{self.prefix}:resp:{response_id}"
+
     def delayed_of(self, model: str | None) -> str:
         """The delayed jobs of a model (none: model-less), a sorted set: job id -> due unix ms
         (`<prefix>:delayed`, `<prefix>:delayed:{<model>}`, in the model's hash slot)."""

@@ -24,6 +24,7 @@ from qworker_client.gateway.chat.completions import complete
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.errors import APIError
 from qworker_client.gateway.metrics import CountResponses
+from qworker_client.gateway.responses import routes as responses
 from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.streams import jobs
 from qworker_client.gateway.streams.disconnect import RAW_SEND
@@ -61,6 +62,11 @@ def create_app(config: GatewayConfig) -> Starlette:
         route("/v1/models/{model:path}", _model),
         route("/v1/jobs/{job_id}", jobs.status),
         route("/v1/jobs/{job_id}/stream", jobs.resume),
+        route("/v1/responses", responses.create, "POST"),
+        route("/v1/responses/{response_id}", responses.retrieve),
+        route("/v1/responses/{response_id}", responses.delete, "DELETE"),
+        route("/v1/responses/{response_id}/cancel", responses.cancel, "POST"),
+        route("/v1/responses/{response_id}/input_items", responses.input_items),
         route("/v1/files", batch_routes.upload, "POST"),
         route("/v1/files/{file_id}", batch_routes.file_info),
         route("/v1/files/{file_id}/content", batch_routes.file_content),

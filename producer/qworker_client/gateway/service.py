@@ -49,11 +49,12 @@ class Gateway:
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
 
-    async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner
-                     ) -> dict[str, Queued]:
+    async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner,
+                     records: dict[str, str] | None = None) -> dict[str, Queued]:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
-        streams and whose they are, then queue them all at once. Returns where each job was
-        queued (for the hub to tell one that vanished)."""
+        streams and whose they are (and set `records`, key -> value, beside: a response's),
+        then queue them all at once. Returns where each job was queued (for the hub to tell one
+        that vanished)."""
         try:
             prepared = [job_fields(choice.spec) for choice in request.choices]
         except JobValidationError as exc:
@@ -64,6 +65,7 @@ class Gateway:
         metas = {meta_key(self.keys.prefix, c.job_id):
                  JobMeta(shape, c.index, request.include_usage, owner).to_json()
                  for c in request.choices}
+        metas.update(records or {})
         groups = by_stream(self.keys, prepared)
         entries = await self._queue_at_once(metas, prepared, groups)
         if entries is None:
