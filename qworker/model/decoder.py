@@ -8,7 +8,7 @@ decode-only step runs in one native call where the decode graph serves it (`deco
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import structlog
@@ -55,6 +55,7 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.decode_graph = DecodeGraph(layers, self.norm, self.lm_head, config)
+        self.decode_rows = 1  # the most rows of a decode-only step (choose_kernels says)
         self.rope = RotaryTable(
             config.head_dim, config.context_length, config.rope_theta,
             config.rope_scaling, dtype, device,
@@ -99,8 +100,10 @@ class DecoderModel(nn.Module):
         tokens, `max_logit_rows` of which sample; the choice by shape, logged once."""
         layers = [(m, max_rows) for m in self.modules()
                   if isinstance(m, Linear | QuantLinear) and m is not self.lm_head]
+        graph_rows = max_logit_rows if self.decode_graph.refused is None else 0
+        self.decode_rows = max_logit_rows
         chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir,
-                                      graph=self.decode_graph.refused is None)
+                                      graph_rows=graph_rows)
         self._follow_repacked_head()
         self.decode_graph.reset()
         log.info("kernels_chosen", **self.kernel_report())
@@ -171,10 +174,23 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear | QuantLinear):
                 shapes.setdefault(kernel_choice.shape_key(module), module)
+        report["decode_graph"] = self._graph_report(shapes.values())
         for key, layer in shapes.items():
             kinds = layer.choice or tuple(layer.kind_for(b) for b in kernel_choice.BUCKETS)
             report[f"linear {key}"] = kernel_choice.describe({key: kinds})[key]
         return report
+
+    def _graph_report(self, layers: Iterable[Linear | QuantLinear]) -> str:
+        """Which decode-only steps the decode graph runs: those whose bucket every layer runs a
+        graph kernel at (a step it does not run goes layer by layer, slower)."""
+        if self.decode_graph.refused is not None:
+            return f"refused ({self.decode_graph.refused})"
+        buckets = kernel_choice.BUCKETS[: kernel_choice.bucket(self.decode_rows) + 1]
+        off = [rows for rows in buckets if any(
+            layer.kind_for(rows) not in kernel_choice.GRAPH_KINDS for layer in layers)]
+        if not off:
+            return f"runs decode steps of 1-{self.decode_rows} rows"
+        return f"off at {', '.join(map(str, off))} rows (a layer's kernel it does not run)"
 
     def load_hf_weights(self, weights: Mapping[str, Weight]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up).
