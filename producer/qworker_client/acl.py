@@ -83,6 +83,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
             Grant(("exists", "mget"), (cancel,), read_only=True),
+            Grant(("hincrby", "expire"), (k.throughput("*"),)),  # the dashboard's throughput
             Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),

@@ -1,0 +1,175 @@
+"""The dashboard's Redis reads (qworker_client.dashboard.reads) on a real redis-server, filled by
+hand as workers and clients leave it: what each page finds, and that it makes no more Redis calls
+than its stated bound (counted with INFO commandstats)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from qworker_client.dashboard import reads
+from qworker_client.protocol import DEFAULT_GROUP, THROUGHPUT_TTL_S, Keys, WorkerInfo
+
+KEYS = Keys()
+UNCOUNTED = {"cmdstat_info", "cmdstat_ping", "cmdstat_hello", "cmdstat_client|setinfo"}
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url, decode_responses=True)  # as the dashboard's
+    c.ping()
+    yield c
+    c.close()
+
+
+def calls(client: redis.Redis, read: Callable[[], Any]) -> tuple[Any, int]:
+    """What `read` returns, and the Redis commands it made (pipelined ones one by one)."""
+    def counted() -> int:
+        stats = client.info("commandstats")
+        return sum(v["calls"] for k, v in stats.items() if k not in UNCOUNTED)
+    before = counted()
+    result = read()
+    return result, counted() - before
+
+
+def worker_key(client: redis.Redis, name: str, model: str, ttl_ms: int = 3_000,
+               liveness_ms: int = 3_000, **extra: Any) -> None:
+    info = WorkerInfo(name=name, host="h1", pid=1, model=model, group=DEFAULT_GROUP,
+                      started_ms=1, running=1, free_slots=3, native="avx2", version="0.1.0",
+                      kv_used=0.25, liveness_ms=liveness_ms, **extra)
+    client.set(KEYS.worker(name), info.model_dump_json(), px=ttl_ms)
+
+
+def queue(client: redis.Redis, stream: str, n: int, taken: int = 0, prefix: str = "j") -> list[str]:
+    """`n` jobs on `stream`, the first `taken` of them read by consumer w1 (running)."""
+    ids = []
+    for k in range(n):
+        job_id = f"{prefix}{k}"
+        entry = client.xadd(stream, {"id": job_id, "prompt": "hi", "max_tokens": "4"})
+        client.set(KEYS.submitted(job_id), entry)
+        ids.append(job_id)
+    client.xgroup_create(stream, DEFAULT_GROUP, id="0", mkstream=True)
+    if taken:
+        client.xreadgroup(DEFAULT_GROUP, "w1", {stream: ">"}, count=taken)
+    return ids
+
+
+def test_overview_counts_each_model_and_band_and_the_last_hour(client: redis.Redis) -> None:
+    queue(client, KEYS.jobs, 5, taken=2)
+    queue(client, KEYS.jobs_of("m1", "high"), 3, prefix="h")
+    queue(client, KEYS.requeue_of("m1"), 1, prefix="r")
+    worker_key(client, "w1", "m1")
+    now_minute = reads.server_ms(client) // 60_000
+    client.hset(KEYS.throughput(now_minute - 1), mapping={"tokens:m1": 600, "jobs:m1": 3})
+    client.expire(KEYS.throughput(now_minute - 1), THROUGHPUT_TTL_S)
+    client.xadd(KEYS.dead, {"reason": "bad", "code": "invalid_job",
+                            "source": KEYS.jobs_of("m1"), "source_id": "1-1", "worker": "w1"})
+    data, n = calls(client, lambda: reads.overview(client, KEYS))
+    assert n <= reads.page_bound("overview", client.dbsize())
+    rows = {(q.model, q.band): q for q in data.queues}
+    assert (rows[("", "")].queued, rows[("", "")].running) == (3, 2)
+    assert rows[("m1", "high")].queued == 3
+    assert rows[("m1", "")].requeued == 1 and rows[("m1", "")].dead_hour == 1
+    assert rows[("", "")].oldest_ms is not None
+    assert data.workers == 1 and data.dead_hour == 1
+    (series,) = data.series
+    assert series.model == "m1" and series.tokens[-2] == 600 and series.jobs[-2] == 3
+    assert series.tokens_per_s == 10.0
+
+
+def test_workers_marks_the_stalled_and_the_gone(client: redis.Redis) -> None:
+    queue(client, KEYS.jobs, 2, taken=1)  # consumer w1 holds one, and has no key: gone
+    worker_key(client, "w2", "m1")  # beat just now
+    worker_key(client, "w3", "m1", ttl_ms=1_000, liveness_ms=3_000)  # 2 s since its beat
+    now_minute = reads.server_ms(client) // 60_000
+    client.hset(KEYS.throughput(now_minute - 1), "worker:w2", 120)
+    data, n = calls(client, lambda: reads.workers(client, KEYS))
+    assert n <= reads.page_bound("workers", client.dbsize())
+    by_name = {w.name: w for w in data.live}
+    assert set(by_name) == {"w2", "w3"}
+    assert not by_name["w2"].stalled and by_name["w3"].stalled
+    assert by_name["w2"].tokens_per_s == 2.0 and by_name["w2"].info["kv_used"] == 0.25
+    assert [(g.name, g.pending) for g in data.gone] == [("w1", 1)]
+
+
+def test_jobs_filters_by_status_and_model(client: redis.Redis) -> None:
+    queue(client, KEYS.jobs, 3, taken=1)
+    client.hset(KEYS.owner("j0"), mapping={"worker": "w1/abc", "t0": "1"})
+    queue(client, KEYS.jobs_of("m1"), 2, prefix="m")
+    client.xadd(KEYS.recent, {"id": "old", "model": "m1", "status": "done", "reason": "stop",
+                              "tokens": "7", "worker": "w1"})
+    data, n = calls(client, lambda: reads.jobs(client, KEYS))
+    assert n <= reads.page_bound("jobs", client.dbsize())
+    assert {r.job_id: r.status for r in data.rows} == {
+        "j0": "running", "j1": "queued", "j2": "queued", "m0": "queued", "m1": "queued",
+        "old": "done"}
+    assert [r.job_id for r in reads.jobs(client, KEYS, status="done").rows] == ["old"]
+    assert {r.job_id for r in reads.jobs(client, KEYS, model="m1").rows} == {"m0", "m1", "old"}
+
+
+def test_job_reads_its_fields_timings_and_text(client: redis.Redis) -> None:
+    queue(client, KEYS.jobs_of("m1"), 1, taken=1, prefix="x")
+    client.hset(KEYS.owner("x0"), mapping={"worker": "w1/run", "t0": "1000", "crashes": "1"})
+    out = KEYS.out("x0")
+    client.xadd(out, {"type": "token", "i": "0", "token_id": "5", "text": "Hel"}, id="1100-0")
+    client.xadd(out, {"type": "token", "i": "1", "token_id": "6", "text": "lo"}, id="1200-0")
+    running, n = calls(client, lambda: reads.job(client, KEYS, "x0"))
+    assert n <= reads.page_bound("job", client.dbsize())
+    assert (running.status, running.text, running.tokens) == ("running", "Hello", 2)
+    assert running.fields["prompt"] == "hi" and running.stream == KEYS.jobs_of("m1")
+    assert running.deliveries == 1 and running.workers == ["w1"]
+    assert (running.queued_ms, running.ttft_ms, running.last_entry) == (1000, 100, "1200-0")
+    client.xadd(out, {"type": "done", "finish_reason": "stop", "text": "Hello", "prompt_tokens":
+                      "1", "completion_tokens": "2", "ttft_ms": "100", "total_ms": "300"},
+                id="1300-0")
+    done = reads.job(client, KEYS, "x0")
+    assert (done.status, done.finish_reason, done.total_ms, done.ended) == ("done", "stop", 300,
+                                                                          True)
+    assert reads.job(client, KEYS, "nobody").status == "unknown"
+
+
+def test_job_of_a_dead_letter_shows_its_copy_and_error(client: redis.Redis) -> None:
+    client.xadd(KEYS.dead, {"reason": "prompt is empty", "code": "invalid_job",
+                            "source": KEYS.jobs, "source_id": "5-0", "worker": "w1",
+                            "id": "bad1", "prompt": ""})
+    client.xadd(KEYS.out("bad1"), {"type": "error", "code": "invalid_job",
+                                   "message": "prompt is empty"})
+    data = reads.job(client, KEYS, "bad1")
+    assert data.status == "error" and data.error == "invalid_job: prompt is empty"
+    assert data.dead is not None and data.fields["id"] == "bad1"
+
+
+def test_dead_counts_codes_and_filters(client: redis.Redis) -> None:
+    for k in range(3):
+        client.xadd(KEYS.dead, {"reason": "r", "code": "invalid_job" if k else "poison",
+                                "source": KEYS.jobs, "source_id": f"{k}-0", "worker": "w"})
+    data, n = calls(client, lambda: reads.dead(client, KEYS))
+    assert n <= reads.page_bound("dead", client.dbsize())
+    assert data.codes == {"invalid_job": 2, "poison": 1}
+    assert len(reads.dead(client, KEYS, "poison").letters) == 1
+
+
+def test_a_page_calls_stay_bounded_whatever_the_queue_holds(client: redis.Redis) -> None:
+    """3,000 queued jobs, 300 workers' keys: each page's calls stay under its bound, which does
+    not grow with the jobs (only the SCANs grow with the keys)."""
+    pipe = client.pipeline(transaction=False)
+    for k in range(3_000):
+        pipe.xadd(KEYS.jobs, {"id": f"q{k}", "prompt": "p"})
+    for k in range(300):
+        info = WorkerInfo(name=f"w{k}", host="h", pid=k, model="m", group=DEFAULT_GROUP,
+                          started_ms=1)
+        pipe.set(KEYS.worker(f"w{k}"), json.dumps(info.model_dump()), px=60_000)
+    pipe.execute()
+    keys_in_db = client.dbsize()
+    for page, read in (("overview", lambda: reads.overview(client, KEYS)),
+                       ("workers", lambda: reads.workers(client, KEYS)),
+                       ("jobs", lambda: reads.jobs(client, KEYS)),
+                       ("job", lambda: reads.job(client, KEYS, "q1")),
+                       ("dead", lambda: reads.dead(client, KEYS))):
+        _, n = calls(client, read)
+        assert n <= reads.page_bound(page, keys_in_db), page
+    assert reads.page_bound("jobs", keys_in_db) < 1_000
