@@ -5,14 +5,19 @@ than its stated bound (counted with INFO commandstats)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx2
 import pytest
 import redis
 
 from qworker_client.dashboard import reads
+from qworker_client.local_redis import free_port, stop_child
 from qworker_client.protocol import DEFAULT_GROUP, THROUGHPUT_TTL_S, Keys, WorkerInfo
+from tests.service_harness import checkout_env, submit, thread_worker, wait_for, wait_terminal
 
 KEYS = Keys()
 UNCOUNTED = {"cmdstat_info", "cmdstat_ping", "cmdstat_hello", "cmdstat_client|setinfo"}
@@ -173,3 +178,45 @@ def test_a_page_calls_stay_bounded_whatever_the_queue_holds(client: redis.Redis)
         _, n = calls(client, read)
         assert n <= reads.page_bound(page, keys_in_db), page
     assert reads.page_bound("jobs", keys_in_db) < 1_000
+
+
+def test_a_worker_counts_each_minute_and_says_its_kv_use(redis_url: str,
+                                                         client: redis.Redis) -> None:
+    """A real worker (simulated engine): each ended job adds to its minute's counters, which
+    expire; its liveness key says its KV use, version and liveness TTL."""
+    with thread_worker(redis_url, "w-count"):
+        submit(client, "t1", prompt="hi", max_tokens=5)
+        submit(client, "t2", prompt="hi", max_tokens=7)
+        wait_terminal(client, ["t1", "t2"])
+        minute_keys = [k for k in client.scan_iter(match=KEYS.throughput("*"))]
+        info = json.loads(client.get(KEYS.worker("w-count")) or "{}")
+    counters: dict[str, int] = {}
+    for key in minute_keys:
+        assert 0 < client.ttl(key) <= THROUGHPUT_TTL_S
+        for name, value in client.hgetall(key).items():
+            counters[name] = counters.get(name, 0) + int(value)
+    assert counters == {"tokens:": 12, "jobs:": 2, "worker:w-count": 12}
+    assert info["liveness_ms"] > 0 and 0 <= info["kv_used"] <= 1
+    series = reads.overview(client, KEYS).series
+    assert sum(series[0].tokens) == 12 and sum(series[0].jobs) == 2
+
+
+def test_qworker_dashboard_serves_alone(redis_url: str) -> None:
+    """`qworker dashboard`: no gateway, no key (open: every visitor is admin)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "qworker_client", "dashboard", "--redis-url",
+                             redis_url, "--port", str(port)], env=checkout_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def up() -> bool:
+            try:
+                return httpx2.get(f"http://127.0.0.1:{port}/").status_code == 200
+            except httpx2.HTTPError:
+                return False
+        wait_for(up, timeout=30, what="qworker dashboard to serve")
+        page = httpx2.get(f"http://127.0.0.1:{port}/dead").text
+        assert "Dead letters" in page and "log out" not in page
+    finally:
+        stop_child(proc, 10)
+    assert proc.stdout is not None
+    assert f"ready at http://127.0.0.1:{port}/" in proc.stdout.read().decode()

@@ -307,10 +307,16 @@ class Job:
 
     @property
     def queued_ms(self) -> int | None:
+        """When it was first queued: its owner hash's `t0`, else its entry's time, else (ended)
+        its end less its total time."""
         t0 = self.owner.get("t0")
         if t0 and t0.isdigit():
             return int(t0)
-        return entry_ms(self.fields_entry) if self.fields_entry else None
+        if self.fields_entry:
+            return entry_ms(self.fields_entry)
+        if self.done is not None and self.ended_ms is not None:
+            return self.ended_ms - self.done.total_ms
+        return None
 
     fields_entry: str = ""
 
