@@ -40,8 +40,10 @@ DEAD_HOUR_MAX = 1_000  # dead letters of the last hour counted, at most
 JOBS_READ = 200  # jobs read for the jobs page (filtered among them), of which shown:
 JOBS_SHOWN = 100
 EVENTS_READ = 4_000  # a job's output events read for its page
-RECENT_READ = 1_000  # `<prefix>:recent` entries looked through for a job's last worker
-DEAD_READ = dead_letters.CHUNK  # dead letters looked through for a job, and shown
+RECENT_READ = 300  # `<prefix>:recent` entries looked through for the worker that ended a job
+JOB_DEAD_READ = 200  # the newest dead letters looked through for a job's
+DEAD_READ = dead_letters.CHUNK  # dead letters read for the dead letters page (codes counted)
+DEAD_SHOWN = 100  # of which shown
 RETRY_ALL_MAX = 100  # dead letters retried by one "retry all of a reason"
 SCAN_PATTERNS_STREAMS = 2  # `model_streams`: the jobs' and the requeue streams' patterns
 DEAD_SCAN_CALLS = dead_letters.MAX_SCAN // dead_letters.CHUNK + 1  # `dead.newest` with a code
@@ -51,7 +53,7 @@ OVERVIEW_CALLS = 1 + 1 + 3 * MAX_STREAMS + MINUTES + 1  # TIME, MGET, per stream
 WORKERS_CALLS = 1 + 1 + MAX_WORKERS + 2 + MAX_STREAMS  # TIME, MGET, PTTLs, 2 minutes, consumers
 JOBS_CALLS = 1 + MAX_STREAMS + 2 * JOBS_READ + MAX_STREAMS + 3  # TIME, XRANGEs, per job 2,
 #   ZRANGE per delayed set (at most one per stream's model), recent, dead, TIME
-JOB_CALLS = 1 + 8 + 2 * MAX_STREAMS  # TIME, one pipeline of 8, XRANGE + XPENDING per jobs stream
+JOB_CALLS = 1 + 7 + 2 * MAX_STREAMS  # TIME, one pipeline of 7, XRANGE + XPENDING per jobs stream
 DEAD_CALLS = 1 + DEAD_SCAN_CALLS  # TIME, the dead letters' pages
 
 
@@ -350,9 +352,8 @@ def job(client: redis.Redis, keys: Keys, job_id: str, group: str = DEFAULT_GROUP
     pipe.xrevrange(keys.out(job_id), "+", "-", count=1)
     pipe.exists(keys.cancel(job_id))
     pipe.xrevrange(keys.recent, "+", "-", count=RECENT_READ)
-    pipe.xrevrange(keys.dead, "+", "-", count=DEAD_READ)
-    pipe.exists(keys.out(job_id))
-    owner_raw, marker, first, last, flagged, recent, dead_raw, _ = pipe.execute()
+    pipe.xrevrange(keys.dead, "+", "-", count=JOB_DEAD_READ)
+    owner_raw, marker, first, last, flagged, recent, dead_raw = pipe.execute()
     owner = {_text(k): _text(v) for k, v in (owner_raw or {}).items()}
     events = [(_text(e), _fields(f)) for e, f in first]
     if last and _text(last[0][0]) != (events[-1][0] if events else ""):
@@ -436,9 +437,9 @@ def _read_events(events: list[tuple[str, dict[str, str]]]
 @dataclass
 class Dead:
     now_ms: int
-    letters: list[dead_letters.DeadLetter]
-    codes: dict[str, int]  # among those read: how many of each code
-    total: int  # XLEN
+    letters: list[dead_letters.DeadLetter]  # the newest DEAD_SHOWN
+    codes: dict[str, int]  # among the newest DEAD_READ: how many of each code
+    read: int
 
 
 def dead(client: redis.Redis, keys: Keys, code: str = "") -> Dead:
@@ -447,7 +448,7 @@ def dead(client: redis.Redis, keys: Keys, code: str = "") -> Dead:
     codes: dict[str, int] = defaultdict(int)
     for letter in letters:
         codes[letter.code] += 1
-    return Dead(now, letters, dict(sorted(codes.items())), len(letters))
+    return Dead(now, letters[:DEAD_SHOWN], dict(sorted(codes.items())), len(letters))
 
 
 # ---------------------------------------------------------------- helpers
