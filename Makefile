@@ -50,7 +50,7 @@ browser:
 # two test files at a time (loadfile keeps each file's module fixtures in one process)
 test: $(STAMP) redis compiler browser
 	$(MAKE) --no-print-directory -j2 kernels typecheck
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile --durations=25
 
 typecheck: $(STAMP)
 	$(BIN)/ruff check .

@@ -90,7 +90,7 @@ def test_the_dashboard_in_a_browser(redis_url: str, browser: WebDriver, shots: P
         browser.save_screenshot(str(shots / "workers.png"))
 
         producer = Producer(redis_url)
-        producer.submit("Tell me a story", id="stream1", max_tokens=150)
+        producer.submit("Tell me a story", id="stream1", max_tokens=200)  # 8 s
         browser.get(board + "/jobs/stream1")
         wait(browser, "its first tokens", lambda d: len(text(d, "output")) > 0)
         first = len(text(browser, "output"))
@@ -98,7 +98,7 @@ def test_the_dashboard_in_a_browser(redis_url: str, browser: WebDriver, shots: P
         assert "Tell me a story" in browser.find_element(By.CSS_SELECTOR, "dl.fields").text
         browser.save_screenshot(str(shots / "job.png"))
         wait(browser, "it to end", lambda d: text(d, "status") == "done", timeout=30)
-        assert text(browser, "finish") == "length" and text(browser, "tokens") == "150"
+        assert text(browser, "finish") == "length" and text(browser, "tokens") == "200"
         done = client.xrevrange(KEYS.out("stream1"), count=1)[0][1]
         assert text(browser, "output") == done["text"].strip()
 

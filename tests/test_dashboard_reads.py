@@ -114,6 +114,7 @@ def test_jobs_filters_by_status_and_model(client: redis.Redis) -> None:
         "old": "done"}
     assert [r.job_id for r in reads.jobs(client, KEYS, status="done").rows] == ["old"]
     assert {r.job_id for r in reads.jobs(client, KEYS, model="m1").rows} == {"m0", "m1", "old"}
+    assert {r.job_id for r in reads.jobs(client, KEYS, model="-").rows} == {"j0", "j1", "j2"}
 
 
 def test_job_reads_its_fields_timings_and_text(client: redis.Redis) -> None:

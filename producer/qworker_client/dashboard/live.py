@@ -15,7 +15,7 @@ import redis
 
 from qworker_client.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, parse_event
 
-MAX_LIVE = 32  # live streams at once (each holds a thread in a blocking read)
+MAX_LIVE = 16  # live streams at once (each holds one of the pool's 40 threads, in XREAD)
 BLOCK_MS = 1_000
 FOLLOW_S = 600.0  # a stream is ended after this long (the browser reconnects, and resumes)
 _live = threading.BoundedSemaphore(MAX_LIVE)

@@ -274,12 +274,14 @@ class Jobs:
 
 def jobs(client: redis.Redis, keys: Keys, status: str = "", model: str = "") -> Jobs:
     """The first JOBS_READ jobs (`qworker jobs`' order: running, queued, delayed, then the ended
-    ones newest first), of `status` and `model` when given, at most JOBS_SHOWN."""
+    ones newest first), of `status` and `model` when given (`-`: the model-less jobs), at most
+    JOBS_SHOWN."""
     now = server_ms(client)
     rows = list_jobs(client, keys, JOBS_READ)
     models = sorted({r.model for r in rows})
+    wanted = "" if model == "-" else model
     chosen = [r for r in rows if (not status or r.status == status)
-              and (not model or r.model == model)]
+              and (not model or r.model == wanted)]
     return Jobs(now, chosen[:JOBS_SHOWN], models, len(rows))
 
 
