@@ -14,7 +14,7 @@ import httpx2
 import pytest
 import redis
 
-from qworker_client.dashboard import reads
+from qworker_client.dashboard import live, reads
 from qworker_client.local_redis import free_port, stop_child
 from qworker_client.protocol import DEFAULT_GROUP, THROUGHPUT_TTL_S, Keys, WorkerInfo
 from tests.service_harness import checkout_env, submit, thread_worker, wait_for, wait_terminal
@@ -221,3 +221,23 @@ def test_qworker_dashboard_serves_alone(redis_url: str) -> None:
         stop_child(proc, 10)
     assert proc.stdout is not None
     assert f"ready at http://127.0.0.1:{port}/" in proc.stdout.read().decode()
+
+
+def test_the_live_stream_resumes_after_an_entry_and_skips_repeats(client: redis.Redis) -> None:
+    out = KEYS.out("s1")
+    client.xadd(out, {"type": "token", "i": "0", "token_id": "1", "text": "A"}, id="10-0")
+    client.xadd(out, {"type": "token", "i": "1", "token_id": "2", "text": "B"}, id="11-0")
+    client.xadd(out, {"type": "token", "i": "1", "token_id": "2", "text": "B"}, id="12-0")  # again
+    client.xadd(out, {"type": "done", "finish_reason": "stop", "text": "AB", "prompt_tokens": "1",
+                      "completion_tokens": "2"}, id="13-0")
+    client.xadd(out, {"type": "token", "i": "2", "token_id": "3", "text": "C"}, id="14-0")
+    assert live.try_open()
+    frames = list(live.events(client, KEYS, "s1", "10-0", 1))  # the page had token 0
+    assert [f.split("\n")[:2] for f in frames[1:]] == [["id: 11-0", "event: token"],
+                                                      ["id: 13-0", "event: done"]]
+    assert '"text": "AB"' in frames[-1]
+    for _ in range(live.MAX_LIVE):  # every stream it opened was given back
+        assert live.try_open()
+    assert not live.try_open()
+    for _ in range(live.MAX_LIVE):
+        live._live.release()

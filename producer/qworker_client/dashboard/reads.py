@@ -24,13 +24,12 @@ from qworker_client.protocol import (
     BANDS,
     DEFAULT_GROUP,
     DoneEvent,
-    ErrorEvent,
     Keys,
     RecentJob,
     TokenEvent,
     entry_ms,
-    parse_event,
 )
+from qworker_client.result import START_ID, OutputState
 from qworker_client.stats import SCAN_COUNT, live_workers, model_streams, served_model
 
 MAX_STREAMS = 48  # work streams shown (the model-less six first, then each model's)
@@ -409,28 +408,24 @@ def _find_entry(client: redis.Redis, keys: Keys, job_id: str, marker: str, group
 
 def _read_events(events: list[tuple[str, dict[str, str]]]
                  ) -> tuple[str, int, int | None, int | None, DoneEvent | None, str]:
-    """The text, tokens, first token's time, end's time, done event, error of `events`."""
+    """The text, tokens, first token's time, end's time, done event and error of `events`, read
+    as the client reads them (`OutputState`)."""
+    state = OutputState("", START_ID)
     parts: list[str] = []
-    seen = -1
     first_ms = ended_ms = None
-    done: DoneEvent | None = None
-    error = ""
     for entry_id, fields in events:
         try:
-            event = parse_event(fields)
+            event = state.apply(entry_id, fields)
         except ValueError:
-            continue
-        if isinstance(event, TokenEvent) and event.i > seen:
-            seen = event.i
+            continue  # not an event
+        if isinstance(event, TokenEvent):
             parts.append(event.text)
             first_ms = first_ms if first_ms is not None else entry_ms(entry_id)
-        elif isinstance(event, DoneEvent):
-            ended_ms, done, parts = entry_ms(entry_id), event, [event.text]
-            break
-        elif isinstance(event, ErrorEvent):
-            ended_ms, error = entry_ms(entry_id), f"{event.code}: {event.message}"
-            break
-    return "".join(parts), seen + 1, first_ms, ended_ms, done, error
+        elif event is not None:
+            ended_ms = entry_ms(entry_id)
+    text = state.done.text if state.done is not None else "".join(parts)
+    error = f"{state.error.code}: {state.error.message}" if state.error is not None else ""
+    return text, state.next_index, first_ms, ended_ms, state.done, error
 
 
 # ---------------------------------------------------------------- dead letters
