@@ -95,6 +95,7 @@ def test_the_dashboard_in_a_browser(redis_url: str, browser: WebDriver, shots: P
         wait(browser, "its first tokens", lambda d: len(text(d, "output")) > 0)
         first = len(text(browser, "output"))
         wait(browser, "its stream to grow", lambda d: len(text(d, "output")) > first)
+        assert text(browser, "ttft") and text(browser, "status") == "running"
         assert "Tell me a story" in browser.find_element(By.CSS_SELECTOR, "dl.fields").text
         browser.save_screenshot(str(shots / "job.png"))
         wait(browser, "it to end", lambda d: text(d, "status") == "done", timeout=30)

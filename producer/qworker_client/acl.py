@@ -94,11 +94,14 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
                   (*work, k.dead, worker), read_only=True),
         )),
         # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
-        # letters (`qworker dead`): the retry script deletes the job's old output
+        # letters (`qworker dead`): the retry script deletes the job's old output; and runs the
+        # dashboard (`qworker dashboard`: the consumers, workers' TTLs, throughput counters)
         "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
-                         producer(reads=(k.dead, k.recent, worker, *delayed),
+                         producer(reads=(k.dead, k.recent, worker, *delayed,
+                                         k.throughput("*"), cancel),
                                   read_commands=("hmget", "mget", "xlen", "xinfo|groups",
-                                                 "zrange"),
+                                                 "zrange", "xinfo|consumers", "xpending",
+                                                 "pttl", "hgetall"),
                                   script_keys=(owner, k.dead)) + (
             Grant(("del",), (out,)),
             Grant(("xdel",), (k.dead,)),

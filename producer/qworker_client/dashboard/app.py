@@ -70,6 +70,10 @@ def create_dashboard(redis_url: str, prefix: str = DEFAULT_PREFIX,
             request.state.role = role
             try:
                 return await handler(board, request)
+            except redis.exceptions.NoPermissionError:
+                return _refused(board, request, 503, "this Redis user may not read what the "
+                                "dashboard shows: give it the operator ACL user "
+                                "(docs/operating.md, \"ACL users\")")
             except redis.RedisError as exc:
                 return _refused(board, request, 503,
                                 f"the queue is unreachable ({type(exc).__name__})")

@@ -30,6 +30,9 @@ function followOutput() {
     out.appendChild(document.createTextNode(data.text));
     tokens = data.i + 1;
     setText("tokens", String(tokens));
+    var queued = parseInt(out.dataset.queued, 10);  // the event's id is its entry id: <ms>-<n>
+    var ttft = document.getElementById("ttft");
+    if (ttft && !ttft.textContent && queued) ttft.textContent = ms(parseInt(event.lastEventId, 10) - queued);
     setText("status", "running");
   });
   source.addEventListener("done", function (event) {
