@@ -51,6 +51,8 @@ def test_a_visitor_without_a_key_is_sent_to_log_in(board: str) -> None:
     for path in ("/", "/workers", "/jobs", "/dead", "/jobs/x1"):
         reply = httpx2.get(board + path, follow_redirects=False)
         assert reply.status_code == 303 and reply.headers["location"].endswith("/login")
+    bare = httpx2.get(board, follow_redirects=True)  # /dashboard, no slash
+    assert bare.status_code == 200 and bare.url.path == "/dashboard/login"
     bad = httpx2.post(board + "/login", data={"key": "sk-wrong"})
     assert bad.status_code == 401
 

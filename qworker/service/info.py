@@ -3,6 +3,7 @@ once it takes jobs its ready line."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from importlib import metadata
@@ -28,6 +29,7 @@ def worker_info(config: ServiceConfig, started_ms: int, running: int, free_slots
                       kv_used=kv_used, liveness_ms=config.liveness_ttl_ms)
 
 
+@functools.cache
 def _version() -> str:
     try:
         return metadata.version("qworker-llm")
