@@ -38,9 +38,9 @@ def csrf(client: httpx2.Client, path: str) -> str:
     return found.group(1)
 
 
-def dead_letter(redis_url: str, job_id: str = "bad1") -> str:
+def dead_letter(redis_url: str, job_id: str = "bad1", code: str = "invalid_job") -> str:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    entry = client.xadd(KEYS.dead, {"reason": "not a valid job: max_tokens", "code": "invalid_job",
+    entry = client.xadd(KEYS.dead, {"reason": "not a valid job: max_tokens", "code": code,
                                     "source": KEYS.jobs, "source_id": "1-0", "worker": "w1",
                                     "id": job_id, "prompt": "hi", "max_tokens": "4"})
     client.close()
@@ -83,6 +83,18 @@ def test_an_admin_write_needs_its_csrf_token(board: str, redis_url: str) -> None
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     assert client.xlen(KEYS.dead) == 0
     assert client.xrange(KEYS.jobs)[0][1]["id"] == "bad1"
+
+
+def test_retry_all_of_a_reason_leaves_the_others(board: str, redis_url: str) -> None:
+    dead_letter(redis_url, "e1", "expired")
+    dead_letter(redis_url, "e2", "expired")
+    dead_letter(redis_url, "p1", "poison")
+    admin = login(board, ADMIN_KEY)
+    reply = admin.post("/dead/retry", data={"code": "expired", "csrf": csrf(admin, "/dead")})
+    assert "queued+again%3A+2" in reply.headers["location"]
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    assert [f["id"] for _, f in client.xrange(KEYS.dead)] == ["p1"]
+    assert sorted(f["id"] for _, f in client.xrange(KEYS.jobs)) == ["e1", "e2"]
 
 
 def test_purge_is_confirmed(board: str, redis_url: str) -> None:
