@@ -10,7 +10,6 @@ tests/test_dashboard_reads.py counts them on a real redis-server."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -25,12 +24,11 @@ from qworker_client.protocol import (
     DEFAULT_GROUP,
     DoneEvent,
     Keys,
-    RecentJob,
     TokenEvent,
     entry_ms,
 )
 from qworker_client.result import START_ID, OutputState
-from qworker_client.stats import SCAN_COUNT, live_workers, model_streams, served_model
+from qworker_client.stats import SCAN_COUNT, live_workers, model_streams
 
 MAX_STREAMS = 48  # work streams shown (the model-less six first, then each model's)
 MAX_WORKERS = 500  # live workers shown
@@ -256,10 +254,6 @@ def workers(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -> Work
     return Workers(now, rows, gone[:MAX_WORKERS])
 
 
-def worker_model(row: WorkerRow) -> str:
-    return served_model(row.info) or ""
-
-
 # ---------------------------------------------------------------- jobs
 
 
@@ -466,14 +460,3 @@ def _int(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0
-
-
-def recent_line(fields: dict[str, str]) -> RecentJob | None:
-    try:
-        return RecentJob.model_validate(fields)
-    except ValueError:
-        return None
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
