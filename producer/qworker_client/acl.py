@@ -84,6 +84,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
             Grant(("exists", "mget"), (cancel,), read_only=True),
+            Grant(("hincrby", "expire"), (k.throughput("*"),)),  # the dashboard's throughput
             Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
@@ -95,11 +96,14 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
                   (*work, k.dead, worker), read_only=True),
         )),
         # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
-        # letters (`qworker dead`): the retry script deletes the job's old output
+        # letters (`qworker dead`): the retry script deletes the job's old output; and runs the
+        # dashboard (`qworker dashboard`: the consumers, workers' TTLs, throughput counters)
         "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
-                         producer(reads=(k.dead, k.recent, worker, *delayed),
+                         producer(reads=(k.dead, k.recent, worker, *delayed,
+                                         k.throughput("*"), cancel),
                                   read_commands=("hmget", "mget", "xlen", "xinfo|groups",
-                                                 "zrange"),
+                                                 "zrange", "xinfo|consumers", "xpending",
+                                                 "pttl", "hgetall"),
                                   script_keys=(owner, k.dead)) + (
             Grant(("del",), (out,)),
             Grant(("xdel",), (k.dead,)),

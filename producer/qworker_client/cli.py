@@ -45,6 +45,7 @@ CLIENT_COMMANDS = (
     "qworker_client.commands.jobs",
     "qworker_client.commands.dead",
     "qworker_client.commands.gateway",
+    "qworker_client.commands.dashboard",
 )
 EXIT_JOB_ERROR = 1
 EXIT_USAGE = 2

@@ -57,6 +57,8 @@ MAX_FIELD_BYTES = 4 * 1024 * 1024  # one wire value, before any parsing
 MAX_FIELDS = 64  # fields of one entry
 
 DEFAULT_PREFIX = "qw"
+# how long a minute of throughput counters (`Keys.throughput`) is kept: the last hour and a bit
+THROUGHPUT_TTL_S = 3_900
 DEFAULT_GROUP = "workers"
 
 # Error codes of `ErrorEvent.code` (the set is open: clients must accept unknown codes).
@@ -526,6 +528,11 @@ class Keys:
         """The jobs workers ended lately, newest last (`RecentJob`; capped, see `qworker jobs`)."""
         return f"{self.prefix}:recent"
 
+    def throughput(self, minute: int | str) -> str:
+        """One minute's counters (unix minute): tokens and jobs ended per model and per worker,
+        written by the workers with each ended job, kept `THROUGHPUT_TTL_S` (the dashboard)."""
+        return f"{self.prefix}:tput:{minute}"
+
     def out(self, job_id: str) -> str:
         return f"{self.prefix}:out:{job_id}"
 
@@ -672,6 +679,9 @@ class WorkerInfo(BaseModel):
     native: str = ""  # the native CPU kernels' level, or "missing: <why>"
     served_model_name: str = ""  # the name clients ask for (`--served-model-name`; "": `model`)
     chat: bool | None = None  # whether its model has a chat template (None: an older worker)
+    version: str = ""  # the worker's package version ("": an older worker)
+    kv_used: float | None = None  # the share of its KV cache blocks in use (None: not known)
+    liveness_ms: int = 0  # the key's TTL at each beat (0: not known): how old its last beat is
 
 
 def _work_stream(base: str, model: str | None, band: str) -> str:

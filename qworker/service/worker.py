@@ -51,7 +51,7 @@ from qworker.service.intake import Intake
 from qworker.service.job import ActiveJob, Entry, now_ms
 from qworker.service.logprobs import token_text
 from qworker.service.logs import get_logger
-from qworker.service.metrics import Metrics
+from qworker.service.metrics import Metrics, engine_stats
 from qworker.service.on_done import OnDone
 from qworker.service.promoter import Promoter
 from qworker.service.publisher import Publisher
@@ -337,4 +337,5 @@ class Worker:
     def _info(self) -> WorkerInfo:
         return worker_info(self.config, self._started_ms, len(self.active),
                            self.engine.free_slots(), self.draining, self.kernels,
-                           chat=self.engine.tokenizer.has_chat_template)
+                           chat=self.engine.tokenizer.has_chat_template,
+                           engine=engine_stats(self.engine))

@@ -13,10 +13,11 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from starlette.types import Receive, Scope, Send
 
-from qworker_client.gateway.auth import RequireKey
+from qworker_client.dashboard.app import create_dashboard
+from qworker_client.gateway.auth import OWN_AUTH, RequireKey
 from qworker_client.gateway.batches import routes as batch_routes
 from qworker_client.gateway.body import LimitBody
 from qworker_client.gateway.catalog import model_card, model_list
@@ -55,7 +56,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         yield
         await gateway.close()
 
-    routes = [
+    routes: list[Route | Mount] = [
         route("/v1/chat/completions", lambda g, r: complete(g, r, "chat"), "POST"),
         route("/v1/completions", lambda g, r: complete(g, r, "completion"), "POST"),
         route("/v1/models", _models),
@@ -75,6 +76,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         route("/v1/batches/{batch_id}/cancel", batch_routes.cancel_batch, "POST"),
         route("/health", _health),
         route("/metrics", _metrics),
+        Mount(OWN_AUTH, create_dashboard(config.redis_url, config.prefix, config.api_keys,
+                                         config.admin_keys, config.result_ttl_s)),
     ]
     app = GatewayApp(
         routes=routes, lifespan=lifespan,
