@@ -9,7 +9,9 @@ marker; the last 1,000 in `<prefix>:recent`), 10,000 dead letters, `--workers` l
 (and as many consumers in the group), an hour of throughput counters. Then each page is asked
 `--repeat` times through the dashboard's ASGI app in this process (no HTTP: the server's own
 time, Redis round trips and rendering included). Prints one JSON line: per page, the median and
-worst milliseconds, the Redis calls (INFO commandstats) and the page's stated bound."""
+worst milliseconds, the Redis calls (INFO commandstats) and the page's stated bound; and, apart,
+what finding the keys by SCAN costs (`finding_keys`), which the dashboard does in a thread of
+its own every `REFRESH_S`, never in a page's request."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from benchmarks.local_redis import local_redis
 from benchmarks.machine import machine_info
 from qworker_client.dashboard import reads
 from qworker_client.dashboard.app import create_dashboard
+from qworker_client.dashboard.directory import REFRESH_S
+from qworker_client.found_keys import find_keys
 from qworker_client.protocol import BANDS, DEFAULT_GROUP, Keys, WorkerInfo
 
 KEYS = Keys()
@@ -113,10 +117,14 @@ def main() -> None:
     with local_redis() as url:
         client = redis.Redis.from_url(url, decode_responses=True)
         fill(client, args.jobs, args.workers)
-        app = create_dashboard(url)
+        app = create_dashboard(url, refresh_s=3600)  # the pages' own calls alone, below
         keys_in_db = int(client.dbsize())
+        before, started = calls(client), time.perf_counter()
+        find_keys(client, Keys())  # what the dashboard's thread does every REFRESH_S
+        finding = {"ms": round((time.perf_counter() - started) * 1000, 1),
+                   "redis_calls": calls(client) - before, "every_s": REFRESH_S}
         result: dict[str, Any] = {"jobs": args.jobs, "workers": args.workers,
-                                  "keys": keys_in_db, "pages": {}}
+                                  "keys": keys_in_db, "finding_keys": finding, "pages": {}}
         loop = asyncio.new_event_loop()
         loop.run_until_complete(ask(app, "/"))  # warm: connections, templates
         for page, path in PAGES.items():
@@ -130,7 +138,7 @@ def main() -> None:
                 "median_ms": round(statistics.median(seconds) * 1000, 1),
                 "worst_ms": round(max(seconds) * 1000, 1),
                 "redis_calls": (calls(client) - before) // args.repeat,
-                "bound": reads.page_bound(page, keys_in_db)}
+                "bound": reads.page_bound(page, keys_in_db, found=True)}
         loop.close()
         client.close()
     result["machine"] = machine_info()

@@ -241,3 +241,37 @@ def test_the_live_stream_resumes_after_an_entry_and_skips_repeats(client: redis.
     assert not live.try_open()
     for _ in range(live.MAX_LIVE):
         live._live.release()
+
+
+def test_pages_given_the_found_keys_scan_nothing_and_new_keys_are_found_in_time(
+        client: redis.Redis) -> None:
+    """A SCAN looks at every key in Redis: the pages read the keys the directory found (in its
+    own thread, every refresh), so their calls stay fixed however many keys Redis holds."""
+    from qworker_client.dashboard.directory import Directory
+
+    worker_key(client, "w1", "m1", ttl_ms=60_000)
+    queue(client, KEYS.jobs_of("m1"), 3, taken=1)
+    directory = Directory(client, KEYS, refresh_s=0.1)
+    found = directory.found()
+    assert found.workers == (KEYS.worker("w1"),) and KEYS.jobs_of("m1") in found.streams
+
+    def scans(read: Callable[[], Any]) -> int:
+        before = client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0)
+        read()
+        return client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0) - before
+
+    for read in (lambda: reads.overview(client, KEYS, found=directory.found()),
+                 lambda: reads.workers(client, KEYS, found=directory.found()),
+                 lambda: reads.jobs(client, KEYS, found=directory.found()),
+                 lambda: reads.job(client, KEYS, "j0", found=directory.found())):
+        assert scans(read) == 0
+    assert [w.name for w in reads.workers(client, KEYS, found=found).live] == ["w1"]
+
+    worker_key(client, "w2", "m2", ttl_ms=60_000)  # a new worker and a new model's stream
+    new = queue(client, KEYS.jobs_of("m2"), 1, prefix="n")
+    assert reads.job(client, KEYS, new[0], found=found).fields["id"] == "n0"  # found afresh
+    wait_for(lambda: KEYS.worker("w2") in directory.found().workers
+             and KEYS.jobs_of("m2") in directory.found().streams, timeout=10,
+             what="the directory to find the new keys")
+    client.delete(KEYS.worker("w1"))  # gone: shown gone at once (read by name)
+    assert [w.name for w in reads.workers(client, KEYS, found=found).live] == []

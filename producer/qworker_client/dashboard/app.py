@@ -26,6 +26,7 @@ from qworker_client.client import Producer
 from qworker_client.connect import DEFAULT_RESULT_TTL_S, ClientOptions
 from qworker_client.dashboard import live, reads
 from qworker_client.dashboard.access import COOKIE, SESSION_S, Access, Role
+from qworker_client.dashboard.directory import REFRESH_S, Directory
 from qworker_client.dashboard.view import FILTERS
 from qworker_client.protocol import DEFAULT_PREFIX, ID_PATTERN, is_valid_id
 
@@ -39,6 +40,7 @@ class Dashboard:
     producer: Producer
     access: Access
     templates: jinja2.Environment
+    directory: Directory  # the keys found by SCAN, found again in a thread of its own
 
     @property
     def client(self) -> redis.Redis:
@@ -47,13 +49,14 @@ class Dashboard:
 
 def create_dashboard(redis_url: str, prefix: str = DEFAULT_PREFIX,
                      api_keys: tuple[str, ...] = (), admin_keys: tuple[str, ...] = (),
-                     result_ttl_s: int = DEFAULT_RESULT_TTL_S) -> Starlette:
+                     result_ttl_s: int = DEFAULT_RESULT_TTL_S,
+                     refresh_s: float = REFRESH_S) -> Starlette:
     templates = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                                    autoescape=True)
     templates.filters.update(FILTERS)
-    board = Dashboard(Producer(redis_url, prefix,
-                               options=ClientOptions(result_ttl_s=result_ttl_s)),
-                      Access(api_keys, admin_keys), templates)
+    producer = Producer(redis_url, prefix, options=ClientOptions(result_ttl_s=result_ttl_s))
+    board = Dashboard(producer, Access(api_keys, admin_keys), templates,
+                      Directory(producer.redis, producer.keys, refresh_s))
 
     def page(handler: Callable[[Dashboard, Request], Awaitable[Response]], admin: bool = False
              ) -> Callable[[Request], Awaitable[Response]]:
@@ -149,12 +152,14 @@ def _back(request: Request, path: str, **query: str) -> RedirectResponse:
 
 
 async def _overview(board: Dashboard, request: Request) -> Response:
-    data = await run_in_threadpool(reads.overview, board.client, board.producer.keys)
+    data = await run_in_threadpool(lambda: reads.overview(board.client, board.producer.keys,
+                                                       found=board.directory.found()))
     return render(board, request, "overview.html", data=data, page="overview")
 
 
 async def _workers(board: Dashboard, request: Request) -> Response:
-    data = await run_in_threadpool(reads.workers, board.client, board.producer.keys)
+    data = await run_in_threadpool(lambda: reads.workers(board.client, board.producer.keys,
+                                                       found=board.directory.found()))
     return render(board, request, "workers.html", data=data, page="workers")
 
 
@@ -167,7 +172,8 @@ async def _jobs(board: Dashboard, request: Request) -> Response:
         return RedirectResponse(f"{_base(request)}/jobs/{wanted}", 303)
     status = query.get("status", "") if query.get("status", "") in STATUSES else ""
     model = query.get("model", "")[:200]
-    data = await run_in_threadpool(reads.jobs, board.client, board.producer.keys, status, model)
+    data = await run_in_threadpool(lambda: reads.jobs(board.client, board.producer.keys, status,
+                                                      model, board.directory.found()))
     return render(board, request, "jobs.html", data=data, page="jobs", statuses=STATUSES,
                   status=status, model=model)
 
@@ -176,7 +182,8 @@ async def _job(board: Dashboard, request: Request) -> Response:
     job_id = request.path_params["job_id"]
     if not is_valid_id(job_id):
         return _refused(board, request, 404, f"not a job id (want {ID_PATTERN})")
-    data = await run_in_threadpool(reads.job, board.client, board.producer.keys, job_id)
+    data = await run_in_threadpool(lambda: reads.job(board.client, board.producer.keys, job_id,
+                                                     found=board.directory.found()))
     return render(board, request, "job.html", job=data, page="jobs")
 
 

@@ -3,8 +3,11 @@
 
 - a fixed part, stated per page below (`*_CALLS`), in terms of the work streams shown (at most
   `MAX_STREAMS`), the workers shown (at most `MAX_WORKERS`) and the rows shown;
-- plus the SCANs that find the workers' keys and the per-model streams: `scan_calls(keys)` per
-  pattern, `keys` the number of keys in the database (SCAN looks at `SCAN_COUNT` a call).
+- plus, where the page is not given the keys found by SCAN (`found`: the app's `Directory` finds
+  them in a thread of its own; the job page too for a job queued to a stream not found yet), the
+  SCANs that find the workers' keys, the per-model streams and
+  delayed sets: `scan_calls(keys)` per pattern, `keys` the number of keys in the database (SCAN
+  looks at `SCAN_COUNT` a call).
 
 tests/test_dashboard_reads.py counts them on a real redis-server."""
 
@@ -18,6 +21,7 @@ from typing import Any
 import redis
 
 from qworker_client import dead as dead_letters
+from qworker_client.found_keys import SCAN_COUNT, FoundKeys, find_keys
 from qworker_client.jobs import JobRow, list_jobs, server_ms
 from qworker_client.protocol import (
     BANDS,
@@ -28,7 +32,7 @@ from qworker_client.protocol import (
     entry_ms,
 )
 from qworker_client.result import START_ID, OutputState
-from qworker_client.stats import SCAN_COUNT, live_workers, model_streams
+from qworker_client.stats import live_workers, streams_in_order
 
 MAX_STREAMS = 48  # work streams shown (the model-less six first, then each model's)
 MAX_WORKERS = 500  # live workers shown
@@ -42,7 +46,7 @@ JOB_DEAD_READ = 200  # the newest dead letters looked through for a job's
 DEAD_READ = dead_letters.CHUNK  # dead letters read for the dead letters page (codes counted)
 DEAD_SHOWN = 100  # of which shown
 RETRY_ALL_MAX = 100  # dead letters retried by one "retry all of a reason"
-SCAN_PATTERNS_STREAMS = 2  # `model_streams`: the jobs' and the requeue streams' patterns
+SCAN_PATTERNS = 4  # `find_keys`: the workers', the jobs' and requeue streams', the delayed sets'
 DEAD_SCAN_CALLS = dead_letters.MAX_SCAN // dead_letters.CHUNK + 1  # `dead.newest` with a code
 
 # the fixed part of each page's calls (the SCANs aside)
@@ -59,21 +63,20 @@ def scan_calls(keys_in_db: int) -> int:
     return keys_in_db // SCAN_COUNT + 1
 
 
-def page_bound(page: str, keys_in_db: int) -> int:
-    """The most Redis calls `page` makes (docs: this module's)."""
-    scans = scan_calls(keys_in_db)
-    return {"overview": OVERVIEW_CALLS + (1 + SCAN_PATTERNS_STREAMS) * scans,
-            "workers": WORKERS_CALLS + (1 + SCAN_PATTERNS_STREAMS) * scans,
-            "jobs": JOBS_CALLS + (1 + SCAN_PATTERNS_STREAMS) * scans,
-            "job": JOB_CALLS + SCAN_PATTERNS_STREAMS * scans,
-            "dead": DEAD_CALLS}[page]
+def page_bound(page: str, keys_in_db: int, found: bool = False) -> int:
+    """The most Redis calls `page` makes (docs: this module's); `found`: given the keys found."""
+    # the job page finds the keys again for a job queued but not in a stream found (new model)
+    scans = (0 if (found and page != "job") or page == "dead"
+             else SCAN_PATTERNS * scan_calls(keys_in_db))
+    return scans + {"overview": OVERVIEW_CALLS, "workers": WORKERS_CALLS, "jobs": JOBS_CALLS,
+                    "job": JOB_CALLS, "dead": DEAD_CALLS}[page]
 
 
-def streams(client: redis.Redis, keys: Keys) -> list[str]:
+def streams(keys: Keys, found: FoundKeys) -> list[str]:
     """The work streams, model-less first, at most MAX_STREAMS."""
     fixed = [keys.jobs_of(None, band) for band in BANDS] + [keys.requeue_of(None, band)
                                                             for band in BANDS]
-    return (fixed + model_streams(client, keys))[:MAX_STREAMS]
+    return (fixed + streams_in_order(keys, found.streams))[:MAX_STREAMS]
 
 
 # ---------------------------------------------------------------- overview
@@ -120,10 +123,12 @@ class Overview:
     dead_hour_capped: bool
 
 
-def overview(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -> Overview:
+def overview(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP,
+             found: FoundKeys | None = None) -> Overview:
+    found = found or find_keys(client, keys)
     now = server_ms(client)
-    names = streams(client, keys)
-    workers = live_workers(client, keys)
+    names = streams(keys, found)
+    workers = live_workers(client, keys, found.workers)
     minute = now // 60_000
     pipe = client.pipeline(transaction=False)
     for stream in names:
@@ -222,10 +227,12 @@ class Workers:
     gone: list[GoneWorker]
 
 
-def workers(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -> Workers:
+def workers(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP,
+            found: FoundKeys | None = None) -> Workers:
+    found = found or find_keys(client, keys)
     now = server_ms(client)
-    live = live_workers(client, keys)[:MAX_WORKERS]
-    names = streams(client, keys)
+    live = live_workers(client, keys, found.workers[:MAX_WORKERS])
+    names = streams(keys, found)
     minute = now // 60_000
     pipe = client.pipeline(transaction=False)
     for info in live:
@@ -265,12 +272,13 @@ class Jobs:
     read: int  # rows read before filtering (at most JOBS_READ)
 
 
-def jobs(client: redis.Redis, keys: Keys, status: str = "", model: str = "") -> Jobs:
+def jobs(client: redis.Redis, keys: Keys, status: str = "", model: str = "",
+         found: FoundKeys | None = None) -> Jobs:
     """The first JOBS_READ jobs (`qworker jobs`' order: running, queued, delayed, then the ended
     ones newest first), of `status` and `model` when given (`-`: the model-less jobs), at most
     JOBS_SHOWN."""
     now = server_ms(client)
-    rows = list_jobs(client, keys, JOBS_READ)
+    rows = list_jobs(client, keys, JOBS_READ, found or find_keys(client, keys))
     models = sorted({r.model for r in rows})
     wanted = "" if model == "-" else model
     chosen = [r for r in rows if (not status or r.status == status)
@@ -338,7 +346,8 @@ class Job:
         return self.status in ("done", "error", "dead")
 
 
-def job(client: redis.Redis, keys: Keys, job_id: str, group: str = DEFAULT_GROUP) -> Job:
+def job(client: redis.Redis, keys: Keys, job_id: str, group: str = DEFAULT_GROUP,
+        found: FoundKeys | None = None) -> Job:
     now = server_ms(client)
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.owner(job_id))
@@ -356,8 +365,12 @@ def job(client: redis.Redis, keys: Keys, job_id: str, group: str = DEFAULT_GROUP
     text, tokens, first_ms, ended_ms, done, error = _read_events(events)
     letter = next((dead_letters.DeadLetter(_text(e), _fields(f)) for e, f in dead_raw
                    if (_fields(f).get("id") or _fields(f).get("source_id")) == job_id), None)
-    found = _find_entry(client, keys, job_id, _text(marker), group)
-    stream, entry, fields, deliveries = found
+    found_entry = _find_entry(client, keys, job_id, _text(marker), group,
+                              found or find_keys(client, keys))
+    if marker and not found_entry[0] and found is not None:  # queued to a stream found since?
+        found_entry = _find_entry(client, keys, job_id, _text(marker), group,
+                                  find_keys(client, keys))
+    stream, entry, fields, deliveries = found_entry
     if not fields and letter is not None:
         fields = {k: v for k, v in letter.fields.items()}
     worker = owner.get("worker", "").rpartition("/")[0] or owner.get("worker", "")
@@ -376,13 +389,13 @@ def job(client: redis.Redis, keys: Keys, job_id: str, group: str = DEFAULT_GROUP
                bool(flagged), len(first) >= EVENTS_READ, fields_entry=entry, done=done)
 
 
-def _find_entry(client: redis.Redis, keys: Keys, job_id: str, marker: str, group: str
-                ) -> tuple[str, str, dict[str, str], int | None]:
+def _find_entry(client: redis.Redis, keys: Keys, job_id: str, marker: str, group: str,
+                found: FoundKeys) -> tuple[str, str, dict[str, str], int | None]:
     """The job's entry in a jobs stream (by its submit marker's entry id): the stream, the
     entry id, its fields, its deliveries; empty when it is not queued there (ended, requeued)."""
     if not re.fullmatch(r"[0-9]{1,20}-[0-9]{1,20}", marker):
         return "", "", {}, None
-    names = [s for s in streams(client, keys) if not keys.is_requeue(s)]
+    names = [s for s in streams(keys, found) if not keys.is_requeue(s)]
     pipe = client.pipeline(transaction=False)
     for stream in names:
         pipe.xrange(stream, marker, marker)
