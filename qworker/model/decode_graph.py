@@ -98,7 +98,8 @@ class DecodeGraph:
         self._tables = None
 
     def run(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache) -> torch.Tensor | None:
-        """Logits of the batch's `logits_indices` rows, in the model's dtype (x, the residual
+        """Logits of the batch's `logits_indices` rows, in the model's dtype (float32 from a
+        quantized LM head, as `QuantLinear.float_out`) (x, the residual
         stream, is updated in place); None, with x untouched, where this step or model is not
         served."""
         batch = plan.batch
@@ -120,7 +121,7 @@ class DecodeGraph:
         return native.decode_step(
             x, layers, self.norm.weight, lm_head, self.lm_head.out_features, rows,
             plan.rope.cos, plan.rope.sin, batch.positions, batch.slot_mapping, tables, lens, dims,
-            c.rms_norm_eps, c.attention_scale)
+            c.rms_norm_eps, c.attention_scale, isinstance(self.lm_head, QuantLinear))
 
     def _current(self, cache: KVCache) -> _Tables:
         """The tables, made anew where the cache or any weight (its version) changed."""

@@ -231,11 +231,12 @@ class DecoderModel(nn.Module):
         assert bias is None or isinstance(bias, torch.Tensor)
         self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float()))
 
-    def _set_module(self, dotted: str, module: nn.Module) -> None:
+    def _set_module(self, dotted: str, module: QuantLinear) -> None:
         parent, _, name = dotted.rpartition(".")
         setattr(self.get_submodule(parent) if parent else self, name, module)
         if dotted == "lm_head":
-            self.decode_graph.lm_head = module  # type: ignore[assignment]
+            module.float_out = True  # logits as its kernels compute them, never rounded to bf16
+            self.decode_graph.lm_head = module
 
     def _materialize(self) -> None:
         """Allocates every parameter still on the meta device (a tied one once)."""

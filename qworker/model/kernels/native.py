@@ -351,10 +351,11 @@ def decode_step(
     x: torch.Tensor, layers: ctypes.Array[DecodeLayer], norm: torch.Tensor, lm_head: DecodeProj,
     vocab: int, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
     slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, dims: DecodeDims,
-    eps: float, scale: float,
+    eps: float, scale: float, float_logits: bool = False,
 ) -> torch.Tensor | None:
     """Runs every decoder layer of a decode-only step, then the final norm and the LM head of the
-    given rows (csrc/decoder.cpp): logits [len(rows), vocab] in x's dtype. x [m, hidden] is
+    given rows (csrc/decoder.cpp): logits [len(rows), vocab] in x's dtype (float32 where
+    `float_logits`: the LM head is quantized, whose kernels compute in float32). x [m, hidden] is
     updated in place. layers: one DecodeLayer per decoder layer; lm_head: the LM head's weight
     (a `gemm_pack` or quantized segments), of vocab rows; dims: the model's and the cache's sizes
     (max_blocks and vocab are set here). None, computing nothing, where the build does not serve
@@ -363,7 +364,7 @@ def decode_step(
     assert tables.dtype == lens.dtype == rows.dtype == torch.int64
     assert tables.is_contiguous() and lens.is_contiguous() and rows.is_contiguous()
     assert cos.is_contiguous() and sin.is_contiguous()
-    logits = torch.empty((rows.shape[0], vocab), dtype=x.dtype)
+    logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32 if float_logits else x.dtype)
     dims.max_blocks, dims.vocab = tables.shape[1], vocab
     done = _kernel("qw_decode_step", x.dtype)(
         x.data_ptr(), layers, len(layers), norm.data_ptr(), ctypes.byref(lm_head),

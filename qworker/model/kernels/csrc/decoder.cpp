@@ -153,6 +153,26 @@ void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_
   }
 }
 
+// The LM head's logits [num_rows, vocab] of h: a quantized head's in float32 whatever T (its
+// kernels compute them so; rounded to bf16 they tie tokens ~0.1 apart at ~25), a dense head's in T
+template <typename T>
+void head_logits(const Head& head, const T* h, int64_t hidden, qw::quant::ActBlock* shared,
+                 const Staging& stage) {
+  const Proj& p = *head.lm_head;
+  const T* none = nullptr;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (p.pack == nullptr) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < head.num_rows * hidden; ++i) stage.x[i] = qw::load(h[i]);
+      quant_project(p, stage.x, none, static_cast<float*>(head.logits), head.num_rows,
+                    head.vocab, hidden, shared);
+      return;
+    }
+  }
+  project(p, h, none, static_cast<T*>(head.logits), head.num_rows, head.vocab, hidden, shared,
+          stage);
+}
+
 // x [m, hidden]: the residual stream in, updated in place; then the logits of head.rows
 template <typename T>
 void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head, const T* cos,
@@ -230,9 +250,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
     }
     qw::add_rms_norm(picked.data(), picked_delta.data(), cast(head.norm), h.data(), head.num_rows,
                      d.hidden, eps);
-    if (head.num_rows > 0)
-      project(*head.lm_head, h.data(), none, static_cast<T*>(head.logits), head.num_rows,
-              head.vocab, d.hidden, shared, stage);
+    if (head.num_rows > 0) head_logits(head, h.data(), d.hidden, shared, stage);
   }
 }
 
