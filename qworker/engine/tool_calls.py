@@ -232,7 +232,7 @@ class ToolCallParser:
     def _argument(self, call: _Call, char: str) -> None:
         call.arguments += char
         deltas = self._out.tool_calls
-        if deltas and deltas[-1]["index"] == call.index:
+        if deltas and deltas[-1]["index"] == call.index and "id" not in deltas[-1]:
             deltas[-1]["function"]["arguments"] += char
         else:
             deltas.append({"index": call.index, "function": {"arguments": char}})
