@@ -22,6 +22,7 @@ from qworker_client.protocol import (
     PromptLogprobsEvent,
     TokenEvent,
     TokenLogprob,
+    ToolCall,
     parse_event,
 )
 
@@ -71,6 +72,8 @@ class Result:
     # `prompt_logprobs`: the prompt tokens' from the second on
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None  # a job with tools: the calls it made
+    reasoning: str | None = None  # a thinking model's thinking, apart from `text`
 
     @classmethod
     def from_done(cls, job_id: str, done: DoneEvent, logprobs: list[TokenLogprob] | None = None,
@@ -83,6 +86,8 @@ class Result:
             timings=Timings(done.queue_ms, done.ttft_ms, done.total_ms),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            tool_calls=done.tool_calls,
+            reasoning=done.reasoning,
         )
 
 

@@ -41,7 +41,7 @@ RUN_BATCH = "qworker_client.rq.run_batch"
 def generate(
     prompt: str | None = None,
     *,
-    messages: list[Mapping[str, str]] | None = None,
+    messages: list[Mapping[str, Any]] | None = None,
     prompt_token_ids: list[int] | None = None,
     timeout: float | None = None,
     redis_url: str | None = None,
