@@ -2,26 +2,20 @@
 worker and a real redis-server: calls returned and streamed as OpenAI streams them (id, type and
 name first with empty arguments, then the arguments in pieces), `finish_reason: tool_calls`,
 and the agent loop's turn that sends the call and its result back. On the simulated engine (its
-byte model writes whatever the call grammar allows) and, for the agent loop, the default
-model."""
+byte model writes whatever the call grammar allows). The agent loop on the default model is in
+tests/test_tool_calls_engine.py (beside that model, loaded once)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 import redis
-import torch
 from openai import OpenAI
 
-from qworker.engine.config import EngineConfig
-from qworker.engine.engine import Engine
-from qworker.model.decoder import load_model
-from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.gateway_harness import gateway, live_worker
 from tests.service_harness import check_stream
 
@@ -95,27 +89,3 @@ def test_bad_tools_are_one_line_400s(sdk: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="tools"):
         sdk.chat.completions.create(model="sim", messages=ASK,
                                     tools=[{"type": "web_search"}])  # type: ignore[list-item]
-
-
-def test_an_agent_loop_on_the_default_model(redis_url: str, smollm2_path: Path,
-                                            smollm2_tokenizer: Tokenizer) -> None:
-    """Call a tool (forced: the 135M model would not on its own), send the call and its
-    result back, get an answer."""
-    engine = Engine(load_model(smollm2_path, dtype=torch.float32), smollm2_tokenizer,
-                    EngineConfig(max_num_seqs=4, num_blocks=128, block_size=16))
-    with live_worker(redis_url, "gw-agent", engine, model="smollm2"), \
-            gateway(redis_url) as url, \
-            OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
-        first = sdk.chat.completions.create(
-            model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
-            parallel_tool_calls=False, max_tokens=48, temperature=0)
-        (call,) = first.choices[0].message.tool_calls or []
-        valid(call.function.name, call.function.arguments)
-        history: list[Any] = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
-                              {"role": "tool", "tool_call_id": call.id,
-                               "content": json.dumps({"forecast": "sunny", "celsius": 21})}]
-        answer = sdk.chat.completions.create(model="smollm2", messages=history,
-                                             tools=[WEATHER], max_tokens=16, temperature=0)
-    message = answer.choices[0].message
-    assert message.content and not message.tool_calls
-    assert answer.choices[0].finish_reason in ("stop", "length")

@@ -2,7 +2,7 @@
 generic fallback renders them): with tool_choice required or named, every call parses and its
 arguments validate against the function's schema; in auto, once a call is opened mid-text the
 rest of it is a valid call. Thinking on a random-weight model whose template thinks: split off,
-and its end forced at the budget."""
+and its end forced at the budget. An agent loop through the gateway with the openai SDK."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai import OpenAI
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
@@ -23,6 +24,7 @@ from qworker.engine.request import Prompt, Request, SamplingParams, StepOutput, 
 from qworker.model.decoder import load_model
 from qworker.model.tokenizer.tokenizer import Tokenizer
 from tests.engine_fixtures import tiny_engine, tiny_model
+from tests.gateway_harness import gateway, live_worker
 
 ASK = ({"role": "system", "content": "Call a tool."}, {"role": "user", "content": "Go."})
 
@@ -64,8 +66,8 @@ toolsets = st.lists(function, min_size=1, max_size=3, unique_by=lambda f: f["nam
 
 
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.lists(st.tuples(toolsets, st.booleans()), min_size=6, max_size=6))
-def test_required_and_named_calls_always_parse_and_validate(
+@given(st.lists(st.tuples(toolsets, st.booleans()), min_size=5, max_size=5))
+def test_required_named_and_opened_calls_always_parse_and_validate(
         engine: Engine, cases: list[tuple[list[dict[str, Any]], bool]]) -> None:
     requests = []
     for k, (functions, named) in enumerate(cases):
@@ -75,7 +77,8 @@ def test_required_and_named_calls_always_parse_and_validate(
         requests.append(Request(f"r{k}", ids, SamplingParams(max_tokens=32, temperature=1.0,
                                                              seed=k),
                                 tools=ToolCalling(tuple(functions), choice, parallel=k % 2 == 0)))
-    outs = run(engine, requests)
+    outs = run(engine, [*requests, opened_call(engine)])  # one batch: the CPU is scarce
+    check_opened_call(outs["auto"][-1])
     for (functions, named), r in zip(cases, requests, strict=True):
         done = outs[r.request_id][-1]
         if done.finish_reason == "length":  # cut at max_tokens: the calls it finished still parse
@@ -100,26 +103,27 @@ def _parses(text: str) -> bool:
     return True
 
 
-def test_auto_writes_freely_then_the_opened_call_is_valid(engine: Engine) -> None:
-    weather = {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                         "days": {"type": "integer", "minimum": 1,
-                                                  "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}
-    tools = ({"type": "function", "function": weather},)
-    ids = engine.encode(Prompt(messages=ASK, tools=tools))
-    # the model opened a call mid-text (its earlier tokens replayed, as a resumed job's are)
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}
+
+
+def opened_call(engine: Engine) -> Request:
+    """tool_choice auto, the model having opened a call mid-text (its earlier tokens replayed,
+    as a resumed job's are): the rest must be a valid call."""
+    ids = engine.encode(Prompt(messages=ASK, tools=({"type": "function", "function": WEATHER},)))
     opened = engine.tokenizer.encode("Let me check the weather. <tool_call>\n")
-    requests = [Request(f"a{seed}", ids, SamplingParams(max_tokens=64, temperature=1.0, seed=seed),
-                        output_token_ids=opened, tools=ToolCalling((weather,), "auto",
-                                                                    parallel=False))
-                for seed in range(1)]
-    for r in run(engine, requests).values():
-        done = r[-1]
-        assert done.finish_reason == "tool_calls", done
-        assert done.text == "Let me check the weather. "
-        (call,) = done.tool_calls or []
-        jsonschema.validate(json.loads(call["function"]["arguments"]), weather["parameters"])
+    return Request("auto", ids, SamplingParams(max_tokens=64, temperature=1.0, seed=0),
+                   output_token_ids=opened, tools=ToolCalling((WEATHER,), "auto",
+                                                              parallel=False))
+
+
+def check_opened_call(done: StepOutput) -> None:
+    assert done.finish_reason == "tool_calls", done
+    assert done.text == "Let me check the weather. "
+    (call,) = done.tool_calls or []
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["parameters"])
 
 
 def test_the_generic_fallback_renders_tools_and_history(engine: Engine) -> None:
@@ -152,3 +156,28 @@ def test_thinking_is_split_off_and_its_end_forced_at_the_budget(
     assert "</think>" in generated and len(tokenizer.encode(thought)) <= 8
     assert done.reasoning == "".join(o.reasoning_delta for o in outs) == thought
     assert done.text == "".join(o.text_delta for o in outs) == answer.lstrip()
+
+
+WEATHER_TOOL: dict[str, Any] = {"type": "function", "function": {**WEATHER, "strict": True}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris for two days?"}]
+
+
+def test_an_agent_loop_through_the_gateway(redis_url: str, engine: Engine) -> None:
+    """Call a tool (forced: the 135M model would not on its own), send the call and its
+    result back, get an answer."""
+    with live_worker(redis_url, "gw-agent", engine, model="smollm2"), \
+            gateway(redis_url) as url, \
+            OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
+        first = sdk.chat.completions.create(
+            model="smollm2", messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=48, temperature=0)
+        (call,) = first.choices[0].message.tool_calls or []
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
+        sent_back = first.choices[0].message.model_dump(exclude_none=True)
+        history: list[Any] = [*ASK_WEATHER, sent_back, {"role": "tool", "tool_call_id": call.id,
+                               "content": json.dumps({"forecast": "sunny", "celsius": 21})}]
+        answer = sdk.chat.completions.create(model="smollm2", messages=history,
+                                             tools=[WEATHER_TOOL], max_tokens=16, temperature=0)
+    message = answer.choices[0].message
+    assert message.content and not message.tool_calls
+    assert answer.choices[0].finish_reason in ("stop", "length")
