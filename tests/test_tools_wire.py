@@ -13,8 +13,10 @@ import redis
 from qworker.engine.config import EngineConfig
 from qworker.engine.request import Prompt, Request, SamplingParams, ToolCalling
 from qworker.engine.simulated import SimulatedEngine, run_offline
+from qworker_client import Producer
 from qworker_client.gateway.chat import shaping
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent, ToolCall
+from qworker_client.result import result_fields
 from tests.service_harness import check_stream, events, submit, thread_worker, wait_terminal
 
 SEARCH = {"name": "search", "parameters": {"type": "object", "properties": {
@@ -40,6 +42,12 @@ def test_a_redis_cli_job_with_tools_gets_its_calls(redis_url: str) -> None:
         submit(client, "t-bad", messages=MESSAGES, tools=TOOLS, tool_choice="sometimes")
         submit(client, "t-bad2", prompt="hi", tools=TOOLS)
         ends = wait_terminal(client, ["t-req", "t-named", "t-bad", "t-bad2"])
+        with Producer(redis_url) as producer:  # the Python client gets them too
+            result = producer.submit(messages=json.loads(MESSAGES), tools=json.loads(TOOLS),
+                                     tool_choice="required", parallel_tool_calls=False,
+                                     max_tokens=200).result(30)
+    assert result.finish_reason == "tool_calls" and result.tool_calls
+    assert json.loads(json.dumps(result_fields(result)))["tool_calls"][0]["type"] == "function"
     for job_id in ("t-req", "t-named"):
         done = check_stream(client, job_id)  # joined token texts are the answer
         assert done.finish_reason == "tool_calls" and done.tool_calls
