@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import redis
 
 from qworker.engine.config import EngineConfig
@@ -115,3 +116,34 @@ def test_thinking_and_calls_are_shaped_as_openai_s() -> None:
     chunk = shaping.rich_chunk(shape, 0, "", True, None, "hmm", delta)
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "reasoning_content": "hmm",
                                             "tool_calls": delta}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_every_format_s_grammar_writes_calls_its_parser_reads(parser: str) -> None:
+    """Required (two calls allowed) and auto with the format's opening written: each output,
+    written under that format's call grammar, parses back to valid calls."""
+    engine = SimulatedEngine(EngineConfig(model="sim:step_ms=0", num_blocks=512,
+                                          tool_call_parser=parser))
+    prompt = engine.encode(Prompt(messages=({"role": "user", "content": "go"},),
+                                  tools=({"type": "function", "function": SEARCH},)))
+    opening = {"hermes": "Sure. <tool_call>", "llama3_json": " {",
+               "mistral": "[TOOL_CALLS]"}[parser]
+    requests = [
+        Request("required", prompt, SamplingParams(max_tokens=300, seed=1),
+                tools=ToolCalling((SEARCH,), "required", parallel=False)),
+        Request("auto", prompt, SamplingParams(max_tokens=300, seed=2),
+                output_token_ids=list(opening.encode()),
+                tools=ToolCalling((SEARCH,), "auto", parallel=False)),
+    ]
+    outs: dict[str, list[Any]] = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add(r)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    for rid, got in outs.items():
+        done = got[-1]
+        assert done.finish_reason == "tool_calls", (parser, rid, done)
+        for call in done.tool_calls or []:
+            args = json.loads(call["function"]["arguments"])
+            assert args["q"] in ("cats", "dogs") and 1 <= args["n"] <= 9

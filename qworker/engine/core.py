@@ -452,8 +452,10 @@ class EngineCore:
                 assert output.tools is not None
                 matcher = self._tool_matcher(call_grammar(
                     self.tool_format, output.tools.allowed, arm.opener, self._term))
-                if not all(matcher.advance(t) for t in self.tokenizer.encode(arm.opener
-                                                                                + arm.written)):
+                # the grammar starts at the marker (Llama's leading space is not in it)
+                marker = arm.opener if arm.opener == self.tool_format.open else ""
+                written = self.tokenizer.encode(marker + arm.written)
+                if not all(matcher.advance(t) for t in written):
                     return  # what it wrote does not fit any call: left free
         except RequestRejectedError:
             return  # a tool schema the grammar engine refuses: the call stays free
