@@ -181,3 +181,24 @@ def test_an_agent_loop_through_the_gateway(redis_url: str, engine: Engine) -> No
     message = answer.choices[0].message
     assert message.content and not message.tool_calls
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_thinking_streams_as_reasoning_content_through_the_gateway(
+        redis_url: str, smollm2_tokenizer: Tokenizer) -> None:
+    tokenizer = dataclasses.replace(smollm2_tokenizer, chat_template=THINKING_TEMPLATE)
+    engine = tiny_engine(tokenizer, tiny_model(tokenizer.vocab_size, torch.float32))
+    with live_worker(redis_url, "gw-think", engine, model="thinker"), \
+            gateway(redis_url) as url, \
+            OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
+        chunks = list(sdk.chat.completions.create(
+            model="thinker", messages=list(ASK), max_tokens=20, seed=4, stream=True,
+            reasoning_effort="low", extra_body={"max_reasoning_tokens": 5, "ignore_eos": True}))
+        whole = sdk.chat.completions.create(
+            model="thinker", messages=list(ASK), max_tokens=20, seed=4,
+            extra_body={"max_reasoning_tokens": 5, "ignore_eos": True})
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    answer = "".join(d.content or "" for d in deltas)
+    message = whole.choices[0].message
+    assert thought and thought == (message.model_extra or {})["reasoning_content"]
+    assert answer == message.content and "</think>" not in answer + thought
