@@ -67,7 +67,7 @@ def test_stream_options_and_detach() -> None:
     ("chat", chat(top_logprobs=2), "top_logprobs"),
     ("chat", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("completion", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
-    ("chat", chat(tools=[{"type": "function"}]), "tools"),
+    ("chat", chat(tools=[{"type": "code_interpreter"}]), "tools"),
     ("chat", chat(n=0), "n"),
     ("chat", chat(n=5), "n"),
     ("chat", chat(seed=-1), "seed"),

@@ -61,6 +61,11 @@ class EngineConfig:
         "help": "pace prefill so a step with decodes takes about this many times a decode-only "
                 "step (even inter-token latency while long prompts arrive; default: off)"})
 
+    # how tool calls are read out of the text (tool_calls.py); auto: from the chat template
+    tool_call_parser: str = field(default="auto", metadata={
+        "help": "tool-call format: auto (from the chat template) | hermes | llama3_json | "
+                "mistral", "choices": ("auto", "hermes", "llama3_json", "mistral")})
+
     # reuse the KV blocks of a prompt prefix already computed (prefix_cache.py)
     prefix_caching: bool = field(default=True, metadata={
         "flag": "--no-prefix-caching",

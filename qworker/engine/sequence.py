@@ -10,6 +10,7 @@ from qworker.engine.request import FinishReason, SamplingParams, TokenLogprobs
 from qworker.engine.text import TextStream
 
 if TYPE_CHECKING:
+    from qworker.engine.output import OutputParser
     from qworker.engine.structured import Matcher
 
 
@@ -33,6 +34,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     matcher: Matcher | None = None  # its place in its structured_outputs grammar (structured.py)
+    output: OutputParser | None = None  # thinking and tool calls apart from the answer
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
     # priority aging (aging.py): seconds it has waited (as of `waiting_since` while it waits,
