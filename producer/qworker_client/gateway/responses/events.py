@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qworker_client.gateway.responses import shape, tool_fields
+from qworker_client.gateway.responses import shape
 from qworker_client.gateway.responses.record import Final, StoredResponse
 from qworker_client.multiplex import BAD_EVENT
 from qworker_client.protocol import DoneEvent, ErrorEvent, TokenEvent
@@ -81,18 +81,17 @@ class ResponseEvents:
 
     def entry(self, entry_id: str, fields: Mapping[str, str]) -> list[Event]:
         """The events of one entry of the job's output stream (none for most kinds)."""
-        fields, calls, reasoning = tool_fields.split_tool_output(dict(fields))
         try:
-            event = self.state.apply(entry_id, fields)
+            event = self.state.apply(entry_id, dict(fields))
         except ValueError as exc:
             if fields.get("type") == "token":
                 return []
             event = self.state.error = ErrorEvent(code=BAD_EVENT,
                                                   message=f"unreadable output event: {exc}")
         if isinstance(event, TokenEvent):
-            return self._token(event.text, reasoning)
+            return self._token(event.text, event.reasoning)
         if isinstance(event, DoneEvent):
-            return self._done(event, shape.tool_calls(calls))
+            return self._done(event, shape.tool_calls(event.tool_calls))
         if isinstance(event, ErrorEvent):
             return self._error(event)
         return []

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from typing import Any
 
 from qworker_client.gateway.errors import bad_request
 from qworker_client.gateway.responses.record import Final, StoredResponse
-from qworker_client.protocol import DoneEvent, ErrorEvent
+from qworker_client.protocol import DoneEvent, ErrorEvent, ToolCall
 
 # a job's finish reason as the response's end: its status and incomplete_details' reason
 _ENDS: dict[str, tuple[str, str | None]] = {
@@ -65,24 +65,10 @@ def function_call(item_id: str, call: dict[str, Any], arguments: str, status: st
             "name": call["name"], "arguments": arguments, "status": status}
 
 
-def tool_calls(raw: str | None) -> list[dict[str, Any]]:
-    """A done event's `tool_calls` (JSON `[{"id", "type", "function": {"name", "arguments"}}]`)
-    as `{"id", "name", "arguments"}`; what does not read so is left out."""
-    if raw is None:
-        return []
-    try:
-        calls = json.loads(raw)
-    except ValueError:
-        return []
-    found = []
-    for call in calls if isinstance(calls, list) else []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            arguments = function.get("arguments")
-            found.append({"id": str(call.get("id") or ""), "name": function["name"],
-                          "arguments": arguments if isinstance(arguments, str)
-                          else json.dumps(arguments)})
-    return found
+def tool_calls(calls: Sequence[ToolCall] | None) -> list[dict[str, Any]]:
+    """A done event's `tool_calls` as `{"id", "name", "arguments"}`."""
+    return [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in calls or ()]
 
 
 def usage(done: DoneEvent, reasoning_tokens: int = 0) -> dict[str, Any]:

@@ -99,16 +99,3 @@ def chat_call(item: dict[str, Any]) -> dict[str, Any]:
 def tool_result(item: dict[str, Any]) -> dict[str, Any]:
     """A `function_call_output` item as a chat `tool` message."""
     return {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-
-
-def split_tool_output(fields: dict[str, str]) -> tuple[dict[str, str], str | None, str | None]:
-    """An output event's fields without the tool fields a worker adds, and those: a `done`
-    event's `tool_calls` (JSON), a token event's `reasoning` (its thinking text). The event then
-    parses whether or not the client's wire schema knows them."""
-    if "tool_calls" not in fields and "reasoning" not in fields:
-        return fields, None, None
-    rest = dict(fields)
-    calls, reasoning = rest.pop("tool_calls", None), rest.pop("reasoning", None)
-    if rest.get("finish_reason") == "tool_calls":  # a schema before the tool fields knows
-        rest["finish_reason"] = "stop"  # four reasons: the calls themselves tell this end
-    return rest, calls or None, reasoning or None
