@@ -216,42 +216,48 @@ def test_greedy_through_an_engine_that_preempts_and_shares_prefixes(
 class LedgerRunner(HashRunner):
     """The hash runner, keeping a ledger of what each KV slot of each group holds (the token
     prefix it was computed after), and checking before each step that every position each new
-    token attends to (all before it in the full group, its window in the windowed one) is in its
+    token attends to (all before it in a full group, its window in a windowed one) is in its
     sequence's table and holds that sequence's own prefix there."""
 
-    def __init__(self, block_size: int, window: int, max_context: int) -> None:
+    def __init__(self, block_size: int, windows: tuple[int | None, ...],
+                 max_context: int) -> None:
         super().__init__(max_context)
-        self.block_size, self.window = block_size, window
-        self.ledger: list[dict[int, tuple[int, ...]]] = [{}, {}]
+        self.block_size, self.windows = block_size, windows
+        self.ledger: list[dict[int, tuple[int, ...]]] = [{} for _ in windows]
         self.checked = 0
 
     def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         size = self.block_size
         for seq, n in work:
-            for g, table in enumerate((seq.block_table, seq.window_table)):
+            for g, table in enumerate(self._tables(seq)):
                 for pos in range(seq.num_computed, seq.num_computed + n):
                     block = table[pos // size]
-                    assert g == 0 or block != NULL_BLOCK, "a token written to the null block"
+                    assert self.windows[g] is None or block != NULL_BLOCK, "written to null"
                     self.ledger[g][block * size + pos % size] = _key(seq, pos)
         for seq, n in work:
             last = seq.num_computed + n - 1
-            for g, table in enumerate((seq.block_table, seq.window_table)):
-                first = 0 if g == 0 else max(0, seq.num_computed - self.window + 1)
+            for g, table in enumerate(self._tables(seq)):
+                window = self.windows[g]
+                first = 0 if window is None else max(0, seq.num_computed - window + 1)
                 for pos in range(first, last + 1):
                     block = table[pos // size]
-                    assert g == 0 or block != NULL_BLOCK, f"{seq.request_id}: {pos} dropped"
+                    assert window is None or block != NULL_BLOCK, f"{seq.request_id}: {pos} gone"
                     assert self.ledger[g].get(block * size + pos % size) == _key(seq, pos), \
                         f"{seq.request_id}: group {g} position {pos} holds other tokens"
                     self.checked += 1
         return super().run(work)
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        return [seq.block_table, seq.window_table][:len(self.windows)]
 
 
 def _key(seq: Sequence, pos: int) -> tuple[int, ...]:
     return (hash(seq.cache_salt), *seq.token_ids[:pos + 1])
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_workloads_leak_nothing_and_read_only_their_own_tokens(seed: int) -> None:
+    """Two groups (as Gemma 3), or for every fourth seed one windowed group (as Mistral)."""
     rng = random.Random(seed)
     size, window = rng.choice([2, 4]), rng.choice([3, 5, 8])
     chunk = rng.choice([3, 6])
@@ -259,11 +265,13 @@ def test_random_workloads_leak_nothing_and_read_only_their_own_tokens(seed: int)
                           max_num_seqs=rng.choice([2, 4]), max_batched_tokens=8,
                           prefill_chunk=chunk, prefix_caching=rng.random() < 0.8)
     vocab = Vocabulary(ByteTokenizer(), ByteDetokenizer, ByteTokenizer.eos_token_ids, 1)
-    groups = (KVGroup(config.num_blocks or 0),
-              KVGroup(1 + rng.randrange(-(-(window + 8) // size) + 1, 24), window))
-    runner = LedgerRunner(size, window, 200)
-    engine = EngineCore(config, runner, vocab, groups[0].num_blocks, groups)
-    assert isinstance(engine.blocks, BlockGroups)
+    full = config.num_blocks or 0
+    groups = ((KVGroup(full + 1, window),) if seed % 4 == 3 else
+              (KVGroup(full), KVGroup(1 + rng.randrange(-(-(window + 8) // size) + 1, 24),
+                                      window)))
+    runner = LedgerRunner(size, tuple(g.window for g in groups), 200)
+    engine = EngineCore(config, runner, vocab, full, groups)
+    assert isinstance(engine.blocks, BlockGroups if len(groups) == 2 else BlockManager)
     bases = [[rng.randrange(32, 127) for _ in range(30)] for _ in range(2)]
     requests = [Request(f"r{k}", rng.choice(bases)[:rng.randrange(1, 30)]
                         + [rng.randrange(32, 127) for _ in range(rng.randrange(0, 6))],
@@ -285,6 +293,7 @@ def test_random_workloads_leak_nothing_and_read_only_their_own_tokens(seed: int)
             aborted.add(victim)
             engine.blocks.check(engine._seqs.values())
     assert runner.checked > 0
-    for group in (engine.blocks.full, engine.blocks.windowed):
-        assert isinstance(group, BlockManager)
-        assert group.num_free == group.capacity, "a block was not given back"
+    pools = ([engine.blocks.full, engine.blocks.windowed] if isinstance(engine.blocks, BlockGroups)
+             else [engine.blocks])
+    for pool in pools:
+        assert pool.num_free == pool.capacity, "a block was not given back"
