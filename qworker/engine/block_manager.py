@@ -62,10 +62,9 @@ class BlockManager:
         need = max(0, self.blocks_for(num_tokens) - len(table))
         if self.window is None:
             return need
-        kept = self._first_kept(seq.num_computed)
-        held = sum(1 for block in table[kept:] if block != NULL_BLOCK)
-        returned = sum(1 for block in table[:kept]
-                       if block != NULL_BLOCK and self._refs[block] == 1)
+        behind = self._behind(seq)
+        held = len(table) - behind.stop  # the dropped ones lead the table, then those behind
+        returned = sum(1 for i in behind if self._refs[table[i]] == 1)
         return max(0, min(need, self._peak - held) - returned)
 
     def can_grow(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
@@ -174,15 +173,21 @@ class BlockManager:
         assert self.window is not None
         return max(0, position - self.window + 1) // self.block_size
 
-    def _drop_behind(self, seq: Sequence) -> None:
-        """Gives back the blocks no query of `seq` from its next token on can see, oldest first
-        (so parked, the oldest is evicted first). Those dropped earlier lead the table."""
+    def _behind(self, seq: Sequence) -> range:
+        """The entries of the blocks `seq` still holds that no query from its next token on
+        sees (those dropped earlier, null, lead the table)."""
         table = self.table(seq)
         kept = min(self._first_kept(seq.num_computed), len(table))
         first = kept
         while first > 0 and table[first - 1] != NULL_BLOCK:
             first -= 1
-        for i in range(first, kept):
+        return range(first, kept)
+
+    def _drop_behind(self, seq: Sequence) -> None:
+        """Gives back the blocks no query of `seq` from its next token on can see, oldest first
+        (so parked, the oldest is evicted first)."""
+        table = self.table(seq)
+        for i in self._behind(seq):
             self._unref(table[i])
             table[i] = NULL_BLOCK
 
