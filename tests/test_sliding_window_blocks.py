@@ -27,8 +27,8 @@ from qworker.engine.sequence import Sequence
 from qworker.engine.simulated import run_offline
 from qworker.engine.text import TextStream
 from qworker.model.batch import SequenceInput, build_batch
-from qworker.model.config import ModelConfig
-from qworker.model.decoder import load_model
+from qworker.model.config import LayerAttention, ModelConfig
+from qworker.model.decoder import DecoderModel, load_model
 from qworker.model.kernels import native
 from qworker.model.kv_cache import KVCache, KVLayout, blocks_for_budget
 from qworker.model.tokenizer.tokenizer import Tokenizer
@@ -211,6 +211,36 @@ def test_greedy_through_an_engine_that_preempts_and_shares_prefixes(
     assert engine.stats()["prefix_cache_hits"] > 0
     assert most_held <= 5  # a window before an 8-token chunk: 15 positions over 5 blocks
     assert engine.blocks.windowed.num_free == engine.blocks.windowed.capacity  # all given back
+
+
+def test_a_model_windowed_in_every_layer_runs_one_windowed_pool(
+        smollm2_tokenizer: Tokenizer) -> None:
+    """As Mistral v0.1: one group, windowed; each greedy text as the all-blocks cache gives it."""
+    torch.manual_seed(5)
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                         layer_attention=(LayerAttention(WINDOW),) * 2)
+    model = DecoderModel(config, dtype=torch.float64, device=TEST_DEVICE)
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 1.0)
+    engine = Engine(model, smollm2_tokenizer, EngineConfig(
+        num_blocks=14, block_size=BLOCK, max_num_seqs=3, max_batched_tokens=16, prefill_chunk=8))
+    assert isinstance(engine.blocks, BlockManager) and engine.blocks.window == WINDOW
+    assert engine.blocks.capacity == 14 and engine.runner.cache.layer_groups is None
+    requests = [Request(f"r{k}", tokens(30 + k, seed=40 + k),
+                        SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+                for k in range(3)]
+    step = engine.step
+
+    def checked_step() -> list[object]:
+        outputs = step()
+        engine.blocks.check(engine._seqs.values())
+        return outputs  # type: ignore[return-value]
+
+    engine.step = checked_step  # type: ignore[method-assign,assignment]
+    results = run_offline(engine, requests)
+    for r in requests:  # 3 x 52 tokens in 14 blocks of 4: only windows fit
+        assert results[r.request_id].token_ids == greedy(model, r.prompt_token_ids, NEW, BLOCK)
 
 
 class LedgerRunner(HashRunner):
