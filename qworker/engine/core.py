@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from qworker.engine.aging import Aging
-from qworker.engine.block_manager import BlockManager
+from qworker.engine.block_groups import KVGroup, make_blocks
 from qworker.engine.chat import render_chat
 from qworker.engine.config import EngineConfig
 from qworker.engine.output import Arm, OutputParser, Pieces
@@ -79,7 +79,9 @@ class Completion:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, vocab: Vocabulary,
-                 num_blocks: int) -> None:
+                 num_blocks: int, kv_groups: tuple[KVGroup, ...] | None = None) -> None:
+        """`kv_groups`: the pools of the model's KV groups (block_groups.py); None: one pool of
+        `num_blocks`, as a model without sliding windows has."""
         self.config = config
         self.runner = runner
         self.tokenizer = vocab.tokenizer
@@ -87,7 +89,9 @@ class EngineCore:
         self.sampling_defaults: dict[str, float | int] = {}
         self._detokenizer = vocab.detokenizer
         self.eos_token_ids = vocab.eos_token_ids
-        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        self.blocks = make_blocks(kv_groups or (KVGroup(num_blocks),), config.block_size,
+                                  config.prefix_caching,
+                                  min(config.prefill_chunk, config.max_batched_tokens))
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk,
                             int(config.watermark * num_blocks)),
@@ -95,7 +99,7 @@ class EngineCore:
         )
         self.max_model_len = min(config.max_model_len or runner.max_context, runner.max_context)
         self.limits = ModelLimits(vocab_size=runner.vocab_size, max_model_len=self.max_model_len,
-                                  cache_tokens=num_blocks * config.block_size,
+                                  cache_tokens=self.blocks.capacity * config.block_size,
                                   max_token_chars=vocab.max_token_chars)
         # no sequence can outgrow the model's context nor the whole cache
         self.max_seq_len = self.limits.max_seq_len

@@ -39,6 +39,7 @@ class Runner:
         computed tokens now reach their end."""
         # decodes first, shortest first: the model groups them by length in consecutive runs
         work = sorted(work, key=lambda item: (item[1] > 1, len(item[0].block_table)))
+        two_groups = self.cache.layer_groups is not None  # a windowed group's tables too
         inputs = [
             SequenceInput(
                 token_ids=seq.token_ids[seq.num_computed : seq.num_computed + n],
@@ -46,6 +47,7 @@ class Runner:
                 block_table=seq.block_table,
                 need_logits=seq.num_computed + n == len(seq.token_ids),
                 all_logits=bool(seq.prompt_logprob_positions(n)),
+                window_table=seq.window_table if two_groups else None,
             )
             for seq, n in work
         ]
@@ -99,8 +101,9 @@ class Runner:
         """One tiny forward (written to block 0, which any sequence overwrites before reading),
         so that first-call costs (weight packing, kernel build) fall on no request."""
         block_size = self.cache.block_size
-        batch = build_batch([SequenceInput([0] * min(2, block_size), 0, [0])], block_size,
-                            self.model.device)
+        window = [0] if self.cache.layer_groups is not None else None
+        batch = build_batch([SequenceInput([0] * min(2, block_size), 0, [0], window_table=window)],
+                            block_size, self.model.device)
         self.model(batch, self.cache)
 
     def _row(self, seq: Sequence) -> SampleRow:

@@ -48,6 +48,10 @@ class Sequence:
     # and how many of its blocks the cache knows (its shared prefix, then each one it completed)
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0
+    # a model's second KV group (its sliding-window layers beside full-attention ones,
+    # block_groups.py): its block table, and how many of those blocks the group's cache knows
+    window_table: list[int] = field(default_factory=list)
+    window_registered: int = 0
     # logprobs, written by the runner, taken by the core with the token they belong to: of the
     # token the last run sampled; of prompt tokens 1.. (None: not asked, or already handed out)
     sampled_logprobs: TokenLogprobs | None = None

@@ -76,19 +76,31 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        plan = AttentionPlan.build(batch, cache.keys[0], self.rope,
-                                   self.config.num_heads // self.config.num_kv_heads,
-                                   self.layer_ropes)
-        logits = self.decode_graph.run(x, plan, cache)
+        plans = self._plans(batch, cache)
+        logits = self.decode_graph.run(x, plans, cache)
         if logits is None:  # not a step the graph serves: layer by layer
-            logits = self._layer_by_layer(x, plan, cache)
+            logits = self._layer_by_layer(x, plans, cache)
         return logits if logits.dtype == torch.float64 else logits.float()
 
-    def _layer_by_layer(self, x: torch.Tensor, plan: AttentionPlan,
+    def _plans(self, batch: ForwardBatch, cache: KVCache) -> tuple[AttentionPlan, ...]:
+        """The attention plan of each KV group (`KVCache.layer_groups`): the batch through its
+        block tables, over its layers' cache geometry."""
+        group = self.config.num_heads // self.config.num_kv_heads
+        if cache.layer_groups is None:
+            return (AttentionPlan.build(batch, cache.keys[0], self.rope, group,
+                                        self.layer_ropes),)
+        assert batch.window is not None, "a cache of two KV groups takes window tables"
+        return tuple(AttentionPlan.build(b, cache.keys[cache.first_layer_of(g)], self.rope,
+                                         group, self.layer_ropes)
+                     for g, b in enumerate((batch, batch.window)))
+
+    def _layer_by_layer(self, x: torch.Tensor, plans: tuple[AttentionPlan, ...],
                         cache: KVCache) -> torch.Tensor:
         pending = None
-        for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
-            x, pending = layer(x, pending, plan, k, v)
+        groups = cache.layer_groups or (0,) * len(self.layers)
+        for layer, k, v, g in zip(self.layers, cache.keys, cache.values, groups, strict=True):
+            x, pending = layer(x, pending, plans[g], k, v)
+        plan = plans[0]
         rows = plan.batch.logits_indices
         _, x = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows],
                                       plan.fused)
