@@ -222,6 +222,9 @@ class Job(BaseModel):
     ] = None
     logprobs_text: Annotated[bool, Field(description=(
         "each logprob entry also carries its token's own text (`token`)"))] = False
+    speculate: Annotated[bool, Field(description=(
+        "false: never decoded speculatively, on a worker that speculates (the tokens are the "
+        "same either way)"))] = True
 
     @model_validator(mode="after")
     def _check(self) -> Job:
@@ -264,7 +267,7 @@ _JOB_WIRE_KINDS: dict[str, str] = {
     "presence_penalty": "float", "frequency_penalty": "float", "priority": "int",
     "deadline_ms": "int", "start_within_ms": "int", "delay_ms": "int", "not_before_ms": "int",
     "timeout_ms": "int", "result_ttl_s": "int", "structured_outputs": "json",
-    "logprobs": "int", "prompt_logprobs": "int", "logprobs_text": "bool",
+    "logprobs": "int", "prompt_logprobs": "int", "logprobs_text": "bool", "speculate": "bool",
 }
 assert set(_JOB_WIRE_KINDS) == set(Job.model_fields)
 
