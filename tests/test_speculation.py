@@ -388,18 +388,16 @@ EXTRACT = ("From the text below, copy the sentence that names the capital.\n\nTh
 def test_smollm2_greedy_is_identical_with_speculation(smollm2_path: Path,
                                                       smollm2_tokenizer: Tokenizer) -> None:
     model = load_model(smollm2_path, dtype=torch.float32)
-    chats = [COPY, EXTRACT, "What is the capital of France?", "List three prime numbers.",
-             'Return this JSON unchanged: {"name": "Ada", "born": 1815, "tags": ["math"]}',
-             "Write the word 'hello' five times, separated by commas."]
+    chats = [COPY, EXTRACT, "What is the capital of France?",
+             'Return this JSON unchanged: {"name": "Ada", "born": 1815, "tags": ["math"]}']
     prompts = [smollm2_tokenizer.encode_chat([{"role": "user", "content": c}]) for c in chats]
     config = dict(num_blocks=128, block_size=16, max_num_seqs=8, prefill_chunk=64,
                   max_batched_tokens=512)
-    params = SamplingParams(max_tokens=40, temperature=0.0)
+    params = SamplingParams(max_tokens=32, temperature=0.0)
     plain = Engine(model, smollm2_tokenizer, EngineConfig(**config))  # type: ignore[arg-type]
     spec = Engine(model, smollm2_tokenizer, EngineConfig(**config, **SPEC))  # type: ignore[arg-type]
     want = [c.token_ids for c in plain.generate(prompts, params)]
     assert [c.token_ids for c in spec.generate(prompts, params)] == want
-    assert [c.token_ids for c in spec.generate(prompts[:1], params)] == want[:1]  # alone
     stats = spec.stats()
     assert stats["spec_accepted"] > 10, stats
     assert "total" in smollm2_tokenizer.decode(want[0]), "the model did not copy the code"
