@@ -209,25 +209,39 @@ def test_logprobs_of_accepted_tokens_are_those_of_plain_decoding(
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-9)
 
 
-def test_constrained_and_opted_out_jobs_are_not_drafted(smollm2_tokenizer: Tokenizer) -> None:
+def test_constrained_drafts_are_cut_by_the_grammar_and_opted_out_jobs_not_drafted(
+        smollm2_tokenizer: Tokenizer) -> None:
     model = tiny_model(smollm2_tokenizer.vocab_size, seed=3)  # the grammar's vocabulary
-    prompts = repeating_prompts(3, 3000, seed=4)
-    constrained = StructuredOutputs(regex="[a-z]{3,12}")
+    prompts = repeating_prompts(4, 3000, seed=4)
+    schema = ('{"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}, '
+              '"required": ["a"], "additionalProperties": false}')
+    constraints = {0: StructuredOutputs(regex="[a-z]{3,14}"), 3: StructuredOutputs(json=schema)}
 
     def params(i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
-                              structured_outputs=constrained if i == 0 else None,
-                              speculate=i != 1)
+        return SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i,
+                              structured_outputs=constraints.get(i), speculate=i != 1)
 
     plain = tokens(run(tiny_engine(smollm2_tokenizer, model), requests(prompts, params)))
     spec = tiny_engine(smollm2_tokenizer, model, **SPEC)
     assert spec.speculator is not None
     asked: list[str] = []
-    lookup = spec.speculator.proposer
-    spec.speculator.proposer = lambda seq, k: asked.append(seq.request_id) or lookup(seq, k)
+    right = oracle({rid: t for rid, (t, _) in plain.items()}, wrong_at=3)
+
+    def propose(seq: Sequence, k: int) -> list[int]:
+        asked.append(seq.request_id)
+        return right(seq, k) + [5, 6]  # past its end: tokens the grammar refuses there
+    spec.speculator.proposer = propose
+    accepted: dict[str, int] = {}
+    settle = spec.speculator.settle
+
+    def counting(seq: Sequence) -> None:
+        accepted[seq.request_id] = accepted.get(seq.request_id, 0) + seq.num_accepted
+        settle(seq)
+    spec.speculator.settle = counting  # type: ignore[method-assign]
     assert tokens(run(spec, requests(prompts, params))) == plain
-    assert set(asked) == {"r2"}, "only the free job that did not opt out was drafted"
-    assert spec.speculator.drafted > 0
+    assert set(asked) == {"r0", "r2", "r3"}, "every job but the one that opted out"
+    assert accepted["r0"] > 0 and accepted["r3"] > 0, accepted
+    assert plain["r3"][1] == "stop", "the JSON is complete"
 
 
 def chi_square_p(counts: list[int], probs: list[float]) -> float:
@@ -349,6 +363,8 @@ def test_the_simulated_engine_speculates_alike() -> None:
     prompts = [list(b"abcabcabcabcabc"), list(b"the cat and the cat and the")]
     requests_ = [Request(f"s{i}", p, SamplingParams(max_tokens=30, seed=i, logprobs=2))
                  for i, p in enumerate(prompts)]
+    requests_.append(Request("s2", list(b"abab"), SamplingParams(
+        max_tokens=30, seed=2, structured_outputs=StructuredOutputs(regex="(ab|ba)+c"))))
     plain = run(SimulatedEngine(EngineConfig(model="sim")), requests_)
     engine = SimulatedEngine(EngineConfig(model="sim", **SPEC))  # type: ignore[arg-type]
     assert engine.speculator is not None

@@ -59,7 +59,11 @@ class HashRunner:
                 seq.sampled_logprobs.append(_logprobs(h, token, seq.params.logprobs))
             if i == len(seq.draft) or token != seq.draft[i]:
                 seq.num_accepted = i
+                if seq.matcher is not None:
+                    seq.matcher.rollback(i)  # it followed the accepted ones to mask after them
                 return token
+            if seq.matcher is not None:
+                assert seq.matcher.advance(token), "a draft its grammar refuses"
             h, i = ((h ^ token) * _FNV_PRIME) & _MASK, i + 1
 
     def warm_up(self) -> None:

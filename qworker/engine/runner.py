@@ -56,7 +56,12 @@ class Runner:
         batch = build_batch(inputs, self.cache.block_size, self.model.device)
         masks = _start_masks(work, inputs)  # computed beside the forward
         started = time.perf_counter()
-        logits = self.model(batch, self.cache)
+        try:
+            logits = self.model(batch, self.cache)
+        except BaseException:
+            if masks is not None:
+                masks.join()  # it follows drafts in the matchers: done before they go on
+            raise
         self.forward_seconds += time.perf_counter() - started
         sampled = [seq for (seq, _), inp in zip(work, inputs, strict=True) if inp.need_logits]
         if any(inp.all_logits for inp in inputs):  # rows beside the sampling ones
@@ -138,17 +143,22 @@ def _collect_prompt_logprobs(seq: Sequence, n: int, logits: torch.Tensor, row: i
 
 def _start_masks(work: list[tuple[Sequence, int]], inputs: list[SequenceInput]
                  ) -> MaskFuture | None:
-    """Starts computing the token masks of the constrained sequences that sample this step."""
-    matchers = [seq.matcher for (seq, _), inp in zip(work, inputs, strict=True)
-                if inp.need_logits and seq.matcher is not None]
-    return MaskFuture(matchers) if matchers else None
+    """Starts computing the token masks of the constrained sequences that sample this step (a
+    row per draft token too)."""
+    constrained = [seq for (seq, _), inp in zip(work, inputs, strict=True)
+                   if inp.need_logits and seq.matcher is not None]
+    if not constrained:
+        return None
+    return MaskFuture([seq.matcher for seq in constrained if seq.matcher is not None],
+                      [seq.draft for seq in constrained])
 
 
 def _allowed(sampled: list[Sequence], first: list[int], masks: MaskFuture | None
              ) -> Allowed | None:
-    """The constrained rows' masks; `first[i]`: the first row of sampled[i] (a constrained
-    sequence has no draft, so one row)."""
+    """The constrained rows' masks; `first[i]`: the first row of sampled[i] (one row, and one
+    more per draft token)."""
     if masks is None:
         return None
-    rows = [first[r] for r, seq in enumerate(sampled) if seq.matcher is not None]
+    rows = [first[r] + i for r, seq in enumerate(sampled) if seq.matcher is not None
+            for i in range(1 + len(seq.draft))]
     return Allowed(rows, torch.from_numpy(masks.result()))

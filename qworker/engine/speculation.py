@@ -21,9 +21,11 @@ past the accepted ones alone, and the blocks past its tokens are freed (`BlockMa
 Prefix caching registers only blocks of committed tokens, as ever.
 
 When. Only in steps of at most `speculate_max_batch` decoding sequences (a small batch is bound by
-reading the weights, so a few more rows cost little), never for a constrained (structured output)
-sequence nor one that opted out (`SamplingParams.speculate`); a sequence whose recent acceptance
-falls below `speculate_min_acceptance` pauses, for longer each time.
+reading the weights, so a few more rows cost little), never for one that opted out
+(`SamplingParams.speculate`); a sequence whose recent acceptance falls below
+`speculate_min_acceptance` pauses, for longer each time. A constrained (structured output)
+sequence's draft is cut at the first token its grammar refuses, and each of its rows is masked
+by the grammar as it stands after the draft before it.
 """
 
 from __future__ import annotations
@@ -143,8 +145,8 @@ class Speculator:
 
     def _draft(self, seq: Sequence) -> list[int]:
         p = seq.params
-        if not p.speculate or seq.matcher is not None or seq.prompt_logprobs is not None:
-            return []  # opted out; constrained (the grammar would have to check a draft)
+        if not p.speculate or seq.prompt_logprobs is not None:
+            return []  # opted out; or still owing its prompt's logprobs
         if seq.num_output_tokens < self._state(seq).resume_at:
             return []
         # accepting j drafts and one more token must keep it within max_tokens and its length
@@ -153,6 +155,8 @@ class Speculator:
         if room <= 0:
             return []
         draft = self.proposer(seq, room)[:room]
+        if seq.matcher is not None:  # structured output: cut at the first token it refuses
+            draft = draft[: seq.matcher.valid_prefix(draft)]
         length = len(seq.token_ids)  # its draft takes the slots after its tokens
         spare = self.blocks.num_free - self.limits.reserve_blocks
         if self.blocks.blocks_needed(seq, length + len(draft)) > spare:
