@@ -72,3 +72,21 @@ def test_a_speculating_worker_publishes_the_same_tokens_one_event_each(redis_url
     assert engine.speculator.accepted > 0
     stats = engine.stats()
     assert stats["spec_drafted"] > stats["spec_accepted"] > 0
+
+
+def test_speculate_on_the_wire_the_cli_and_the_gateway() -> None:
+    import argparse
+
+    from qworker_client.commands.submit import add_param_args, add_prompt_args, job_spec
+    from qworker_client.gateway.translate import translate
+
+    assert parse_job_fields({"prompt": "x"}, "1-0").speculate is True
+    assert parse_job_fields({"prompt": "x", "speculate": "false"}, "1-0").speculate is False
+    parser = argparse.ArgumentParser()
+    parser.add_argument("prompt")
+    add_prompt_args(parser)
+    add_param_args(parser)
+    assert job_spec(parser.parse_args(["hi", "--no-speculate"]))["speculate"] is False
+    assert job_spec(parser.parse_args(["hi"]))["speculate"] is None  # the default: unsent
+    body = {"model": "m", "prompt": "hi", "speculate": False}
+    assert translate("completion", body, 4).choices[0].spec["speculate"] is False
