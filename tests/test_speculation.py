@@ -49,6 +49,7 @@ def run(engine: EngineCore, requests: list[Request]) -> dict[str, StepOutput]:
             first.new_token_ids += out.new_token_ids
             first.logprobs = (first.logprobs or []) + (out.logprobs or [])
             first.finished, first.finish_reason = out.finished, out.finish_reason
+            first.error = out.error
         live = engine.scheduler.running + engine.scheduler.waiting
         engine.blocks.check(live)
         for seq in engine.scheduler.running:
@@ -417,3 +418,32 @@ def test_smollm2_greedy_is_identical_with_speculation(smollm2_path: Path,
     stats = spec.stats()
     assert stats["spec_accepted"] > 10, stats
     assert "total" in smollm2_tokenizer.decode(want[0]), "the model did not copy the code"
+
+
+def test_a_failing_step_with_drafts_costs_only_its_culprit(smollm2_tokenizer: Tokenizer,
+                                                           model: DecoderModel) -> None:
+    """A step that raises is run again in halves (core.py): the drafted sequences beside the
+    culprit are verified again and give the tokens they give without the culprit."""
+    prompts = repeating_prompts(4, 3000, seed=6)
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True)
+
+    plain = tokens(run(tiny_engine(smollm2_tokenizer, model), requests(prompts, params)))
+    spec = tiny_engine(smollm2_tokenizer, model, **SPEC)
+    assert spec.speculator is not None
+    spec.speculator.proposer = oracle({rid: t for rid, (t, _) in plain.items()}, wrong_at=2)
+    real_run = spec.runner.run
+
+    def run_step(work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
+        culprit = next((s for s, _ in work if s.request_id == "r1" and s.num_output_tokens >= 5),
+                       None)
+        if culprit is not None:
+            raise RuntimeError("boom")
+        return real_run(work)
+    spec.runner.run = run_step  # type: ignore[method-assign]
+    got = run(spec, requests(prompts, params))
+    assert got["r1"].finished and (got["r1"].error or "").startswith("RuntimeError")
+    assert {rid: r for rid, r in tokens(got).items() if rid != "r1"} == {
+        rid: r for rid, r in plain.items() if rid != "r1"}
+    assert spec.speculator.accepted > 0
