@@ -17,11 +17,13 @@ def chat(**body: Any) -> dict[str, Any]:
 
 def test_fields_go_to_the_wire_names() -> None:
     req = translate("chat", chat(max_completion_tokens=7, max_tokens=99, stop="\n", top_k=3,
-                                 temperature=0.5, user="u", ignore_eos=True), max_n=4)
+                                 temperature=0.5, user="u", ignore_eos=True, speculate=False),
+                    max_n=4)
     spec = req.choices[0].spec
     assert (spec["max_tokens"], spec["stop"], spec["top_k"], spec["temperature"]) == (
         7, ["\n"], 3, 0.5)
     assert spec["ignore_eos"] is True and "user" not in spec
+    assert spec["speculate"] is False
     assert spec["id"] == req.response_id and req.response_id.startswith("chatcmpl-")
 
 

@@ -322,6 +322,9 @@ class Job(BaseModel):
     reasoning_effort: Annotated[ReasoningEffort | None, Field(description=(
         "a thinking budget: low 512, medium 2048, high 8192 tokens (max_reasoning_tokens "
         "wins)"))] = None
+    speculate: Annotated[bool, Field(description=(
+        "false: never decoded speculatively, on a worker that speculates (the tokens are the "
+        "same either way)"))] = True
 
     @model_validator(mode="after")
     def _check(self) -> Job:
@@ -380,6 +383,7 @@ _JOB_WIRE_KINDS: dict[str, str] = {
     "logprobs": "int", "prompt_logprobs": "int", "logprobs_text": "bool",
     "tools": "json", "tool_choice": "word_or_json", "parallel_tool_calls": "bool",
     "max_reasoning_tokens": "int", "reasoning_effort": "str",
+    "speculate": "bool",
 }
 _TOOL_CHOICE_WORDS = ("none", "auto", "required")
 assert set(_JOB_WIRE_KINDS) == set(Job.model_fields)

@@ -82,6 +82,16 @@ class BlockManager:
         """The block table of `seq` in this pool's group."""
         return seq.window_table if self.second else seq.block_table
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Frees the blocks of `seq` past those that hold its first `num_tokens` tokens (the slots
+        of a rejected speculative draft): its own, never cached (nothing past its tokens is)."""
+        keep = self.blocks_for(num_tokens)
+        for block in seq.block_table[keep:]:
+            assert self._refs[block] == 1 and not (self.cache and block in self.cache.hash_of)
+            self._refs[block] = 0
+            self._free.append(block)
+        del seq.block_table[keep:]
+
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a waiting `seq` may start from: its longest cached prefix of full
         blocks, never reaching its last token (which must be computed to sample from). None for

@@ -71,6 +71,20 @@ class EngineConfig:
         "flag": "--no-prefix-caching",
         "help": "turn off prefix caching (reusing the KV blocks of shared prompt prefixes)"})
 
+    # speculative decoding by prompt lookup (speculation.py): draft tokens verified per decode
+    # step; 0: off. Greedy and seeded output are the same tokens either way
+    num_speculative_tokens: int = field(default=0, metadata={
+        "flag": "--speculate-tokens",
+        "help": "speculative decoding: draft up to this many tokens per decode step from the "
+                "job's own prompt and output (n-gram lookup), verified in one forward; same "
+                "output, faster where answers copy their input (default 0: off)"})
+    # a guess, to be measured on the CPU at hand (docs/engine.md, "Speculative decoding")
+    speculate_max_batch: int = field(default=4, metadata={
+        "help": "speculate only in steps of at most this many decoding sequences"})
+    speculate_min_acceptance: float = field(default=0.3, metadata={
+        "help": "a sequence whose recent share of accepted draft tokens falls below this pauses "
+                "speculating (for longer each time)"})
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batched_tokens", "prefill_chunk", "block_size"):
             if getattr(self, name) < 1:
@@ -81,5 +95,11 @@ class EngineConfig:
             raise ValueError("decode_stretch must be > 1")
         if not self.priority_aging_s >= 0:
             raise ValueError("priority_aging_s must be >= 0")
+        if not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in 0..64")
+        if self.speculate_max_batch < 1:
+            raise ValueError("speculate_max_batch must be >= 1")
+        if not 0 <= self.speculate_min_acceptance <= 1:
+            raise ValueError("speculate_min_acceptance must be in [0, 1]")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")

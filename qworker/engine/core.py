@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from qworker.engine.aging import Aging
 from qworker.engine.block_groups import KVGroup, make_blocks
+from qworker.engine.block_manager import BlockManager
 from qworker.engine.chat import render_chat
 from qworker.engine.config import EngineConfig
 from qworker.engine.output import Arm, OutputParser, Pieces
@@ -34,6 +35,7 @@ from qworker.engine.request import (
 )
 from qworker.engine.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from qworker.engine.sequence import Sequence, Status
+from qworker.engine.speculation import SpeculationLimits, Speculator
 from qworker.engine.structured import Grammars, Matcher
 from qworker.engine.text import Detokenizer, TextStream
 from qworker.engine.tool_calls import FORMATS, format_of_template
@@ -113,6 +115,11 @@ class EngineCore:
         self._arrivals = itertools.count()
         self.pacer = (PrefillPacer(config.decode_stretch, config.max_batched_tokens)
                       if config.decode_stretch else None)
+        self.speculator = (Speculator(
+            SpeculationLimits(config.num_speculative_tokens, config.speculate_max_batch,
+                              config.speculate_min_acceptance, int(config.watermark * num_blocks)),
+            self.blocks, self.max_seq_len)
+            if config.num_speculative_tokens and isinstance(self.blocks, BlockManager) else None)
         self.num_preemptions = 0
         self.num_steps = 0
         self.last_schedule = ScheduledStep()
@@ -262,7 +269,8 @@ class EngineCore:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.blocks.num_free, "blocks_total": self.blocks.num_blocks,
                 "batch_seqs": len(work), "batch_tokens": sum(n for _, n in work),
-                **self._prefix_cache_stats()}
+                **self._prefix_cache_stats(),
+                **(self.speculator.stats() if self.speculator else {})}
 
     def _prefix_cache_stats(self) -> dict[str, int]:
         cache = self.blocks.cache
@@ -290,6 +298,7 @@ class EngineCore:
         if step.work:
             self.num_steps += 1
             decodes = sum(1 for seq, _ in step.work if not seq.is_prefill)
+            drafted = self.speculator is not None and self.speculator.draft(step)
             started = time.perf_counter()
             work = step.work
             try:
@@ -300,14 +309,35 @@ class EngineCore:
                 outputs += [self._fail(seq, exc) for seq, exc in failed.items()]
                 work = [(seq, n) for seq, n in work if seq not in failed]
             else:
-                if self.pacer:
+                if self.pacer and not drafted:  # a verify step is no decode step's measure
                     self.pacer.observe(decodes, step.prefill_tokens, time.perf_counter() - started)
             for seq, n in work:
-                seq.num_computed += n
+                seq.num_computed += n - len(seq.draft)  # a draft counts once accepted
                 self.blocks.commit(seq)
                 seq.isolate = seq.isolate and seq not in sampled
-            outputs += [self._append(seq, token) for seq, token in sampled.items()]
+            outputs += [self._take(seq, token) for seq, token in sampled.items()]
+            for seq, _ in step.work:
+                seq.draft, seq.num_accepted = [], 0
         return outputs
+
+    def _take(self, seq: Sequence, token: int) -> StepOutput:
+        """The tokens a run gave `seq`: its accepted draft tokens, then `token`, appended one by
+        one until one ends it; then the blocks past its tokens (a rejected draft's) are freed."""
+        tokens = seq.draft[: seq.num_accepted] + [token]
+        if seq.draft and self.speculator is not None:
+            self.speculator.settle(seq)
+        out = self._append(seq, tokens[0])
+        for token in tokens[1:]:
+            if out.finished:
+                break
+            seq.num_computed += 1  # the token before was an accepted draft: computed
+            self.blocks.commit(seq)
+            out = _joined(out, self._append(seq, token))
+        if seq.draft and seq.status is Status.RUNNING:
+            assert isinstance(self.blocks, BlockManager)  # one KV group: no speculator else
+            self.blocks.shrink(seq, len(seq.token_ids))
+        seq.sampled_logprobs = []
+        return out
 
     def _run_isolating(self, work: list[tuple[Sequence, int]]
                        ) -> tuple[dict[Sequence, int], dict[Sequence, Exception]]:
@@ -376,9 +406,10 @@ class EngineCore:
     def _take_logprobs(seq: Sequence, out: StepOutput) -> None:
         """Moves what the runner computed for this token (and, with the first token, for the
         prompt) onto its output. A replayed token (Request.output_token_ids) has none."""
-        if seq.sampled_logprobs is not None:
-            assert seq.sampled_logprobs.token_id == out.new_token_ids[0], "another token's"
-            out.logprobs, seq.sampled_logprobs = [seq.sampled_logprobs], None
+        if seq.sampled_logprobs:
+            entry = seq.sampled_logprobs.pop(0)
+            assert entry.token_id == out.new_token_ids[0], "another token's"
+            out.logprobs = [entry]
         if seq.prompt_logprobs is not None:
             assert len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1, "prompt logprobs missing"
             out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
@@ -464,3 +495,17 @@ class EngineCore:
         except RequestRejectedError:
             return  # a tool schema the grammar engine refuses: the call stays free
         seq.matcher, output.armed = matcher, arm.kind
+
+def _joined(first: StepOutput, then: StepOutput) -> StepOutput:
+    """One request's outputs of one step (several tokens: an accepted draft) as one."""
+    first.new_token_ids += then.new_token_ids
+    first.text_delta += then.text_delta
+    first.reasoning_delta += then.reasoning_delta
+    if then.tool_call_deltas:
+        first.tool_call_deltas = (first.tool_call_deltas or []) + then.tool_call_deltas
+    first.reasoning, first.tool_calls = then.reasoning, then.tool_calls
+    if then.logprobs is not None:
+        first.logprobs = (first.logprobs or []) + then.logprobs
+    first.finished, first.finish_reason = then.finished, then.finish_reason
+    first.text, first.error = then.text, then.error
+    return first

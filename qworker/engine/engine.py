@@ -70,8 +70,9 @@ class Engine(EngineCore):
         from qworker.model.home import qworker_home
 
         config = self.config
-        self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs,
-                                         config.max_num_seqs, qworker_home() / "kernels")
+        drafts = config.speculate_max_batch * config.num_speculative_tokens  # a verify's rows
+        self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs + drafts,
+                                         config.max_num_seqs + drafts, qworker_home() / "kernels")
         self.blocks.drop_cache()  # the forward writes block 0
         self.runner.warm_up()
         self._detokenizer()

@@ -42,6 +42,9 @@ class SamplingParams:
     # None: not computed at all
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # speculative decoding (speculation.py) where the engine has it on; False: this request
+    # never speculates (the tokens are the same either way)
+    speculate: bool = True
 
     @property
     def greedy(self) -> bool:

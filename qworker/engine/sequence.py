@@ -52,10 +52,15 @@ class Sequence:
     # block_groups.py): its block table, and how many of those blocks the group's cache knows
     window_table: list[int] = field(default_factory=list)
     window_registered: int = 0
-    # logprobs, written by the runner, taken by the core with the token they belong to: of the
-    # token the last run sampled; of prompt tokens 1.. (None: not asked, or already handed out)
-    sampled_logprobs: TokenLogprobs | None = None
+    # logprobs, written by the runner, taken by the core with the tokens they belong to: of the
+    # tokens the last run gave it, in order; of prompt tokens 1.. (None: not asked, or already
+    # handed out)
+    sampled_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # speculative decoding (speculation.py): this step's draft, computed after its pending token,
+    # and how many of it the runner accepted
+    draft: list[int] = field(default_factory=list)
+    num_accepted: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,6 +78,11 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         return self.num_pending > 1
+
+    def reaches_end(self, n: int) -> bool:
+        """Whether computing its next `n` scheduled tokens (its draft included) reaches its last
+        token: then it samples."""
+        return self.num_computed + n - len(self.draft) == len(self.token_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -21,6 +21,7 @@ _PLAIN_FIELDS = (
     "temperature", "top_p", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "cache_salt",  # vLLM's: only requests of the same salt share cached prefix blocks
+    "speculate",  # qworker's: false opts out of speculative decoding (same tokens either way)
 )
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
