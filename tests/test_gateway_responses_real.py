@@ -1,7 +1,7 @@
 """`/v1/responses` on the real default model (SmolLM2) through the official `openai` SDK, over two
 gateways: one a process of its own, killed with SIGKILL while it streams a background response,
 the other serving that response's stream from the event after the last one seen, the chain of
-`previous_response_id` and a cancel."""
+`previous_response_id`, a cancel, and a function call made, answered and talked about."""
 
 from __future__ import annotations
 
@@ -114,3 +114,21 @@ def test_responses_on_the_default_model_across_two_gateways(
                         timeout=60, what="its end")
         assert done.status == "cancelled" and done.usage is not None
         assert done.usage.output_tokens < 2000
+
+        # function tools: a required call of an allowed function whose arguments follow its
+        # schema (the call grammar), then its output sent back, and an answer in words
+        city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"], "additionalProperties": False}
+        weather = {"type": "function", "name": "get_weather", "strict": True,
+                   "description": "The weather in a city", "parameters": city}
+        called = b.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                    tools=[weather], tool_choice="required",  # type: ignore[list-item]
+                                    max_output_tokens=40, temperature=0)
+        calls = [item for item in called.output if item.type == "function_call"]
+        assert calls and calls[0].name == "get_weather"
+        assert set(json.loads(calls[0].arguments)) == {"city"}
+        answer = b.responses.create(
+            model=MODEL, previous_response_id=called.id, max_output_tokens=12, temperature=0,
+            input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                    "output": json.dumps({"forecast": "sunny"})}])
+        assert answer.status in ("completed", "incomplete") and answer.output_text
