@@ -77,9 +77,8 @@ def test_a_speculating_worker_publishes_the_same_tokens_one_event_each(redis_url
 def test_speculate_on_the_wire_the_cli_and_the_gateway() -> None:
     import argparse
 
-    from qworker_client.gateway.translate import translate
-
     from qworker_client.commands.submit import add_param_args, add_prompt_args, job_spec
+    from qworker_client.gateway.chat.translate import translate
 
     assert parse_job_fields({"prompt": "x"}, "1-0").speculate is True
     assert parse_job_fields({"prompt": "x", "speculate": "false"}, "1-0").speculate is False
