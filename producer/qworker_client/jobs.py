@@ -11,7 +11,14 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from qworker_client.protocol import Keys, RecentJob, TokenEvent, entry_ms, parse_event
+from qworker_client.protocol import (
+    DEFAULT_TENANT,
+    Keys,
+    RecentJob,
+    TokenEvent,
+    entry_ms,
+    parse_event,
+)
 from qworker_client.stats import model_streams
 
 MAX_LIMIT = 1_000
@@ -27,6 +34,7 @@ class JobRow:
     tokens: int | None  # generated so far (None: not known)
     since_ms: int  # queued (running, queued); due (delayed); ended (done, error, dead)
     detail: str = ""  # the finish reason or error code; the worker; the stream
+    tenant: str = DEFAULT_TENANT
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.job_id, **{k: v for k, v in asdict(self).items() if k != "job_id"}}
@@ -72,7 +80,8 @@ def queued(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
         rows.append(JobRow(
             fields.get("id") or entry_id, "running" if worker else "queued",
             keys.stream_model(stream) or fields.get("model", ""), _tokens(last),
-            int(t0 or 0) or entry_ms(entry_id) or 0, f"{worker} {stream}".strip()))
+            int(t0 or 0) or entry_ms(entry_id) or 0, f"{worker} {stream}".strip(),
+            fields.get("tenant") or DEFAULT_TENANT))
     return rows
 
 
@@ -100,7 +109,7 @@ def recent(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
         except ValidationError:
             continue  # not a worker's line
         rows.append(JobRow(job.id, job.status, job.model, job.tokens, entry_ms(entry_id) or 0,
-                           f"{job.reason} {job.worker}".strip()))
+                           f"{job.reason} {job.worker}".strip(), job.tenant))
     return rows
 
 
@@ -110,7 +119,8 @@ def dead(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
         source = fields.get("source", "")
         rows.append(JobRow(fields.get("id") or fields.get("source_id", ""), "dead",
                            keys.stream_model(source) or fields.get("model", ""), None,
-                           entry_ms(entry_id) or 0, fields.get("code", "")))
+                           entry_ms(entry_id) or 0, fields.get("code", ""),
+                           fields.get("tenant") or DEFAULT_TENANT))
     return rows
 
 

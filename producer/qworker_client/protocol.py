@@ -33,6 +33,11 @@ _ID_RE = re.compile(ID_PATTERN)
 # characters, no spaces; room for Hugging Face names, paths and the simulated engine's options.
 MODEL_PATTERN = r"^[A-Za-z0-9._:/@+=,-]{1,256}$"
 _MODEL_RE = re.compile(MODEL_PATTERN)
+# A tenant names whose share of the fleet a job is (docs/protocol.md, "Tenants"); it becomes part
+# of Redis hash fields and sorted-set members: a bounded, safe charset, no spaces.
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+_TENANT_RE = re.compile(TENANT_PATTERN)
+DEFAULT_TENANT = "default"
 
 # Input bounds: every job is bounded before it reaches the engine.
 MAX_PROMPT_CHARS = 1_000_000  # `prompt`, and the sum of all `messages` contents
@@ -99,6 +104,10 @@ def is_valid_model(value: str) -> bool:
     return bool(_MODEL_RE.fullmatch(value))
 
 
+def is_valid_tenant(value: str) -> bool:
+    return bool(_TENANT_RE.fullmatch(value))
+
+
 # ----------------------------------------------------------------------------- job
 
 
@@ -162,6 +171,9 @@ class Job(BaseModel):
     id: Annotated[str | None, Field(pattern=ID_PATTERN, description="default: the entry id")] = None
     model: Annotated[str | None, Field(pattern=MODEL_PATTERN, description=(
         "the model to run it; its stream is `<prefix>:jobs:{<model>}`"))] = None
+    tenant: Annotated[str | None, Field(pattern=TENANT_PATTERN, description=(
+        "whose share of the fleet it runs in (fair share, quotas, usage); unset: `default`"))
+    ] = None
     prompt: Annotated[str | None, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] = None
     messages: Annotated[
         list[ChatMessage] | None,
@@ -241,6 +253,10 @@ class Job(BaseModel):
                 raise ValueError(f"{name} must be finite")
         return self
 
+    @property
+    def tenant_or_default(self) -> str:
+        return self.tenant or DEFAULT_TENANT
+
     def to_fields(self) -> dict[str, str]:
         """The XADD fields of this job: only fields that were set, each encoded as a string."""
         out: dict[str, str] = {}
@@ -257,7 +273,8 @@ class Job(BaseModel):
 # Wire kind of each job field: how its string is decoded before validation.
 _JOB_WIRE_KINDS: dict[str, str] = {
     "cache_salt": "str",
-    "id": "str", "model": "str", "prompt": "str", "messages": "json", "prompt_token_ids": "json",
+    "id": "str", "model": "str", "tenant": "str", "prompt": "str", "messages": "json",
+    "prompt_token_ids": "json",
     "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",
     "ignore_eos": "bool", "min_tokens": "int", "repetition_penalty": "float",
@@ -526,6 +543,13 @@ class Keys:
         """The jobs workers ended lately, newest last (`RecentJob`; capped, see `qworker jobs`)."""
         return f"{self.prefix}:recent"
 
+    @property
+    def tenants(self) -> str:
+        """The tenants' weights and quotas, a hash: tenant -> `weight tokens_per_minute
+        concurrent_jobs` (0: no limit); absent: weight 1, no limits (written by the gateway from
+        its keys file, or by hand)."""
+        return f"{self.prefix}:tenants"
+
     def out(self, job_id: str) -> str:
         return f"{self.prefix}:out:{job_id}"
 
@@ -641,6 +665,7 @@ class RecentJob(BaseModel):
 
     id: str
     model: Annotated[str, Field(description="the stream's model; empty: a model-less job")] = ""
+    tenant: Annotated[str, Field(description="the job's tenant")] = DEFAULT_TENANT
     status: Literal["done", "error"]
     reason: Annotated[str, Field(description="the finish reason (done) or the error code")]
     tokens: Annotated[int, Field(ge=0, description="tokens generated")] = 0
@@ -718,13 +743,15 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 
 
 __all__ = [
-    "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "EXPIRED", "ID_PATTERN", "INTERNAL",
+    "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "DEFAULT_TENANT", "EXPIRED",
+    "ID_PATTERN", "INTERNAL", "TENANT_PATTERN",
     "INVALID_REQUEST", "LOST_STATE", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG",
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
     "DoneEvent", "ErrorEvent",
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
     "RecentJob",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
-    "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_entry_id",
+    "event_to_fields", "is_valid_id", "is_valid_model", "is_valid_tenant", "json_schemas",
+    "parse_entry_id",
     "parse_event", "parse_job_fields",
 ]

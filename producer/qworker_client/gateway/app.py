@@ -51,6 +51,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         if gateway.batches is not None:
             gateway.batches.resume_unfinished()
+        await gateway.publish_tenants()
         yield
         await gateway.close()
 
@@ -73,7 +74,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     app = GatewayApp(
         routes=routes, lifespan=lifespan,
         middleware=[Middleware(CountResponses, metrics=gateway.metrics, routes=routes),
-                    Middleware(RequireKey, keys=config.api_keys),
+                    Middleware(RequireKey, keys=config.api_keys, keys_file=gateway.keys_file),
                     Middleware(LimitBody, max_bytes=config.max_body_bytes)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
                             redis.RedisError: _redis_error, Exception: _server_error},

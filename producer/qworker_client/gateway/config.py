@@ -19,6 +19,7 @@ class GatewayConfig:
     max_queued: int | None = 1024
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = ()  # empty: no auth
+    keys_file: str | None = None  # API keys of tenants (gateway/tenants.py), besides api_keys
     result_ttl_s: int = DEFAULT_RESULT_TTL_S  # the workers' --result-ttl
     models_cache_s: float = 1.0  # how long the live workers' models are taken as known
     max_n: int = 16  # most choices one request may ask for

@@ -25,6 +25,7 @@ from qworker_client.gateway.round_trip import Command, round_trip
 from qworker_client.gateway.streams.hub import Hub
 from qworker_client.gateway.streams.meta import JobMeta, meta_key
 from qworker_client.gateway.streams.vanished import Queued
+from qworker_client.gateway.tenants import KeysFile, Tenant
 from qworker_client.protocol import JobValidationError, Keys
 from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call, submitted
 
@@ -45,17 +46,37 @@ class Gateway:
         self.metrics = Metrics()
         self._submit_sha = self.redis.register_script(SUBMIT_SCRIPT).sha
         self.hub = Hub(self.redis, self.keys, interval_s=config.stream_interval_ms / 1000)
+        self.keys_file = None if config.keys_file is None else KeysFile(config.keys_file)
+        self._published = -1  # the keys file's version last written to Redis
         self.batches = None if config.files_dir is None else Batches(
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
 
-    async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner
-                     ) -> dict[str, Queued]:
+    async def publish_tenants(self) -> None:
+        """The keys file's tenants (weight, quotas) into `<prefix>:tenants`, where the workers'
+        fair share reads them; again whenever the file changed."""
+        if self.keys_file is None or self._published == self.keys_file.version:
+            return
+        version = self.keys_file.version
+        tenants = self.keys_file.tenants
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.tenants)
+        if tenants:
+            pipe.hset(self.keys.tenants, mapping={n: t.published() for n, t in tenants.items()})
+        await pipe.execute()
+        self._published = version
+
+    async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner,
+                     tenant: Tenant | None = None) -> dict[str, Queued]:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
-        streams and whose they are, then queue them all at once. Returns where each job was
-        queued (for the hub to tell one that vanished)."""
+        streams and whose they are, then queue them all at once (as the keys file's `tenant`'s
+        jobs, when the key has one). Returns where each job was queued (for the hub to tell one
+        that vanished)."""
         try:
             prepared = [job_fields(choice.spec) for choice in request.choices]
+            if tenant is not None:
+                for _, fields in prepared:
+                    fields["tenant"] = tenant.name
         except JobValidationError as exc:
             match = _PARAM_RE.match(exc.message)
             raise bad_request(exc.message, param=match.group(1) if match else None) from None
