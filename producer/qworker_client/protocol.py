@@ -612,6 +612,22 @@ class Keys:
         (in the high or low band `<prefix>:requeue:high`, `<prefix>:requeue:high:{<model>}`)."""
         return _work_stream(self.requeue, model, band)
 
+    def ready_of(self, stream: str) -> str:
+        """A job stream's new entries in fair order (a sorted set: `<entry id> <tenant>` -> start
+        tag), `<prefix>:ready` + the stream's suffix (`<prefix>:ready:high:{<model>}`): in its
+        model's hash slot."""
+        return self._fair_key(stream, "ready")
+
+    def vtime_of(self, stream: str) -> str:
+        """A job stream's virtual times (a hash: tenant -> its finish tag, `:v` -> the stream's),
+        `<prefix>:vtime` + the stream's suffix."""
+        return self._fair_key(stream, "vtime")
+
+    def _fair_key(self, stream: str, name: str) -> str:
+        if stream != self.jobs and not stream.startswith(self.jobs + ":"):
+            raise ValueError(f"{stream!r} is not a job stream")
+        return f"{self.prefix}:{name}{stream[len(self.jobs):]}"
+
     def stream_model(self, stream: str) -> str | None:
         """The model of a work stream (None: a model-less one)."""
         for base in (self.jobs, self.requeue):

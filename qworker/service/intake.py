@@ -21,6 +21,7 @@ from qworker.service.job import Entry, Readback, now_ms
 from qworker.service.job import Reject as Reject  # where intake's callers find them
 from qworker.service.job import Taken as Taken
 from qworker.service.logs import get_logger
+from qworker.service.lua_fair import PARKED_CONSUMER
 from qworker.service.scripts import Scripts
 from qworker.service.verdicts import expired, poisoned
 from qworker_client.protocol import (
@@ -73,6 +74,7 @@ class Intake:
         self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
         self.log = get_logger(worker=config.name)
         self.dead_letters = DeadLetters(client, keys, config, scripts)
+        self.fair = keys if config.fair_share else None  # the fair read's keys
 
     @property
     def consumer(self) -> str:
@@ -109,11 +111,11 @@ class Intake:
             return []
         try:
             reply = self.scripts.read(self.client, group=self.config.group,
-                                      consumer=self.consumer, caps=caps)
+                                      consumer=self.consumer, caps=caps, fair=self.fair)
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
             Scripts.load(self.client)
             reply = self.scripts.read(self.client, group=self.config.group,
-                                      consumer=self.consumer, caps=caps)
+                                      consumer=self.consumer, caps=caps, fair=self.fair)
         return capped_entries(reply)
 
     @staticmethod
@@ -142,7 +144,9 @@ class Intake:
         rows = self.client.xpending_range(stream, self.config.group, min=self._cursors[stream],
                                           max="+", count=RECLAIM_SCAN,
                                           idle=self.config.claim_idle_ms)
-        found = [r for r in rows if _s(r["message_id"]) not in skip]
+        # parked entries (the fair read's, waiting their turn) are no dead worker's
+        found = [r for r in rows if _s(r["message_id"]) not in skip
+                 and _s(r["consumer"]) != PARKED_CONSUMER]
         chosen = found[:want]
         if len(found) > want:  # full: the next call starts after the last one taken
             self._cursors[stream] = "(" + _s(chosen[-1]["message_id"])

@@ -69,7 +69,7 @@ class Publisher:
             pipe.mget([self.keys.cancel(job_id) for job_id in cancel_check])
         if read_caps:
             self.scripts.read(pipe, group=self.config.group, consumer=self.config.name,
-                              caps=read_caps)
+                              caps=read_caps, fair=self.keys if self.config.fair_share else None)
         result = FlushResult()
         if not appending and not requeueing and not cancel_check and not read_caps:
             return result

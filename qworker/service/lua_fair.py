@@ -1,0 +1,157 @@
+"""The Lua text of the fair read: the worker's turn to take new jobs, band by band, with the
+tenants of each job stream served in proportion to their weights (docs/protocol.md, "Tenants
+and fair share"; scripts.py calls it).
+
+Start-time fair queueing (SFQ) over tenants, with virtual time counted in tokens (as the Virtual
+Token Counter of Sheng et al., OSDI '24): each job stream `S` has
+- `<prefix>:ready<S's suffix>`, a sorted set: the stream's new entries in fair order, member
+  `<entry id> <tenant>`, score the job's start tag;
+- `<prefix>:vtime<S's suffix>`, a hash: per tenant the finish tag of its last job queued there
+  (its virtual time), and field `:v`, the start tag of the job taken last (the stream's virtual
+  time).
+A new entry is parked (XREADGROUP by the consumer `~ready`: delivered to no worker, pending in
+the group, so nothing is lost while it waits) and gets start tag `max(:v, F_t)` (a tenant that
+was idle starts at the present, with no credit banked) and moves its tenant's `F_t` on by its
+cost over the tenant's weight: cost = its estimated prompt tokens + `max_tokens`. A worker takes
+the lowest tags (ZPOPMIN, as many as its room) and XCLAIMs their entries from `~ready` (delivery
+count 1: parking is not a delivery). When nothing is parked and the new entries fit the room they
+are handed over at once, as they came (no tenant waits for another: the fleet is not full).
+"""
+
+from __future__ import annotations
+
+PARKED_CONSUMER = "~ready"
+
+# KEYS: the tenants' hash, then the work streams in the order a worker reads them (most urgent
+# band first), each job stream followed by its ready set and vtime hash. ARGV: group, consumer,
+# the parked consumer, the most entries parked per stream per call, then per stream its cap (the
+# most entries taken in all once it is read; caps never grow along KEYS) and 1 when it is a job
+# stream (fair), 0 for a requeue stream (read as it came: requeued work had its turn).
+# Returns {{stream, {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
+FAIR_READ = """
+local group, consumer, parked, batch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local tenants_key = KEYS[1]
+
+local function read_new(key, as, count)
+  local got = redis.pcall('XREADGROUP', 'GROUP', group, as, 'COUNT', count, 'STREAMS', key, '>')
+  if type(got) == 'table' and got.err then
+    -- a stream that is not there has nothing to read; any other error is the caller's
+    if redis.call('EXISTS', key) == 1 then return redis.error_reply(got.err) end
+    return {}
+  end
+  if not got or not got[1] then return {} end
+  local one = got[1]
+  if type(one) ~= 'table' then one = got end  -- fakeredis (tests) answers it unwrapped
+  return one[2]
+end
+
+local function field(fields, name)
+  for j = 1, #fields, 2 do
+    if fields[j] == name then return fields[j + 1] end
+  end
+  return nil
+end
+
+local function tenant_of(fields)
+  local t = field(fields, 'tenant')
+  if t and #t <= 64 and string.match(t, '^[%w%._%-]+$') then return t end
+  return 'default'  -- unset (or invalid: the worker dead-letters it; its place is default's)
+end
+
+-- prompt tokens estimated (4 characters a token, or the ids given) plus max_tokens
+local function cost_of(fields)
+  local cost = tonumber(field(fields, 'max_tokens') or '256') or 256
+  local ids = field(fields, 'prompt_token_ids')
+  if ids then
+    local _, commas = string.gsub(ids, ',', '')
+    cost = cost + commas + 1
+  else
+    cost = cost + math.ceil(#(field(fields, 'prompt') or field(fields, 'messages') or '') / 4)
+  end
+  if cost < 1 then return 1 end
+  return cost
+end
+
+local function weight_of(published)
+  local w = tonumber(string.match(published or '', '^(%S+)') or '')
+  if w and w > 0 then return w end
+  return 1
+end
+
+local function park(entries, ready, vtime)
+  local names, index = {}, {}
+  for _, e in ipairs(entries) do
+    local t = tenant_of(e[2])
+    e.tenant = t
+    if not index[t] then names[#names + 1] = t; index[t] = #names end
+  end
+  local vt = redis.call('HMGET', vtime, ':v', unpack(names))  -- unpack last: all of them
+  local ws = redis.call('HMGET', tenants_key, unpack(names))
+  local now = tonumber(vt[1]) or 0
+  local finish, weight = {}, {}
+  for k, t in ipairs(names) do
+    finish[t] = math.max(now, tonumber(vt[k + 1]) or 0)
+    weight[t] = weight_of(ws[k])
+  end
+  local scored = {}
+  for _, e in ipairs(entries) do
+    local t = e.tenant
+    scored[#scored + 1] = finish[t]
+    scored[#scored + 1] = e[1] .. ' ' .. t
+    finish[t] = finish[t] + cost_of(e[2]) / weight[t]
+  end
+  redis.call('ZADD', ready, unpack(scored))
+  local tags = {}
+  for _, t in ipairs(names) do tags[#tags + 1] = t; tags[#tags + 1] = finish[t] end
+  redis.call('HSET', vtime, unpack(tags))
+end
+
+local function claim(key, ids)
+  local args = {key, group, consumer, 0}  -- an unpack() amid arguments would give one
+  for _, id in ipairs(ids) do args[#args + 1] = id end
+  args[#args + 1] = 'RETRYCOUNT'
+  args[#args + 1] = 1
+  return redis.call('XCLAIM', unpack(args))
+end
+
+local function take_fair(key, ready, vtime, want)
+  local waiting = redis.call('ZCARD', ready)
+  local new = read_new(key, parked, math.max(batch, want))
+  if new.err then return new end
+  if waiting == 0 and #new <= want then
+    if #new == 0 then return {} end
+    local ids = {}
+    for k, e in ipairs(new) do ids[k] = e[1] end
+    return claim(key, ids)
+  end
+  if #new > 0 then park(new, ready, vtime) end
+  local popped = redis.call('ZPOPMIN', ready, want)
+  if #popped == 0 then return {} end
+  local ids = {}
+  for j = 1, #popped, 2 do ids[#ids + 1] = string.match(popped[j], '^(%S+)') end
+  redis.call('HSET', vtime, ':v', popped[#popped])
+  return claim(key, ids)
+end
+
+local taken, reply, k, a = 0, {}, 2, 5
+while k <= #KEYS do
+  local key, want, fair = KEYS[k], tonumber(ARGV[a]) - taken, ARGV[a + 1] == '1'
+  local got = {}
+  if want > 0 then
+    if fair then got = take_fair(key, KEYS[k + 1], KEYS[k + 2], want)
+    else got = read_new(key, consumer, want) end
+    if got.err then return got end
+  end
+  local entries = {}
+  for _, e in ipairs(got) do
+    if e[2] and #e[2] > 0 then entries[#entries + 1] = e end  -- deleted while parked: gone
+  end
+  if #entries > 0 then
+    reply[#reply + 1] = {key, entries}
+    taken = taken + #entries
+  end
+  if fair then k = k + 3 else k = k + 1 end
+  a = a + 2
+end
+return reply
+"""
