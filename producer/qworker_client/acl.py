@@ -54,6 +54,8 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
     delayed = (k.delayed_of(None), k.delayed_pattern)  # the delayed sets and their hashes
+    fair = (k.ready_of(k.jobs), k.ready_of(k.jobs) + ":*", k.vtime_of(k.jobs),
+            k.vtime_of(k.jobs) + ":*")  # the fair share's ready sets and virtual times
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
                  sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
@@ -83,11 +85,17 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
             Grant(("exists", "mget"), (cancel,), read_only=True),
-            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed)),
+            Grant(("zadd", "zpopmin", "zcard", "hmget", "hset"), fair),
+            Grant(("hmget", "hget"), (k.tenants,), read_only=True),
+            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
+                                        k.tenants)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
-        "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan"), producer(
-            reads=(gateway, worker), read_commands=("mget", "xlen"), sets=(gateway,))),
+        "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",
+                                            "exec"), producer(
+            reads=(gateway, worker), read_commands=("mget", "xlen"), sets=(gateway,)) + (
+            Grant(("del", "hset"), (k.tenants,)),  # the keys file's tenants, published
+        )),
         "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
             Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),
                   (*work, k.dead, worker), read_only=True),
