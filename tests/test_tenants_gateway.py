@@ -64,7 +64,8 @@ def test_a_keys_jobs_are_its_tenants(base_url: str, redis_url: str, keys_file: P
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     rows = {row.job_id: row for row in list_jobs(client, KEYS, 50)}
     assert rows[job_id].tenant == "acme"
-    assert client.hgetall(KEYS.tenants) == {"acme": "3 5000 0", "tiny": "1 0 0"}
+    assert client.hgetall(KEYS.tenants) == {"acme": "3 5000 0", "tiny": "1 0 0",
+                                               ":quotas": "1"}
 
     write_keys(keys_file, {"newco": {"keys": ["sk-new"], "weight": 2}})  # reread on change
     wait_for(lambda: post(base_url, "sk-new", CHAT).status_code == 200, timeout=10,

@@ -54,8 +54,9 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
     delayed = (k.delayed_of(None), k.delayed_pattern)  # the delayed sets and their hashes
-    fair = (k.ready_of(k.jobs), k.ready_of(k.jobs) + ":*", k.vtime_of(k.jobs),
-            k.vtime_of(k.jobs) + ":*")  # the fair share's ready sets and virtual times
+    fair = tuple(key for key in (k.ready_of(k.jobs), k.vtime_of(k.jobs), k.held_of(k.jobs))
+                 for key in (key, key + ":*"))  # the fair share's ready and held sets, vtimes
+    counts = (k.tpm(0).removesuffix("0") + "*", k.usage("*"))  # tokens a minute, usage a day
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
                  sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
@@ -85,10 +86,11 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
             Grant(("exists", "mget"), (cancel,), read_only=True),
-            Grant(("zadd", "zpopmin", "zcard", "hmget", "hset"), fair),
-            Grant(("hmget", "hget"), (k.tenants,), read_only=True),
+            Grant(("zadd", "zpopmin", "zcard", "zrange", "zrem", "hmget", "hset"), fair),
+            Grant(("hmget", "hget", "hexists"), (k.tenants,), read_only=True),
+            Grant(("hincrby", "hmget", "expire"), counts),
             Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
-                                        k.tenants)),
+                                        k.tenants, counts[0])),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",

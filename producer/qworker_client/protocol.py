@@ -38,6 +38,7 @@ _MODEL_RE = re.compile(MODEL_PATTERN)
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 _TENANT_RE = re.compile(TENANT_PATTERN)
 DEFAULT_TENANT = "default"
+QUOTAS_FIELD = ":quotas"  # in `<prefix>:tenants`: some tenant has a tokens-per-minute quota
 
 # Input bounds: every job is bounded before it reaches the engine.
 MAX_PROMPT_CHARS = 1_000_000  # `prompt`, and the sum of all `messages` contents
@@ -550,6 +551,16 @@ class Keys:
         its keys file, or by hand)."""
         return f"{self.prefix}:tenants"
 
+    def tpm(self, minute: int) -> str:
+        """Tokens (prompt + completion) each tenant's jobs made in one minute (unix time // 60),
+        a hash: tenant -> tokens; counted by the workers as the tokens are written, kept 2 min."""
+        return f"{self.prefix}:tpm:{minute}"
+
+    def usage(self, day: str) -> str:
+        """One UTC day's usage (`YYYY-MM-DD`), a hash: `<tenant>|<model>|<counter>` -> count
+        (counters: jobs, prompt_tokens, completion_tokens, errors; model `-`: none)."""
+        return f"{self.prefix}:usage:{day}"
+
     def out(self, job_id: str) -> str:
         return f"{self.prefix}:out:{job_id}"
 
@@ -622,6 +633,11 @@ class Keys:
         """A job stream's virtual times (a hash: tenant -> its finish tag, `:v` -> the stream's),
         `<prefix>:vtime` + the stream's suffix."""
         return self._fair_key(stream, "vtime")
+
+    def held_of(self, stream: str) -> str:
+        """A job stream's entries held over their tenant's quota (a sorted set like the ready
+        one), `<prefix>:held` + the stream's suffix."""
+        return self._fair_key(stream, "held")
 
     def _fair_key(self, stream: str, name: str) -> str:
         if stream != self.jobs and not stream.startswith(self.jobs + ":"):

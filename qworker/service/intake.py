@@ -17,6 +17,7 @@ from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_
 from qworker.service.dead_letters import DeadLetters
 from qworker.service.dead_letters import dead_fields as dead_fields
 from qworker.service.errors import job_error
+from qworker.service.fair_share import FairShare
 from qworker.service.job import Entry, Readback, now_ms
 from qworker.service.job import Reject as Reject  # where intake's callers find them
 from qworker.service.job import Taken as Taken
@@ -74,7 +75,7 @@ class Intake:
         self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
         self.log = get_logger(worker=config.name)
         self.dead_letters = DeadLetters(client, keys, config, scripts)
-        self.fair = keys if config.fair_share else None  # the fair read's keys
+        self.fair = FairShare(client, keys) if config.fair_share else None
 
     @property
     def consumer(self) -> str:

@@ -22,15 +22,19 @@ from __future__ import annotations
 
 PARKED_CONSUMER = "~ready"
 
-# KEYS: the tenants' hash, then the work streams in the order a worker reads them (most urgent
-# band first), each job stream followed by its ready set and vtime hash. ARGV: group, consumer,
-# the parked consumer, the most entries parked per stream per call, then per stream its cap (the
+# KEYS: the tenants' hash, this minute's tokens (tpm hash), then the work streams in the order a
+# worker reads them (most urgent band first), each job stream followed by its ready set, vtime
+# hash and held set. ARGV: group, consumer, the parked consumer, the most entries parked per
+# stream per call, 1 when some tenant has a tokens-per-minute quota, then per stream its cap (the
 # most entries taken in all once it is read; caps never grow along KEYS) and 1 when it is a job
 # stream (fair), 0 for a requeue stream (read as it came: requeued work had its turn).
+# With quotas, entries of a tenant over its quota move to the held set (`<prefix>:held...`) with
+# their tags, and back to the ready set once the tenant is within it again.
 # Returns {{stream, {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
 FAIR_READ = """
 local group, consumer, parked, batch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local tenants_key = KEYS[1]
+local quotas = ARGV[5] == '1'
+local tenants_key, tpm_key = KEYS[1], KEYS[2]
 
 local function read_new(key, as, count)
   local got = redis.pcall('XREADGROUP', 'GROUP', group, as, 'COUNT', count, 'STREAMS', key, '>')
@@ -114,31 +118,100 @@ local function claim(key, ids)
   return redis.call('XCLAIM', unpack(args))
 end
 
-local function take_fair(key, ready, vtime, want)
+-- tenant -> whether it is within its tokens-per-minute quota (the tenants' hash: `weight tpm
+-- concurrent`; this minute's tokens: the tpm hash)
+local function within_quota(names)
+  local limits = redis.call('HMGET', tenants_key, unpack(names))
+  local used = redis.call('HMGET', tpm_key, unpack(names))
+  local ok = {}
+  for k, t in ipairs(names) do
+    local limit = tonumber(string.match(limits[k] or '', '^%S+%s+(%d+)') or '0') or 0
+    ok[t] = limit == 0 or (tonumber(used[k]) or 0) < limit
+  end
+  return ok
+end
+
+local function tenants_of(scored)
+  local names, seen = {}, {}
+  for j = 1, #scored, 2 do
+    local t = string.match(scored[j], ' (%S+)$')
+    if not seen[t] then seen[t] = true; names[#names + 1] = t end
+  end
+  return names
+end
+
+-- held entries of tenants back within their quota go back to the ready set, with their tags
+local function release(ready, held)
+  local h = redis.call('ZRANGE', held, 0, 255, 'WITHSCORES')
+  if #h == 0 then return end
+  local ok = within_quota(tenants_of(h))
+  local back, gone = {}, {}
+  for j = 1, #h, 2 do
+    if ok[string.match(h[j], ' (%S+)$')] then
+      back[#back + 1] = h[j + 1]; back[#back + 1] = h[j]; gone[#gone + 1] = h[j]
+    end
+  end
+  if #gone > 0 then
+    redis.call('ZADD', ready, unpack(back))
+    redis.call('ZREM', held, unpack(gone))
+  end
+end
+
+-- the lowest tags of tenants within their quota; the others' entries move to the held set
+local function pick_within_quota(ready, held, want)
+  release(ready, held)
+  local out, last = {}, nil
+  for _ = 1, 4 do
+    local head = redis.call('ZRANGE', ready, 0, want - #out + 63, 'WITHSCORES')
+    if #head == 0 then break end
+    local ok = within_quota(tenants_of(head))
+    local done, hold = {}, {}
+    for j = 1, #head, 2 do
+      local t = string.match(head[j], ' (%S+)$')
+      if not ok[t] then
+        hold[#hold + 1] = head[j + 1]; hold[#hold + 1] = head[j]; done[#done + 1] = head[j]
+      elseif #out < want then
+        out[#out + 1] = head[j]; done[#done + 1] = head[j]; last = head[j + 1]
+      end
+    end
+    redis.call('ZREM', ready, unpack(done))
+    if #hold > 0 then redis.call('ZADD', held, unpack(hold)) end
+    if #out >= want or #hold == 0 then break end
+  end
+  return out, last
+end
+
+local function take_fair(key, ready, vtime, held, want)
   local waiting = redis.call('ZCARD', ready)
   local new = read_new(key, parked, math.max(batch, want))
   if new.err then return new end
-  if waiting == 0 and #new <= want then
+  if waiting == 0 and #new <= want and not quotas then
     if #new == 0 then return {} end
     local ids = {}
     for k, e in ipairs(new) do ids[k] = e[1] end
     return claim(key, ids)
   end
   if #new > 0 then park(new, ready, vtime) end
-  local popped = redis.call('ZPOPMIN', ready, want)
-  if #popped == 0 then return {} end
+  local members, last = {}, nil
+  if quotas then
+    members, last = pick_within_quota(ready, held, want)
+  else
+    local popped = redis.call('ZPOPMIN', ready, want)
+    for j = 1, #popped, 2 do members[#members + 1] = popped[j]; last = popped[j + 1] end
+  end
+  if #members == 0 then return {} end
   local ids = {}
-  for j = 1, #popped, 2 do ids[#ids + 1] = string.match(popped[j], '^(%S+)') end
-  redis.call('HSET', vtime, ':v', popped[#popped])
+  for j, m in ipairs(members) do ids[j] = string.match(m, '^(%S+)') end
+  redis.call('HSET', vtime, ':v', last)
   return claim(key, ids)
 end
 
-local taken, reply, k, a = 0, {}, 2, 5
+local taken, reply, k, a = 0, {}, 3, 6
 while k <= #KEYS do
   local key, want, fair = KEYS[k], tonumber(ARGV[a]) - taken, ARGV[a + 1] == '1'
   local got = {}
   if want > 0 then
-    if fair then got = take_fair(key, KEYS[k + 1], KEYS[k + 2], want)
+    if fair then got = take_fair(key, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], want)
     else got = read_new(key, consumer, want) end
     if got.err then return got end
   end
@@ -150,7 +223,7 @@ while k <= #KEYS do
     reply[#reply + 1] = {key, entries}
     taken = taken + #entries
   end
-  if fair then k = k + 3 else k = k + 1 end
+  if fair then k = k + 4 else k = k + 1 end
   a = a + 2
 end
 return reply

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import redis
 
+from qworker.service.fair_share import FairShare
 from qworker.service.lua import (
     APPEND,
     BEAT,
@@ -23,6 +24,7 @@ from qworker.service.lua import (
 )
 from qworker.service.lua_delayed import DEFER, PROMOTE
 from qworker.service.lua_fair import FAIR_READ, PARKED_CONSUMER
+from qworker.service.usage import minute_now
 from qworker_client.protocol import LOST_STATE, ErrorEvent, Keys, WireFields, event_to_fields
 
 # new entries parked per job stream per fair read (their order is decided once parked)
@@ -86,7 +88,7 @@ class Scripts:
             client.script_load(text)
 
     def read(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
-             caps: Sequence[tuple[str, int]], fair: Keys | None = None) -> Any:
+             caps: Sequence[tuple[str, int]], fair: FairShare | None = None) -> Any:
         """New entries of the (stream, cap) pairs in order, within the caps (READ; with `fair`,
         the keys of the fair share, FAIR_READ: each job stream's tenants in proportion to their
         weights); on a pipeline the reply comes with the pipeline's (`intake.capped_entries`
@@ -94,11 +96,14 @@ class Scripts:
         if fair is None:
             return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group,
                                   consumer, *(cap for _, cap in caps))
-        keys: list[str] = [fair.tenants]
-        args: list[str | int] = [group, consumer, PARKED_CONSUMER, PARK_BATCH]
+        k = fair.keys
+        keys: list[str] = [k.tenants, k.tpm(minute_now())]
+        args: list[str | int] = [group, consumer, PARKED_CONSUMER, PARK_BATCH,
+                                 int(fair.quotas_on())]
         for stream, cap in caps:
-            is_jobs = not fair.is_requeue(stream)
-            keys += [stream, fair.ready_of(stream), fair.vtime_of(stream)] if is_jobs else [stream]
+            is_jobs = not k.is_requeue(stream)
+            keys += ([stream, k.ready_of(stream), k.vtime_of(stream), k.held_of(stream)]
+                     if is_jobs else [stream])
             args += [cap, int(is_jobs)]
         return client.evalsha(self.fair_read_sha, len(keys), *keys, *args)
 

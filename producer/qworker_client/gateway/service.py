@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
+from redis.typing import EncodableT, FieldT
+
 from qworker_client.aio import AsyncProducer
 from qworker_client.connect import ClientOptions
 from qworker_client.fields import job_fields
@@ -26,7 +28,7 @@ from qworker_client.gateway.streams.hub import Hub
 from qworker_client.gateway.streams.meta import JobMeta, meta_key
 from qworker_client.gateway.streams.vanished import Queued
 from qworker_client.gateway.tenants import KeysFile, Tenant
-from qworker_client.protocol import JobValidationError, Keys
+from qworker_client.protocol import QUOTAS_FIELD, JobValidationError, Keys
 from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call, submitted
 
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
@@ -61,8 +63,11 @@ class Gateway:
         tenants = self.keys_file.tenants
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(self.keys.tenants)
-        if tenants:
-            pipe.hset(self.keys.tenants, mapping={n: t.published() for n, t in tenants.items()})
+        published: dict[FieldT, EncodableT] = {n: t.published() for n, t in tenants.items()}
+        if any(t.tokens_per_minute for t in tenants.values()):
+            published[QUOTAS_FIELD] = "1"  # the workers' fair read then looks at quotas
+        if published:
+            pipe.hset(self.keys.tenants, mapping=published)
         await pipe.execute()
         self._published = version
 

@@ -1,0 +1,80 @@
+"""Counting what each tenant uses, as it happens, in Redis (docs/protocol.md, "Quotas and
+usage"): the tokens of each minute (`<prefix>:tpm:<minute>`: what the fair read holds a tenant
+over its tokens-per-minute quota by) and each day's jobs, tokens and errors per tenant and model
+(`<prefix>:usage:<day>`). Written right after the events they count were confirmed, in one
+pipeline; best effort like the recent-jobs stream: a Redis error costs counts, never a job."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import redis
+
+from qworker.service.config import ServiceConfig
+from qworker.service.job import ActiveJob
+from qworker.service.logs import get_logger
+from qworker.service.outcome import DONE, OK
+from qworker_client.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent
+
+TPM_TTL_S = 120  # a minute's counts, kept while the next one runs
+USAGE_TTL_S = 90 * 86_400  # a day's usage, kept 90 days
+
+
+def minute_now() -> int:
+    return int(time.time()) // 60
+
+
+def day_of(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(unix_s))
+
+
+class Usage:
+    def __init__(self, client: redis.Redis, keys: Keys, config: ServiceConfig) -> None:
+        self.client = client
+        self.keys = keys
+        self.log = get_logger(worker=config.name)
+        self._failing = ""
+
+    def add(self, jobs: Sequence[ActiveJob], status: Mapping[str, str]) -> None:
+        """Counts the confirmed events of `jobs` (their outboxes, just written: status ok or
+        done): each token as it is shown, a job's prompt with its first token."""
+        tokens: Counter[str] = Counter()
+        day: Counter[str] = Counter()
+        for job in jobs:
+            if status.get(job.job_id) not in (OK, DONE):
+                continue
+            tenant = job.job.tenant_or_default
+            model = self.keys.stream_model(job.entry.stream) or job.job.model or "-"
+            for event in job.outbox:
+                if isinstance(event, TokenEvent):
+                    tokens[tenant] += 1 + (job.prompt_tokens if event.i == 0 else 0)
+                elif isinstance(event, DoneEvent):
+                    for name, n in (("jobs", 1), ("prompt_tokens", event.prompt_tokens),
+                                    ("completion_tokens", event.completion_tokens)):
+                        day[f"{tenant}|{model}|{name}"] += n
+                elif isinstance(event, ErrorEvent):
+                    day[f"{tenant}|{model}|errors"] += 1
+        if tokens or day:
+            self._write(tokens, day)
+
+    def _write(self, tokens: Counter[str], day: Counter[str]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        tpm = self.keys.tpm(minute_now())
+        for tenant, n in tokens.items():
+            pipe.hincrby(tpm, tenant, n)
+        if tokens:
+            pipe.expire(tpm, TPM_TTL_S)
+        usage = self.keys.usage(day_of(time.time()))
+        for name, n in day.items():
+            pipe.hincrby(usage, name, n)
+        if day:
+            pipe.expire(usage, USAGE_TTL_S)
+        try:
+            errors = [r for r in pipe.execute(raise_on_error=False) if isinstance(r, Exception)]
+        except redis.RedisError as exc:
+            errors = [exc]
+        if errors and str(errors[0]) != self._failing:
+            self.log.warning("could not count usage", error=str(errors[0])[:200])
+        self._failing = str(errors[0]) if errors else ""
