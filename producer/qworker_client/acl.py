@@ -77,7 +77,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
                                           "time"), (
             Grant(("xreadgroup", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
                    "xclaim", "xack", "xdel", "xpending", "xinfo|consumers", "xinfo|groups",
-                   "xrange", "xlen", "exists"), work),
+                   "xrange", "xlen", "exists", "xread"), work),
             # requeues, events, dead letters, recent jobs; delayed jobs queued again (promoter)
             Grant(("xadd",), (*work, out, k.dead, k.recent)),
             Grant(("zadd", "zrangebyscore", "zrange", "zrem", "hexists", "hset", "hget", "hdel"),
@@ -105,9 +105,10 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
         # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
         # letters (`qworker dead`): the retry script deletes the job's old output
         "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
-                         producer(reads=(k.dead, k.recent, worker, *delayed),
+                         producer(reads=(k.dead, k.recent, worker, *delayed, k.tenants,
+                                         *counts),
                                   read_commands=("hmget", "mget", "xlen", "xinfo|groups",
-                                                 "zrange"),
+                                                 "zrange", "hgetall"),
                                   script_keys=(owner, k.dead)) + (
             Grant(("del",), (out,)),
             Grant(("xdel",), (k.dead,)),

@@ -73,16 +73,38 @@ def queued(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
         pipe.hmget(keys.owner(job_id), ["worker", "t0"])
         pipe.xrevrange(keys.out(job_id), count=1)
     replies = pipe.execute()
+    over = over_quota(client, keys, {fields.get("tenant") or DEFAULT_TENANT
+                                     for _, _, fields in entries})
     rows = []
     for k, (stream, entry_id, fields) in enumerate(entries):
         (token, t0), last = map(_text, replies[2 * k]), _entries(replies[2 * k + 1])
         worker = token.rpartition("/")[0] or token  # a fencing token is `<name>/<run>`
+        tenant = fields.get("tenant") or DEFAULT_TENANT
+        held = "held: quota " if not worker and tenant in over else ""
         rows.append(JobRow(
             fields.get("id") or entry_id, "running" if worker else "queued",
             keys.stream_model(stream) or fields.get("model", ""), _tokens(last),
-            int(t0 or 0) or entry_ms(entry_id) or 0, f"{worker} {stream}".strip(),
-            fields.get("tenant") or DEFAULT_TENANT))
+            int(t0 or 0) or entry_ms(entry_id) or 0, f"{held}{worker} {stream}".strip(),
+            tenant))
     return rows
+
+
+def over_quota(client: redis.Redis, keys: Keys, tenants: set[str]) -> set[str]:
+    """Those of `tenants` whose tokens of this minute have reached their quota: their queued
+    jobs are held by the workers' fair read until the next minute."""
+    if not tenants:
+        return set()
+    names = sorted(tenants)
+    minute = server_ms(client) // 60_000
+    limits = client.hmget(keys.tenants, names)
+    used = client.hmget(keys.tpm(minute), names)
+    over = set()
+    for name, published, counted in zip(names, limits, used, strict=True):
+        parts = _text(published).split()
+        quota = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        if quota and int(_text(counted) or 0) >= quota:
+            over.add(name)
+    return over
 
 
 def delayed(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:

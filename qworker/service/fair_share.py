@@ -1,29 +1,64 @@
-"""What a worker's fair read needs besides its streams: the keys, and whether any tenant has a
-tokens-per-minute quota (field `:quotas` of `<prefix>:tenants`, read at most once a second)."""
+"""What the fair read charged a job (lua_fair.py): which entries, and how much, for the
+corrections as the job goes (usage.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import time
+import math
+from collections.abc import Sequence
+from typing import Any
 
-import redis
-
-from qworker_client.protocol import QUOTAS_FIELD, Keys
-
-LOOK_EVERY_S = 1.0
+from qworker.service.job import Entry
+from qworker.service.lua_fair import CHARGED
+from qworker_client.protocol import Keys, WireFields
 
 
-class FairShare:
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
-        self.client = client
-        self.keys = keys
-        self._quotas = False
-        self._looked = -LOOK_EVERY_S
+def mark_charged(reply: Any, entries: Sequence[Entry], keys: Keys) -> None:
+    """When the fair read charged what it handed out (its reply ends with CHARGED), the entries
+    of job streams were charged their estimate (corrected by `usage` as the job goes)."""
+    if reply and _text(reply[-1][0]) == CHARGED:
+        for entry in entries:
+            entry.charged = not keys.is_requeue(entry.stream)
 
-    def quotas_on(self) -> bool:
-        now = time.monotonic()
-        if now - self._looked >= LOOK_EVERY_S:
-            self._looked = now
-            with contextlib.suppress(redis.RedisError):  # the read itself will say what is wrong
-                self._quotas = bool(self.client.hexists(self.keys.tenants, QUOTAS_FIELD))
-        return self._quotas
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _raw(fields: WireFields, name: str) -> bytes | None:
+    for key, value in fields.items():
+        if key in (name, name.encode()):
+            return value.encode() if isinstance(value, str) else value
+    return None
+
+
+def max_tokens_of(fields: WireFields) -> int:
+    raw = _raw(fields, "max_tokens")
+    return int(raw) if raw is not None and raw.isdigit() else 256
+
+
+def prompt_estimate(fields: WireFields) -> int:
+    """The prompt's tokens as the fair read estimates them (lua_fair's `cost_of`, on the same raw
+    fields): 4 bytes a token, or the ids given."""
+    ids = _raw(fields, "prompt_token_ids")
+    if ids is not None:
+        return ids.count(b",") + 1
+    return math.ceil(len(_raw(fields, "prompt") or _raw(fields, "messages") or b"") / 4)
+
+
+def prompt_charge(fields: WireFields) -> int:
+    """The prompt's tokens as a quota charges them when the job is handed out (lua_fair's
+    `cost_of`): a byte a token (more than a tokenizer makes of text), or the ids given."""
+    ids = _raw(fields, "prompt_token_ids")
+    if ids is not None:
+        return ids.count(b",") + 1
+    return len(_raw(fields, "prompt") or _raw(fields, "messages") or b"")
+
+
+def cost_of(fields: WireFields) -> int:
+    """What the fair share counts a job: its prompt's estimate plus `max_tokens`."""
+    return max(prompt_estimate(fields) + max_tokens_of(fields), 1)
+
+
+def charge_of(fields: WireFields) -> int:
+    """What a quota charges a job when it is handed out: its prompt's charge plus `max_tokens`."""
+    return max(prompt_charge(fields) + max_tokens_of(fields), 1)

@@ -17,7 +17,7 @@ from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_
 from qworker.service.dead_letters import DeadLetters
 from qworker.service.dead_letters import dead_fields as dead_fields
 from qworker.service.errors import job_error
-from qworker.service.fair_share import FairShare
+from qworker.service.fair_share import mark_charged
 from qworker.service.job import Entry, Readback, now_ms
 from qworker.service.job import Reject as Reject  # where intake's callers find them
 from qworker.service.job import Taken as Taken
@@ -48,10 +48,13 @@ def _s(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def capped_entries(reply: Any) -> list[Entry]:
-    """The entries of a READ script's reply (`Scripts.read`), stream by stream in its order."""
-    return [Entry(_s(stream), _s(eid), _pairs(flat))
-            for stream, items in reply or () for eid, flat in items]
+def capped_entries(reply: Any, keys: Keys) -> list[Entry]:
+    """The entries of a READ script's reply (`Scripts.read`), stream by stream in its order
+    (those the fair read charged marked so)."""
+    entries = [Entry(_s(stream), _s(eid), _pairs(flat))
+               for stream, items in reply or () for eid, flat in items]
+    mark_charged(reply, entries, keys)
+    return entries
 
 
 def _entries(stream: str, items: Iterable[tuple[Any, Any]] | None) -> list[Entry]:
@@ -75,7 +78,7 @@ class Intake:
         self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
         self.log = get_logger(worker=config.name)
         self.dead_letters = DeadLetters(client, keys, config, scripts)
-        self.fair = FairShare(client, keys) if config.fair_share else None
+        self.fair = keys if config.fair_share else None  # the fair read's keys
 
     @property
     def consumer(self) -> str:
@@ -98,6 +101,11 @@ class Intake:
         caps = self.caps(rooms)
         entries = self._read_capped(caps)
         count = max(cap for _, cap in caps)
+        if not entries and block_ms and count > 0 and self.fair is not None:
+            # wait for news without taking any: what arrives is taken by the fair read (an entry
+            # added between the two round trips waits at most block_ms)
+            self.client.xread(dict.fromkeys(self.streams, "$"), count=1, block=block_ms)
+            return self._read_capped(caps)
         if not entries and block_ms and count > 0:
             streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
             reply = self.client.xreadgroup(self.config.group, self.consumer, streams, count=1,
@@ -117,7 +125,7 @@ class Intake:
             Scripts.load(self.client)
             reply = self.scripts.read(self.client, group=self.config.group,
                                       consumer=self.consumer, caps=caps, fair=self.fair)
-        return capped_entries(reply)
+        return capped_entries(reply, self.keys)
 
     @staticmethod
     def _parse_read(reply: Any) -> list[Entry]:

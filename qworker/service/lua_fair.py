@@ -5,7 +5,8 @@ and fair share"; scripts.py calls it).
 Start-time fair queueing (SFQ) over tenants, with virtual time counted in tokens (as the Virtual
 Token Counter of Sheng et al., OSDI '24): each job stream `S` has
 - `<prefix>:ready<S's suffix>`, a sorted set: the stream's new entries in fair order, member
-  `<entry id> <tenant>`, score the job's start tag;
+  `<entry id> <tenant> <cost> <charge>`, score the job's start tag (charge: what a
+  quota counts it, a byte a token for its prompt: an upper bound);
 - `<prefix>:vtime<S's suffix>`, a hash: per tenant the finish tag of its last job queued there
   (its virtual time), and field `:v`, the start tag of the job taken last (the stream's virtual
   time).
@@ -21,20 +22,24 @@ are handed over at once, as they came (no tenant waits for another: the fleet is
 from __future__ import annotations
 
 PARKED_CONSUMER = "~ready"
+CHARGED = "~charged"  # the fair read's last reply element when it charged what it handed out
 
 # KEYS: the tenants' hash, this minute's tokens (tpm hash), then the work streams in the order a
 # worker reads them (most urgent band first), each job stream followed by its ready set, vtime
-# hash and held set. ARGV: group, consumer, the parked consumer, the most entries parked per
-# stream per call, 1 when some tenant has a tokens-per-minute quota, then per stream its cap (the
-# most entries taken in all once it is read; caps never grow along KEYS) and 1 when it is a job
-# stream (fair), 0 for a requeue stream (read as it came: requeued work had its turn).
+# hash and held set (a requeue stream alone: read as it came, requeued work had its turn). ARGV:
+# group, consumer, the parked consumer, the most entries parked per stream per call, the prefix
+# of ready sets (`<prefix>:ready`: which keys follow a job stream), then per stream its cap (the
+# most entries taken in all once it is read; caps never grow along KEYS). Quotas are looked at
+# when the tenants' hash has the field `:quotas` (some tenant has a tokens-per-minute quota);
+# then the reply ends with `{'~charged', {}}`: the entries of job streams were charged.
 # With quotas, entries of a tenant over its quota move to the held set (`<prefix>:held...`) with
-# their tags, and back to the ready set once the tenant is within it again.
+# their tags, and back to the ready set once the tenant is within it again; what is handed out
+# is added to this minute's tokens at once (its cost: the worker corrects it at the job's end).
 # Returns {{stream, {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
 FAIR_READ = """
 local group, consumer, parked, batch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local quotas = ARGV[5] == '1'
 local tenants_key, tpm_key = KEYS[1], KEYS[2]
+local quotas = redis.call('HEXISTS', tenants_key, ':quotas') == 1
 
 local function read_new(key, as, count)
   local got = redis.pcall('XREADGROUP', 'GROUP', group, as, 'COUNT', count, 'STREAMS', key, '>')
@@ -62,18 +67,17 @@ local function tenant_of(fields)
   return 'default'  -- unset (or invalid: the worker dead-letters it; its place is default's)
 end
 
--- prompt tokens estimated (4 characters a token, or the ids given) plus max_tokens
+-- what a job costs: {fair share: prompt tokens estimated (4 bytes a token, or the ids given)
+-- plus max_tokens; quota: the same with a byte a token, more than any tokenizer makes of text}
 local function cost_of(fields)
-  local cost = tonumber(field(fields, 'max_tokens') or '256') or 256
+  local out = tonumber(field(fields, 'max_tokens') or '256') or 256
   local ids = field(fields, 'prompt_token_ids')
   if ids then
     local _, commas = string.gsub(ids, ',', '')
-    cost = cost + commas + 1
-  else
-    cost = cost + math.ceil(#(field(fields, 'prompt') or field(fields, 'messages') or '') / 4)
+    return math.max(out + commas + 1, 1), math.max(out + commas + 1, 1)
   end
-  if cost < 1 then return 1 end
-  return cost
+  local bytes = #(field(fields, 'prompt') or field(fields, 'messages') or '')
+  return math.max(out + math.ceil(bytes / 4), 1), math.max(out + bytes, 1)
 end
 
 local function weight_of(published)
@@ -100,9 +104,10 @@ local function park(entries, ready, vtime)
   local scored = {}
   for _, e in ipairs(entries) do
     local t = e.tenant
+    local cost, charge = cost_of(e[2])
     scored[#scored + 1] = finish[t]
-    scored[#scored + 1] = e[1] .. ' ' .. t
-    finish[t] = finish[t] + cost_of(e[2]) / weight[t]
+    scored[#scored + 1] = e[1] .. ' ' .. t .. ' ' .. cost .. ' ' .. charge
+    finish[t] = finish[t] + cost / weight[t]
   end
   redis.call('ZADD', ready, unpack(scored))
   local tags = {}
@@ -118,23 +123,27 @@ local function claim(key, ids)
   return redis.call('XCLAIM', unpack(args))
 end
 
--- tenant -> whether it is within its tokens-per-minute quota (the tenants' hash: `weight tpm
--- concurrent`; this minute's tokens: the tpm hash)
-local function within_quota(names)
+-- per tenant its tokens-per-minute quota (0: none; the tenants' hash: `weight tpm concurrent`)
+-- and this minute's tokens so far (the tpm hash)
+local function quota_state(names)
   local limits = redis.call('HMGET', tenants_key, unpack(names))
-  local used = redis.call('HMGET', tpm_key, unpack(names))
-  local ok = {}
+  local counted = redis.call('HMGET', tpm_key, unpack(names))
+  local limit, used = {}, {}
   for k, t in ipairs(names) do
-    local limit = tonumber(string.match(limits[k] or '', '^%S+%s+(%d+)') or '0') or 0
-    ok[t] = limit == 0 or (tonumber(used[k]) or 0) < limit
+    limit[t] = tonumber(string.match(limits[k] or '', '^%S+%s+(%d+)') or '0') or 0
+    used[t] = tonumber(counted[k]) or 0
   end
-  return ok
+  return limit, used
+end
+
+local function within(limit, used, t)
+  return limit[t] == 0 or used[t] < limit[t]
 end
 
 local function tenants_of(scored)
   local names, seen = {}, {}
   for j = 1, #scored, 2 do
-    local t = string.match(scored[j], ' (%S+)$')
+    local t = string.match(scored[j], '^%S+ (%S+)')
     if not seen[t] then seen[t] = true; names[#names + 1] = t end
   end
   return names
@@ -144,10 +153,10 @@ end
 local function release(ready, held)
   local h = redis.call('ZRANGE', held, 0, 255, 'WITHSCORES')
   if #h == 0 then return end
-  local ok = within_quota(tenants_of(h))
+  local limit, used = quota_state(tenants_of(h))
   local back, gone = {}, {}
   for j = 1, #h, 2 do
-    if ok[string.match(h[j], ' (%S+)$')] then
+    if within(limit, used, string.match(h[j], '^%S+ (%S+)')) then
       back[#back + 1] = h[j + 1]; back[#back + 1] = h[j]; gone[#gone + 1] = h[j]
     end
   end
@@ -164,14 +173,15 @@ local function pick_within_quota(ready, held, want)
   for _ = 1, 4 do
     local head = redis.call('ZRANGE', ready, 0, want - #out + 63, 'WITHSCORES')
     if #head == 0 then break end
-    local ok = within_quota(tenants_of(head))
+    local limit, used = quota_state(tenants_of(head))
     local done, hold = {}, {}
     for j = 1, #head, 2 do
-      local t = string.match(head[j], ' (%S+)$')
-      if not ok[t] then
+      local t, charge = string.match(head[j], '^%S+ (%S+) %S+ (%S+)$')
+      if not within(limit, used, t) then
         hold[#hold + 1] = head[j + 1]; hold[#hold + 1] = head[j]; done[#done + 1] = head[j]
-      elseif #out < want then
+      elseif #out < want then  -- counted at once: the next one of its sees it
         out[#out + 1] = head[j]; done[#done + 1] = head[j]; last = head[j + 1]
+        used[t] = used[t] + tonumber(charge)
       end
     end
     redis.call('ZREM', ready, unpack(done))
@@ -200,15 +210,25 @@ local function take_fair(key, ready, vtime, held, want)
     for j = 1, #popped, 2 do members[#members + 1] = popped[j]; last = popped[j + 1] end
   end
   if #members == 0 then return {} end
-  local ids = {}
-  for j, m in ipairs(members) do ids[j] = string.match(m, '^(%S+)') end
+  local ids, reserve = {}, {}
+  for j, m in ipairs(members) do
+    local id, t, charge = string.match(m, '^(%S+) (%S+) %S+ (%S+)$')
+    ids[j] = id
+    reserve[t] = (reserve[t] or 0) + tonumber(charge)
+  end
+  if quotas then  -- this minute's tokens: what is handed out now is counted now
+    for t, n in pairs(reserve) do redis.call('HINCRBY', tpm_key, t, n) end
+    redis.call('EXPIRE', tpm_key, 120)
+  end
   redis.call('HSET', vtime, ':v', last)
   return claim(key, ids)
 end
 
+local ready_prefix, CHARGED = ARGV[5], '~charged'
 local taken, reply, k, a = 0, {}, 3, 6
 while k <= #KEYS do
-  local key, want, fair = KEYS[k], tonumber(ARGV[a]) - taken, ARGV[a + 1] == '1'
+  local key, want = KEYS[k], tonumber(ARGV[a]) - taken
+  local fair = KEYS[k + 1] ~= nil and string.sub(KEYS[k + 1], 1, #ready_prefix) == ready_prefix
   local got = {}
   if want > 0 then
     if fair then got = take_fair(key, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], want)
@@ -224,7 +244,8 @@ while k <= #KEYS do
     taken = taken + #entries
   end
   if fair then k = k + 4 else k = k + 1 end
-  a = a + 2
+  a = a + 1
 end
+if quotas then reply[#reply + 1] = {CHARGED, {}} end  -- what came from job streams was charged
 return reply
 """

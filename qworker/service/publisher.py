@@ -16,7 +16,6 @@ import redis
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import CannotWork, job_error
 from qworker.service.event_fields import event_fields
-from qworker.service.fair_share import FairShare
 from qworker.service.intake import capped_entries
 from qworker.service.job import ActiveJob, Entry
 from qworker.service.outcome import DONE as DONE  # the statuses of a flush, where tests look
@@ -41,7 +40,6 @@ class Publisher:
         self.token = token
         self.recent = Recent(client, keys, config)
         self.usage = Usage(client, keys, config)
-        self.fair = FairShare(client, keys) if config.fair_share else None
 
     def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
               read_caps: Sequence[tuple[str, int]] = (),
@@ -74,7 +72,7 @@ class Publisher:
             pipe.mget([self.keys.cancel(job_id) for job_id in cancel_check])
         if read_caps:
             self.scripts.read(pipe, group=self.config.group, consumer=self.config.name,
-                              caps=read_caps, fair=self.fair)
+                              caps=read_caps, fair=self.keys if self.config.fair_share else None)
         result = FlushResult()
         if not appending and not requeueing and not cancel_check and not read_caps:
             return result
@@ -86,7 +84,7 @@ class Publisher:
             if isinstance(read, Exception):
                 result.error = read  # the worker's own phase: not one job's
             else:
-                result.entries = capped_entries(read)
+                result.entries = capped_entries(read, self.keys)
         try:
             self._statuses(appending, requeueing, cancel_check, iter(replies), result)
         except redis.exceptions.NoScriptError:

@@ -11,7 +11,6 @@ from typing import Any, cast
 
 import redis
 
-from qworker.service.fair_share import FairShare
 from qworker.service.lua import (
     APPEND,
     BEAT,
@@ -88,23 +87,22 @@ class Scripts:
             client.script_load(text)
 
     def read(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
-             caps: Sequence[tuple[str, int]], fair: FairShare | None = None) -> Any:
+             caps: Sequence[tuple[str, int]], fair: Keys | None = None) -> Any:
         """New entries of the (stream, cap) pairs in order, within the caps (READ; with `fair`,
         the keys of the fair share, FAIR_READ: each job stream's tenants in proportion to their
-        weights); on a pipeline the reply comes with the pipeline's (`intake.capped_entries`
-        reads it)."""
+        weights, within their tokens per minute when some have a quota); on a pipeline the reply
+        comes with the pipeline's (`intake.capped_entries` reads it)."""
         if fair is None:
             return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group,
                                   consumer, *(cap for _, cap in caps))
-        k = fair.keys
+        k = fair
         keys: list[str] = [k.tenants, k.tpm(minute_now())]
         args: list[str | int] = [group, consumer, PARKED_CONSUMER, PARK_BATCH,
-                                 int(fair.quotas_on())]
+                                 k.ready_of(k.jobs)]
         for stream, cap in caps:
-            is_jobs = not k.is_requeue(stream)
-            keys += ([stream, k.ready_of(stream), k.vtime_of(stream), k.held_of(stream)]
-                     if is_jobs else [stream])
-            args += [cap, int(is_jobs)]
+            keys += ([stream] if k.is_requeue(stream) else
+                     [stream, k.ready_of(stream), k.vtime_of(stream), k.held_of(stream)])
+            args.append(cap)
         return client.evalsha(self.fair_read_sha, len(keys), *keys, *args)
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, group: str,

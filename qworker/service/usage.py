@@ -1,8 +1,9 @@
-"""Counting what each tenant uses, as it happens, in Redis (docs/protocol.md, "Quotas and
-usage"): the tokens of each minute (`<prefix>:tpm:<minute>`: what the fair read holds a tenant
-over its tokens-per-minute quota by) and each day's jobs, tokens and errors per tenant and model
-(`<prefix>:usage:<day>`). Written right after the events they count were confirmed, in one
-pipeline; best effort like the recent-jobs stream: a Redis error costs counts, never a job."""
+"""Counting what each tenant uses, in Redis (docs/protocol.md, "Quotas and usage"): each day's
+jobs, tokens and errors per tenant and model (`<prefix>:usage:<day>`), and, while some tenant has
+a tokens-per-minute quota, the correction of what the fair read charged a job to this minute's
+tokens (`<prefix>:tpm:<minute>`) by what it really made. Written right after the events they
+count were confirmed, in one pipeline; best effort like the recent-jobs stream: a Redis error
+costs counts, never a job."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from collections.abc import Mapping, Sequence
 import redis
 
 from qworker.service.config import ServiceConfig
+from qworker.service.fair_share import max_tokens_of, prompt_charge
 from qworker.service.job import ActiveJob
 from qworker.service.logs import get_logger
 from qworker.service.outcome import DONE, OK
-from qworker_client.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent
+from qworker_client.protocol import DoneEvent, ErrorEvent, Event, Keys, TokenEvent
 
 TPM_TTL_S = 120  # a minute's counts, kept while the next one runs
 USAGE_TTL_S = 90 * 86_400  # a day's usage, kept 90 days
@@ -38,8 +40,8 @@ class Usage:
         self._failing = ""
 
     def add(self, jobs: Sequence[ActiveJob], status: Mapping[str, str]) -> None:
-        """Counts the confirmed events of `jobs` (their outboxes, just written: status ok or
-        done): each token as it is shown, a job's prompt with its first token."""
+        """Counts the ends among the confirmed events of `jobs` (their outboxes, just written:
+        status ok or done)."""
         tokens: Counter[str] = Counter()
         day: Counter[str] = Counter()
         for job in jobs:
@@ -48,16 +50,31 @@ class Usage:
             tenant = job.job.tenant_or_default
             model = self.keys.stream_model(job.entry.stream) or job.job.model or "-"
             for event in job.outbox:
-                if isinstance(event, TokenEvent):
-                    tokens[tenant] += 1 + (job.prompt_tokens if event.i == 0 else 0)
-                elif isinstance(event, DoneEvent):
+                if isinstance(event, DoneEvent):
                     for name, n in (("jobs", 1), ("prompt_tokens", event.prompt_tokens),
                                     ("completion_tokens", event.completion_tokens)):
                         day[f"{tenant}|{model}|{name}"] += n
                 elif isinstance(event, ErrorEvent):
                     day[f"{tenant}|{model}|errors"] += 1
+                if job.entry.charged:  # charged its estimate when handed out: corrected here
+                    tokens[tenant] += self._correction(job, event)
         if tokens or day:
             self._write(tokens, day)
+
+    @staticmethod
+    def _correction(job: ActiveJob, event: Event) -> int:
+        """What the fair read's charge of the job misses, known at this event: its prompt's
+        real tokens with its first token; its unused `max_tokens` at its end."""
+        fields = job.entry.fields
+        prompt = job.prompt_tokens - prompt_charge(fields)
+        if isinstance(event, TokenEvent):
+            return prompt if event.i == 0 else 0
+        if isinstance(event, DoneEvent):
+            return event.completion_tokens - max_tokens_of(fields)
+        if isinstance(event, ErrorEvent):  # ended before any token: its prompt too
+            unshown = prompt if job.next_index == 0 else 0
+            return job.next_index - max_tokens_of(fields) + unshown
+        return 0
 
     def _write(self, tokens: Counter[str], day: Counter[str]) -> None:
         pipe = self.client.pipeline(transaction=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
@@ -20,7 +21,7 @@ from qworker_client.gateway.chat.shaping import Shape
 from qworker_client.gateway.chat.translate import GatewayRequest
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.connection import gateway_client
-from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.errors import APIError, bad_request
 from qworker_client.gateway.metrics import Metrics
 from qworker_client.gateway.owners import Owner
 from qworker_client.gateway.round_trip import Command, round_trip
@@ -70,6 +71,19 @@ class Gateway:
             pipe.hset(self.keys.tenants, mapping=published)
         await pipe.execute()
         self._published = version
+
+    async def check_quota(self, tenant: Tenant) -> None:
+        """429 (with `Retry-After`: the seconds left of this minute) while the tenant's tokens of
+        this minute, counted in Redis by every worker's fair read, have reached its quota."""
+        if tenant.tokens_per_minute is None:
+            return
+        now = time.time()
+        used = await self.redis.hget(self.keys.tpm(int(now) // 60), tenant.name)
+        if used is not None and int(used) >= tenant.tokens_per_minute:
+            raise APIError(429, f"tenant {tenant.name!r} has used its {tenant.tokens_per_minute} "
+                           "tokens of this minute", type="rate_limit_error",
+                           code="tokens_per_minute",
+                           headers={"retry-after": str(max(1, 60 - int(now) % 60))})
 
     async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner,
                      tenant: Tenant | None = None) -> dict[str, Queued]:

@@ -40,6 +40,8 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     if tenant is not None and (why := refusal(tenant, req.model, [
             int(c.spec.get("priority", 0)) for c in req.choices])) is not None:
         raise APIError(403, why, type="permission_error", code="tenant_not_allowed")
+    if tenant is not None:
+        await gateway.check_quota(tenant)
     await gateway.publish_tenants()
     timing = Timing(gateway.metrics, ROUTES[kind], req.model, started)  # a model of the catalog
     await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
