@@ -11,8 +11,10 @@ from collections import Counter
 from pathlib import Path
 
 import httpx2
+import pytest
 import redis
 
+from qworker_client.cli import main as cli_main
 from qworker_client.jobs import list_jobs
 from tests.gateway_harness import gateway, live_worker
 from tests.service_harness import KEYS, sim_engine, wait_for, wait_terminal
@@ -22,7 +24,8 @@ BODY = {"model": "sim", "messages": [{"role": "user", "content": "count"}], "max
         "ignore_eos": True}
 
 
-def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Path) -> None:
+def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     keys_file = tmp_path / "keys.json"
     keys_file.write_text(json.dumps({"tenants": {
         "capped": {"keys": ["sk-capped"], "tokens_per_minute": QUOTA},
@@ -53,10 +56,20 @@ def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Pat
                                     "max_tokens": "30"})
         client.xadd(KEYS.jobs, {"id": "other", "tenant": "free", "prompt": "hi",
                                 "max_tokens": "3"})
-        wait_terminal(client, ["other"], timeout=30)  # another tenant is not held with them
+        client.xadd(KEYS.jobs, {"id": "rogue", "tenant": "rogue", "prompt": "hi",
+                                "max_tokens": "3"})
+        wait_terminal(client, ["other", "rogue"], timeout=30)  # others are not held with them
         wait_for(lambda: client.zcard(KEYS.held_of(KEYS.jobs)) > 0, timeout=10,
                  what="the direct jobs held")
         rows = {row.job_id: row for row in list_jobs(client, KEYS, 100)}
+        own = httpx2.get(f"{one}/v1/admin/usage", headers={"authorization": "Bearer sk-capped"})
+        denied = httpx2.get(f"{two}/v1/admin/usage?tenant=capped",
+                            headers={"authorization": "Bearer sk-free"})
+        metrics = httpx2.get(f"{two}/metrics").text
+    assert {(r["tenant"], r["model"]) for r in own.json()["data"]} == {("capped", "sim")}
+    assert denied.status_code == 403
+    assert 'qworker_tenant_usage_today{counter="jobs",tenant="free"} 1.0' in metrics
+    assert 'tenant="rogue"' not in metrics  # not in the keys file: no label of its own
     day = client.hgetall(next(iter(client.scan_iter(match=KEYS.usage("*")))))
     ran = int(day["capped|sim|jobs"])
     made = int(day["capped|sim|prompt_tokens"]) + int(day["capped|sim|completion_tokens"])
@@ -73,4 +86,10 @@ def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Pat
     held = [r for r in rows.values() if r.job_id.startswith("direct")]
     assert any(r.status == "queued" and r.detail.startswith("held: quota") for r in held), held
     assert client.xlen(KEYS.dead) == 0  # nothing failed
+    capsys.readouterr()
+    assert cli_main(["usage", "--tenant", "capped", "--json", "--redis-url", redis_url]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["tenant"], r["jobs"]) for r in listed] == [("capped", ran)]
+    assert cli_main(["usage", "--since", "yesterday", "--redis-url", redis_url]) == 2
+    assert "not a day" in capsys.readouterr().err
     client.close()

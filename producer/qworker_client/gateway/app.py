@@ -27,6 +27,7 @@ from qworker_client.gateway.metrics import CountResponses
 from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.streams import jobs
 from qworker_client.gateway.streams.disconnect import RAW_SEND
+from qworker_client.gateway.usage_route import export_tenant_usage, usage_route
 
 log = logging.getLogger("qworker.gateway")
 Handler = Callable[[Gateway, Request], Awaitable[Any]]
@@ -68,6 +69,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         route("/v1/batches", batch_routes.create_batch, "POST"),
         route("/v1/batches/{batch_id}", batch_routes.get_batch),
         route("/v1/batches/{batch_id}/cancel", batch_routes.cancel_batch, "POST"),
+        route("/v1/admin/usage", usage_route),
         route("/health", _health),
         route("/metrics", _metrics),
     ]
@@ -104,6 +106,7 @@ async def _health(gateway: Gateway, _: Request) -> JSONResponse:
 async def _metrics(gateway: Gateway, _: Request) -> Response:
     models = [None, *await gateway.catalog.models()]  # model-less, and each live model's
     gateway.metrics.queue_depth.set(await gateway.gate.unfinished(models))
+    await export_tenant_usage(gateway)
     content, media_type = gateway.metrics.exposition()
     return Response(content, media_type=media_type)
 

@@ -7,7 +7,8 @@ quotas (docs/gateway.md, "Tenants"). JSON, one object per tenant:
                           "models": ["smollm2"],        # default: every model
                           "max_band": "normal",         # high | normal | low; default high
                           "tokens_per_minute": 100000,  # prompt + completion; default: none
-                          "concurrent_jobs": 8}}}       # default: no limit
+                          "concurrent_jobs": 8,         # default: no limit
+                          "admin": false}}}             # true: reads every tenant's usage
 
 The file is read again when it changes (looked at at most once a second) or on SIGHUP; a file
 that does not parse then keeps the last good one (logged). The tenants' weights and quotas are
@@ -29,7 +30,8 @@ from qworker_client.protocol import BANDS, TENANT_PATTERN, is_valid_tenant
 
 log = logging.getLogger("qworker.gateway")
 BAND_NAMES = {"high": "high", "normal": "", "low": "low"}  # a band's name -> its key suffix
-_FIELDS = {"keys", "weight", "models", "max_band", "tokens_per_minute", "concurrent_jobs"}
+_FIELDS = {"keys", "weight", "models", "max_band", "tokens_per_minute", "concurrent_jobs",
+           "admin"}
 MAX_WEIGHT = 1_000_000.0
 
 
@@ -45,6 +47,7 @@ class Tenant:
     max_band: str = "high"
     tokens_per_minute: int | None = None
     concurrent_jobs: int | None = None
+    admin: bool = False  # its keys read every tenant's usage (`GET /v1/admin/usage`)
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -102,8 +105,11 @@ def _tenant(name: str, table: Any, where: str) -> Tenant:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise KeysFileError(f"{where}: quotas must be positive integers")
+    admin = table.get("admin", False)
+    if not isinstance(admin, bool):
+        raise KeysFileError(f"{where}: admin must be true or false")
     return Tenant(name, float(weight), None if models is None else frozenset(models), band,
-                  limits[0], limits[1])
+                  limits[0], limits[1], admin)
 
 
 class KeysFile:
