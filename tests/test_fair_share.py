@@ -15,6 +15,7 @@ import redis
 
 from qworker.service.lua_fair import PARKED_CONSUMER
 from qworker_client.protocol import Keys
+from qworker_client.stats import stream_stats
 from tests.fair_harness import field, finish, intake, submit
 from tests.service_harness import KEYS, sim_engine, thread_worker, wait_terminal
 
@@ -58,7 +59,8 @@ def test_a_late_tenant_does_not_wait_behind_a_flood(client: redis.Redis) -> None
     assert nxt[:2] in (["late0", "f4"], ["f4", "late0"])
 
 
-def test_bands_stay_strict_and_parked_entries_are_nobodys(client: redis.Redis) -> None:
+def test_bands_stay_strict_and_parked_entries_are_nobodys(client: redis.Redis,
+                                                          redis_url: str) -> None:
     w = intake(client, KEYS, "w1", claim_idle_ms=100)
     peer = intake(client, KEYS, "w2", claim_idle_ms=100)
     for k in range(6):
@@ -69,6 +71,9 @@ def test_bands_stay_strict_and_parked_entries_are_nobodys(client: redis.Redis) -
     assert [field(e, "id") for e in held] == ["urgent", "n1"]
     pending = client.xpending_range(KEYS.jobs, "workers", "-", "+", 100)
     assert Counter(r["consumer"].decode() for r in pending) == {PARKED_CONSUMER: 4, "w1": 1}
+    with redis.Redis.from_url(redis_url, decode_responses=True) as decoded:
+        shown = stream_stats(decoded, KEYS.jobs, "workers")  # qworker stats, autoscalers
+    assert (shown.pending, shown.parked, shown.waiting) == (1, 4, 4)
     time.sleep(0.15)
     reclaimed = peer.reclaim(10, set())  # idle past claim-idle: w1's held ones, not the parked
     assert sorted(field(e, "id") or "" for e in reclaimed) == ["n1", "urgent"]

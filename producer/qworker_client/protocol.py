@@ -38,6 +38,8 @@ _MODEL_RE = re.compile(MODEL_PATTERN)
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 _TENANT_RE = re.compile(TENANT_PATTERN)
 DEFAULT_TENANT = "default"
+# the consumer the fair read parks new entries as (pending in the group, delivered to no worker)
+PARKED_CONSUMER = "~ready"
 QUOTAS_FIELD = ":quotas"  # in `<prefix>:tenants`: some tenant has a tokens-per-minute quota
 
 # Input bounds: every job is bounded before it reaches the engine.
@@ -776,7 +778,7 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 
 __all__ = [
     "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "DEFAULT_TENANT", "EXPIRED",
-    "ID_PATTERN", "INTERNAL", "TENANT_PATTERN",
+    "ID_PATTERN", "INTERNAL", "PARKED_CONSUMER", "TENANT_PATTERN",
     "INVALID_REQUEST", "LOST_STATE", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG",
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
     "DoneEvent", "ErrorEvent",

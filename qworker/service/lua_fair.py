@@ -21,7 +21,8 @@ are handed over at once, as they came (no tenant waits for another: the fleet is
 
 from __future__ import annotations
 
-PARKED_CONSUMER = "~ready"
+from qworker_client.protocol import PARKED_CONSUMER as PARKED_CONSUMER  # its home
+
 CHARGED = "~charged"  # the fair read's last reply element when it charged what it handed out
 
 # KEYS: the tenants' hash, this minute's tokens (tpm hash), then the work streams in the order a
