@@ -89,14 +89,17 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("zadd", "zpopmin", "zcard", "zrange", "zrem", "hmget", "hset"), fair),
             Grant(("hmget", "hget", "hexists"), (k.tenants,), read_only=True),
             Grant(("hincrby", "hmget", "expire"), counts),
+            Grant(("zadd", "zlexcount", "zrem", "zrangebylex"), (k.running,)),
             Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
-                                        k.tenants, counts[0])),
+                                        k.tenants, counts[0], k.running)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",
                                             "exec"), producer(
             reads=(gateway, worker), read_commands=("mget", "xlen"), sets=(gateway,)) + (
             Grant(("del", "hset"), (k.tenants,)),  # the keys file's tenants, published
+            Grant(("hget",), (k.tpm(0).removesuffix("0") + "*",), read_only=True),  # quotas
+            Grant(("zlexcount",), (k.running,), read_only=True),
         )),
         "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
             Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),

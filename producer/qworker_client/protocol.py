@@ -558,6 +558,12 @@ class Keys:
         a hash: tenant -> tokens; counted by the workers as the tokens are written, kept 2 min."""
         return f"{self.prefix}:tpm:{minute}"
 
+    @property
+    def running(self) -> str:
+        """The jobs the fair read handed out under quotas and not yet ended, a sorted set of
+        members `<tenant>\\0<stream>\\0<entry id>` (score 0): a tenant's concurrent jobs."""
+        return f"{self.prefix}:running"
+
     def usage(self, day: str) -> str:
         """One UTC day's usage (`YYYY-MM-DD`), a hash: `<tenant>|<model>|<counter>` -> count
         (counters: jobs, prompt_tokens, completion_tokens, errors; model `-`: none)."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qworker.service.job import Entry
-from qworker.service.lua_fair import CHARGED
+from qworker.service.lua_fair import CHARGED, PARKED_CONSUMER
 from qworker_client.protocol import Keys, WireFields
 
 
@@ -18,6 +18,29 @@ def mark_charged(reply: Any, entries: Sequence[Entry], keys: Keys) -> None:
     if reply and _text(reply[-1][0]) == CHARGED:
         for entry in entries:
             entry.charged = not keys.is_requeue(entry.stream)
+
+
+def running_member(tenant: str, entry: Entry) -> str:
+    """The job's member of the running set (lua_fair: `<tenant>\0<stream>\0<entry id>`)."""
+    return f"{tenant}\0{entry.stream}\0{entry.entry_id}"
+
+
+def stale_running(client: Any, keys: Keys, group: str, start: str, count: int = 100
+                  ) -> tuple[list[str], str]:
+    """Members of the running set from `start` (a ZRANGEBYLEX bound) whose entry is no longer
+    pending to a worker (ended, requeued, or its worker's count was lost with it): (them, where
+    the next look starts)."""
+    members = [m.decode() if isinstance(m, bytes) else m
+               for m in client.zrangebylex(keys.running, start, "+", 0, count)]
+    pipe = client.pipeline(transaction=False)
+    for m in members:
+        _, stream, entry_id = m.split("\0")
+        pipe.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+    stale = [m for m, rows in zip(members, pipe.execute(raise_on_error=False), strict=True)
+             if not isinstance(rows, Exception)
+             and not any(_text(r["consumer"]) != PARKED_CONSUMER for r in rows)]
+    following = "(" + members[-1] if len(members) == count else "-"
+    return stale, following
 
 
 def _text(value: object) -> str:

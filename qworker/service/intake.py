@@ -17,7 +17,7 @@ from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_
 from qworker.service.dead_letters import DeadLetters
 from qworker.service.dead_letters import dead_fields as dead_fields
 from qworker.service.errors import job_error
-from qworker.service.fair_share import mark_charged
+from qworker.service.fair_share import mark_charged, stale_running
 from qworker.service.job import Entry, Readback, now_ms
 from qworker.service.job import Reject as Reject  # where intake's callers find them
 from qworker.service.job import Taken as Taken
@@ -79,6 +79,7 @@ class Intake:
         self.log = get_logger(worker=config.name)
         self.dead_letters = DeadLetters(client, keys, config, scripts)
         self.fair = keys if config.fair_share else None  # the fair read's keys
+        self._running_cursor = "-"  # the quotas' running set: where the next repair looks
 
     @property
     def consumer(self) -> str:
@@ -147,7 +148,17 @@ class Intake:
             entries += self._reclaim_stream(stream, want, skip_entry_ids)
         for entry in entries:
             entry.reclaimed = True
+        if self.fair is not None:
+            self._drop_stale_running()
         return entries
+
+    def _drop_stale_running(self) -> None:
+        """Repairs the quotas' running set: a job whose end was not counted (its worker died
+        between its terminal event and the count) stops counting once seen not pending."""
+        stale, self._running_cursor = stale_running(self.client, self.keys, self.config.group,
+                                                    self._running_cursor)
+        if stale:
+            self.client.zrem(self.keys.running, *stale)
 
     def _reclaim_stream(self, stream: str, want: int, skip: set[str]) -> list[Entry]:
         rows = self.client.xpending_range(stream, self.config.group, min=self._cursors[stream],

@@ -25,21 +25,22 @@ from qworker_client.protocol import PARKED_CONSUMER as PARKED_CONSUMER  # its ho
 
 CHARGED = "~charged"  # the fair read's last reply element when it charged what it handed out
 
-# KEYS: the tenants' hash, this minute's tokens (tpm hash), then the work streams in the order a
-# worker reads them (most urgent band first), each job stream followed by its ready set, vtime
-# hash and held set (a requeue stream alone: read as it came, requeued work had its turn). ARGV:
-# group, consumer, the parked consumer, the most entries parked per stream per call, the prefix
-# of ready sets (`<prefix>:ready`: which keys follow a job stream), then per stream its cap (the
-# most entries taken in all once it is read; caps never grow along KEYS). Quotas are looked at
-# when the tenants' hash has the field `:quotas` (some tenant has a tokens-per-minute quota);
-# then the reply ends with `{'~charged', {}}`: the entries of job streams were charged.
-# With quotas, entries of a tenant over its quota move to the held set (`<prefix>:held...`) with
-# their tags, and back to the ready set once the tenant is within it again; what is handed out
-# is added to this minute's tokens at once (its cost: the worker corrects it at the job's end).
-# Returns {{stream, {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
-FAIR_READ = """
+# KEYS: the tenants' hash, this minute's tokens (tpm hash), the running set (members
+# `<tenant>\0<stream>\0<entry id>`, score 0: counted per tenant by ZLEXCOUNT), then the work streams
+# in the order a worker reads them (most urgent band first), each job stream followed by its ready
+# set, vtime hash and held set (a requeue stream alone: read as it came, requeued work had its
+# turn). ARGV: group, consumer, the parked consumer, the most entries parked per stream per call,
+# the prefix of ready sets (`<prefix>:ready`: which keys follow a job stream), then per stream its
+# cap (the most entries taken in all once it is read; caps never grow along KEYS). Quotas are looked
+# at when the tenants' hash has the field `:quotas` (some tenant has a tokens-per-minute quota);
+# then the reply ends with `{'~charged', {}}`: the entries of job streams were charged. With quotas,
+# entries of a tenant over its quota move to the held set (`<prefix>:held...`) with their tags, and
+# back to the ready set once the tenant is within it again; what is handed out is added to this
+# minute's tokens at once (its cost: the worker corrects it at the job's end). Returns {{stream,
+# {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
+FAIR_READ = r"""
 local group, consumer, parked, batch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local tenants_key, tpm_key = KEYS[1], KEYS[2]
+local tenants_key, tpm_key, running_key = KEYS[1], KEYS[2], KEYS[3]
 local quotas = redis.call('HEXISTS', tenants_key, ':quotas') == 1
 
 local function read_new(key, as, count)
@@ -47,7 +48,7 @@ local function read_new(key, as, count)
   if type(got) == 'table' and got.err then
     -- a stream that is not there has nothing to read; any other error is the caller's
     if redis.call('EXISTS', key) == 1 then return redis.error_reply(got.err) end
-    return {}
+    return {}, true  -- and nothing parked either: parked entries live in their stream
   end
   if not got or not got[1] then return {} end
   local one = got[1]
@@ -124,21 +125,25 @@ local function claim(key, ids)
   return redis.call('XCLAIM', unpack(args))
 end
 
--- per tenant its tokens-per-minute quota (0: none; the tenants' hash: `weight tpm concurrent`)
--- and this minute's tokens so far (the tpm hash)
+-- per tenant its quotas (the tenants' hash: `weight tpm concurrent`, 0: none), this minute's
+-- tokens so far (the tpm hash) and its jobs running (members `<tenant>\0...` of the running set)
 local function quota_state(names)
   local limits = redis.call('HMGET', tenants_key, unpack(names))
   local counted = redis.call('HMGET', tpm_key, unpack(names))
-  local limit, used = {}, {}
+  local q = {}
   for k, t in ipairs(names) do
-    limit[t] = tonumber(string.match(limits[k] or '', '^%S+%s+(%d+)') or '0') or 0
-    used[t] = tonumber(counted[k]) or 0
+    local tpm, jobs = string.match(limits[k] or '', '^%S+%s+(%d+)%s+(%d+)')
+    q[t] = {tpm = tonumber(tpm or '0') or 0, used = tonumber(counted[k]) or 0,
+            jobs = tonumber(jobs or '0') or 0, running = 0}
+    if q[t].jobs > 0 then
+      q[t].running = redis.call('ZLEXCOUNT', running_key, '[' .. t .. '\0', '(' .. t .. '\1')
+    end
   end
-  return limit, used
+  return q
 end
 
-local function within(limit, used, t)
-  return limit[t] == 0 or used[t] < limit[t]
+local function within(q, t)
+  return (q[t].tpm == 0 or q[t].used < q[t].tpm) and (q[t].jobs == 0 or q[t].running < q[t].jobs)
 end
 
 local function tenants_of(scored)
@@ -154,10 +159,12 @@ end
 local function release(ready, held)
   local h = redis.call('ZRANGE', held, 0, 255, 'WITHSCORES')
   if #h == 0 then return end
-  local limit, used = quota_state(tenants_of(h))
+  local q = quota_state(tenants_of(h))
   local back, gone = {}, {}
   for j = 1, #h, 2 do
-    if within(limit, used, string.match(h[j], '^%S+ (%S+)')) then
+    local t = string.match(h[j], '^%S+ (%S+)')
+    if within(q, t) then
+      q[t].running = q[t].running + 1  -- released no more than it may run
       back[#back + 1] = h[j + 1]; back[#back + 1] = h[j]; gone[#gone + 1] = h[j]
     end
   end
@@ -174,15 +181,16 @@ local function pick_within_quota(ready, held, want)
   for _ = 1, 4 do
     local head = redis.call('ZRANGE', ready, 0, want - #out + 63, 'WITHSCORES')
     if #head == 0 then break end
-    local limit, used = quota_state(tenants_of(head))
+    local q = quota_state(tenants_of(head))
     local done, hold = {}, {}
     for j = 1, #head, 2 do
       local t, charge = string.match(head[j], '^%S+ (%S+) %S+ (%S+)$')
-      if not within(limit, used, t) then
+      if not within(q, t) then
         hold[#hold + 1] = head[j + 1]; hold[#hold + 1] = head[j]; done[#done + 1] = head[j]
       elseif #out < want then  -- counted at once: the next one of its sees it
         out[#out + 1] = head[j]; done[#done + 1] = head[j]; last = head[j + 1]
-        used[t] = used[t] + tonumber(charge)
+        q[t].used = q[t].used + tonumber(charge)
+        q[t].running = q[t].running + 1
       end
     end
     redis.call('ZREM', ready, unpack(done))
@@ -193,9 +201,9 @@ local function pick_within_quota(ready, held, want)
 end
 
 local function take_fair(key, ready, vtime, held, want)
+  local new, missing = read_new(key, parked, math.max(batch, want))
+  if new.err or missing then return new end
   local waiting = redis.call('ZCARD', ready)
-  local new = read_new(key, parked, math.max(batch, want))
-  if new.err then return new end
   if waiting == 0 and #new <= want and not quotas then
     if #new == 0 then return {} end
     local ids = {}
@@ -217,16 +225,22 @@ local function take_fair(key, ready, vtime, held, want)
     ids[j] = id
     reserve[t] = (reserve[t] or 0) + tonumber(charge)
   end
-  if quotas then  -- this minute's tokens: what is handed out now is counted now
+  if quotas then  -- this minute's tokens, the jobs running: what is handed out counts now
     for t, n in pairs(reserve) do redis.call('HINCRBY', tpm_key, t, n) end
     redis.call('EXPIRE', tpm_key, 120)
+    local run = {}
+    for j, m in ipairs(members) do
+      run[#run + 1] = 0
+      run[#run + 1] = string.match(m, '^%S+ (%S+)') .. '\0' .. key .. '\0' .. ids[j]
+    end
+    redis.call('ZADD', running_key, unpack(run))
   end
   redis.call('HSET', vtime, ':v', last)
   return claim(key, ids)
 end
 
 local ready_prefix, CHARGED = ARGV[5], '~charged'
-local taken, reply, k, a = 0, {}, 3, 6
+local taken, reply, k, a = 0, {}, 4, 6
 while k <= #KEYS do
   local key, want = KEYS[k], tonumber(ARGV[a]) - taken
   local fair = KEYS[k + 1] ~= nil and string.sub(KEYS[k + 1], 1, #ready_prefix) == ready_prefix

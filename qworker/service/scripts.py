@@ -96,7 +96,7 @@ class Scripts:
             return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group,
                                   consumer, *(cap for _, cap in caps))
         k = fair
-        keys: list[str] = [k.tenants, k.tpm(minute_now())]
+        keys: list[str] = [k.tenants, k.tpm(minute_now()), k.running]
         args: list[str | int] = [group, consumer, PARKED_CONSUMER, PARK_BATCH,
                                  k.ready_of(k.jobs)]
         for stream, cap in caps:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import redis
 
 from qworker.service.config import ServiceConfig
-from qworker.service.fair_share import max_tokens_of, prompt_charge
+from qworker.service.fair_share import max_tokens_of, prompt_charge, running_member
 from qworker.service.job import ActiveJob
 from qworker.service.logs import get_logger
 from qworker.service.outcome import DONE, OK
@@ -44,6 +44,7 @@ class Usage:
         status ok or done)."""
         tokens: Counter[str] = Counter()
         day: Counter[str] = Counter()
+        ended: list[str] = []
         for job in jobs:
             if status.get(job.job_id) not in (OK, DONE):
                 continue
@@ -58,6 +59,8 @@ class Usage:
                     day[f"{tenant}|{model}|errors"] += 1
                 if job.entry.charged:  # charged its estimate when handed out: corrected here
                     tokens[tenant] += self._correction(job, event)
+                    if isinstance(event, (DoneEvent, ErrorEvent)):
+                        ended.append(running_member(tenant, job.entry))
         if tokens or day:
             self._write(tokens, day)
 

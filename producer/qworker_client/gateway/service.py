@@ -65,7 +65,7 @@ class Gateway:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(self.keys.tenants)
         published: dict[FieldT, EncodableT] = {n: t.published() for n, t in tenants.items()}
-        if any(t.tokens_per_minute for t in tenants.values()):
+        if any(t.tokens_per_minute or t.concurrent_jobs for t in tenants.values()):
             published[QUOTAS_FIELD] = "1"  # the workers' fair read then looks at quotas
         if published:
             pipe.hset(self.keys.tenants, mapping=published)
@@ -73,17 +73,26 @@ class Gateway:
         self._published = version
 
     async def check_quota(self, tenant: Tenant) -> None:
-        """429 (with `Retry-After`: the seconds left of this minute) while the tenant's tokens of
-        this minute, counted in Redis by every worker's fair read, have reached its quota."""
-        if tenant.tokens_per_minute is None:
-            return
+        """429 with `Retry-After` while the tenant is at a quota, as counted in Redis by every
+        worker's fair read: its tokens of this minute (retry when the minute ends), or its jobs
+        running (retry in a second)."""
         now = time.time()
-        used = await self.redis.hget(self.keys.tpm(int(now) // 60), tenant.name)
-        if used is not None and int(used) >= tenant.tokens_per_minute:
-            raise APIError(429, f"tenant {tenant.name!r} has used its {tenant.tokens_per_minute} "
-                           "tokens of this minute", type="rate_limit_error",
-                           code="tokens_per_minute",
-                           headers={"retry-after": str(max(1, 60 - int(now) % 60))})
+        if tenant.tokens_per_minute is not None:
+            used = await self.redis.hget(self.keys.tpm(int(now) // 60), tenant.name)
+            if used is not None and int(used) >= tenant.tokens_per_minute:
+                raise self._at_quota(tenant, f"its {tenant.tokens_per_minute} tokens of this "
+                                     "minute", "tokens_per_minute", 60 - int(now) % 60)
+        if tenant.concurrent_jobs is not None:
+            running = await self.redis.zlexcount(self.keys.running, f"[{tenant.name}\0",
+                                                 f"({tenant.name}\1")
+            if int(running) >= tenant.concurrent_jobs:
+                raise self._at_quota(tenant, f"its {tenant.concurrent_jobs} concurrent jobs",
+                                     "concurrent_jobs", 1)
+
+    @staticmethod
+    def _at_quota(tenant: Tenant, what: str, code: str, retry_s: int) -> APIError:
+        return APIError(429, f"tenant {tenant.name!r} has used {what}", type="rate_limit_error",
+                        code=code, headers={"retry-after": str(max(1, retry_s))})
 
     async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner,
                      tenant: Tenant | None = None) -> dict[str, Queued]:
