@@ -114,7 +114,8 @@ def test_shares_stay_within_bounds_and_every_job_ends_once(redis_url: str,
     left = Counter(t for t, _, _ in jobs)  # not yet taken from the fair queue
     served: Counter[str] = Counter()
     f = Fleet(client, keys, fleet["workers"])  # type: ignore[arg-type]
-    ops = itertools.chain(fleet["ops"], itertools.repeat((0, 6, "finish")))  # type: ignore[call-overload]
+    drain = itertools.cycle([(k, 6, "finish") for k in range(3)])  # every worker finishes
+    ops = itertools.chain(fleet["ops"], drain)  # type: ignore[call-overload]
     for turn in itertools.count():
         if not (f.holder or any(left.values()) or client.xlen(keys.requeue)):
             break
