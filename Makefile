@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install redis compiler kernels test typecheck lint clean demo
+.PHONY: install redis compiler browser kernels test typecheck lint clean demo
 
 install: $(STAMP) redis compiler kernels
 
@@ -39,11 +39,18 @@ compiler:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq g++ >/dev/null; }
 
+# the dashboard's browser test (tests/test_dashboard_browser.py): headless chromium and its driver
+browser:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+	  echo "installing chromium and chromium-driver from the system's packages"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
 # the kernel build and the type check side by side (about a minute each on 2 cores), then the suite,
 # two test files at a time (loadfile keeps each file's module fixtures in one process)
-test: $(STAMP) redis compiler
+test: $(STAMP) redis compiler browser
 	$(MAKE) --no-print-directory -j2 kernels typecheck
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile --durations=25
 
 typecheck: $(STAMP)
 	$(BIN)/ruff check .

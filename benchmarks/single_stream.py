@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.single_stream [--dtype bfloat16] [--runs 5]
         [--weights dense|quantized] [--llama-bench PATH --gguf MODEL.gguf]
+        [--workload random|copy|chat] [--speculate K]
 
 In-process engine on the default model (SmolLM2-135M). Each run times the decode steps after the
 prompt's prefill (time to first token is printed apart). Runs alternate between the decode graph
@@ -13,6 +14,14 @@ the same shape between our runs (`-p 0 -n 128 -d 64`: 128 tokens generated after
 context) on the given GGUF (make a BF16 one with `llama-quantize`; see
 ../shared/bench/peers/README.md). `--weights quantized` keeps the GGUF's blocks (Q4_1 for the
 default model; activations in `--dtype`), as `qworker serve` does by default for such a file.
+
+`--workload copy`: chat prompts whose answers copy long spans of the prompt (a code edit, an
+extraction, JSON returned unchanged); `--workload chat`: plain questions; both greedy, each run
+going through every prompt of the workload one at a time, up to `--new-tokens` each (EOS ends one
+sooner). The default, `random`, is the fixed shape above. `--speculate K` adds a third mode to the
+alternation, speculative decoding with drafts of up to K tokens (the decode graph on for the steps
+without a draft), and prints its ms per token, its speed-up over the decode graph alone and its
+acceptance figures.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import random
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -40,20 +50,56 @@ from qworker.model.tokenizer.tokenizer import Tokenizer
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
 
 
-def one_run(engine: Engine, prompt: list[int], run: int, graph: bool) -> tuple[float, float]:
-    """(time to first token, mean seconds per later token)."""
-    model = engine.runner.model
-    model.decode_graph.enabled = graph
-    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, ignore_eos=True,
-                            temperature=0.0)
-    engine.add(Request(f"single-{run}-{graph}", prompt, params))
-    started = time.perf_counter()
-    stamps = []
-    while engine.has_unfinished():
-        if any(o.new_token_ids for o in engine.step()):
-            stamps.append(time.perf_counter())
-    assert len(stamps) == NEW_TOKENS
-    return stamps[0] - started, (stamps[-1] - stamps[0]) / (NEW_TOKENS - 1)
+COPY_PROMPTS = (
+    "Repeat this code exactly, changing only the function's name to `total_price`:\n\n"
+    "def compute(items, tax_rate):\n    subtotal = 0.0\n    for item in items:\n"
+    "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+    "    return round(subtotal + tax, 2)\n",
+    "Copy the sentence of this text that says where the meeting is, word for word.\n\n"
+    "The quarterly review starts at nine. The meeting is in room 4B on the second floor of the "
+    "north building, next to the library. Coffee will be served before it starts.",
+    'Return this JSON exactly as it is: {"id": 7, "name": "Ada Lovelace", "born": 1815, '
+    '"fields": ["mathematics", "computing"], "city": "London"}',
+    "Rewrite this list in the same order, each item on its own line with a dash in front: "
+    "apples, bread, milk, eggs, butter, cheese, tomatoes, rice, coffee.",
+)
+CHAT_PROMPTS = (
+    "What is the capital of France, and what is it known for?",
+    "Give me three tips for sleeping better.",
+    "Explain what a hash table is in a few sentences.",
+    "Write a short poem about autumn.",
+)
+
+
+@dataclass(frozen=True)
+class Mode:
+    graph: bool  # the decode graph on for decode steps
+    speculate: bool
+
+
+def one_run(engine: Engine, prompts: list[list[int]], run: int, mode: Mode, new_tokens: int,
+            fixed_length: bool) -> tuple[float, float]:
+    """(median time to first token, mean seconds per later token) over the prompts in turn;
+    `fixed_length`: each answer exactly `new_tokens` long (EOS ignored)."""
+    engine.runner.model.decode_graph.enabled = mode.graph
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculate=mode.speculate,
+                            **(dict(min_tokens=new_tokens, ignore_eos=True) if fixed_length
+                               else {}))
+    firsts, decode_seconds, later_tokens = [], 0.0, 0
+    for i, prompt in enumerate(prompts):
+        engine.add(Request(f"single-{run}-{i}-{mode}", prompt, params))
+        started = time.perf_counter()
+        stamps: list[tuple[float, int]] = []  # (when, tokens that step gave)
+        while engine.has_unfinished():
+            count = sum(len(o.new_token_ids) for o in engine.step())
+            if count:
+                stamps.append((time.perf_counter(), count))
+        tokens = sum(count for _, count in stamps)
+        assert not fixed_length or tokens == new_tokens
+        firsts.append(stamps[0][0] - started)
+        decode_seconds += stamps[-1][0] - stamps[0][0]
+        later_tokens += tokens - stamps[0][1]
+    return statistics.median(firsts), decode_seconds / max(1, later_tokens)
 
 
 def bare_matmul_seconds(model: DecoderModel, repeats: int = 20) -> float:
@@ -80,36 +126,61 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary, to run beside")
     parser.add_argument("--gguf", help="the model for llama-bench (a BF16 GGUF)")
+    parser.add_argument("--workload", default="random", choices=("random", "copy", "chat"),
+                        help="random: one 64-token prompt of random ids, 128 tokens; copy: "
+                             "answers that copy spans of their prompts; chat: plain questions")
+    parser.add_argument("--speculate", type=int, default=0, metavar="K",
+                        help="also run with speculative decoding, drafts of up to K tokens")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                        help="copy / chat: the most tokens of each answer")
     args = parser.parse_args()
     if args.llama_bench and not args.gguf:
         parser.error("--llama-bench needs --gguf")
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model))
     model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"), weights=args.weights)
-    engine = Engine(model, Tokenizer.load(path), EngineConfig(max_num_seqs=1, kv_cache_gb=0.25,
-                                                                 prefix_caching=False))
+    tokenizer = Tokenizer.load(path)
+    engine = Engine(model, tokenizer, EngineConfig(
+        max_num_seqs=1, kv_cache_gb=0.25, prefix_caching=False,
+        num_speculative_tokens=args.speculate))
     engine.warm_up()
     model.release_weights()
-    rng = random.Random(0)
-    prompt = [rng.randrange(32, model.config.vocab_size) for _ in range(PROMPT_TOKENS)]
-    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    fixed = args.workload == "random"
+    new_tokens = NEW_TOKENS if fixed else args.new_tokens
+    if fixed:
+        rng = random.Random(0)
+        prompts = [[rng.randrange(32, model.config.vocab_size) for _ in range(PROMPT_TOKENS)]]
+    else:
+        texts = COPY_PROMPTS if args.workload == "copy" else CHAT_PROMPTS
+        prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    plain, layers, speculative = Mode(True, False), Mode(False, False), Mode(True, True)
+    modes = [plain, layers] + ([speculative] if args.speculate else [])
+    runs: dict[Mode, list[tuple[float, float]]] = {mode: [] for mode in modes}
     llama_ms = []
     for i in range(args.runs):  # interleaved, so that a noisy spell hits every engine alike
-        for graph in (True, False):
-            runs[graph].append(one_run(engine, prompt, i, graph))
+        for mode in modes:
+            runs[mode].append(one_run(engine, prompts, i, mode, new_tokens, fixed))
         if args.llama_bench:
             llama_ms.append(llama_bench_ms_per_token(args.llama_bench, args.gguf, args.threads))
-    ms = {graph: statistics.median(r[1] for r in runs[graph]) * 1000 for graph in runs}
+    ms = {mode: statistics.median(r[1] for r in runs[mode]) * 1000 for mode in runs}
     figures = {
         "dtype": args.dtype, "weights": model.weights_kept(),
         "weight_mb": round(model.weight_bytes() / 2**20, 1), "threads": args.threads,
-        "prompt_tokens": PROMPT_TOKENS,
-        "new_tokens": NEW_TOKENS, "runs": args.runs, **machine_info(),
-        "kernels": model.kernel_report(), "ms_per_token": round(ms[True], 2),
-        "layer_by_layer_ms_per_token": round(ms[False], 2),
-        "ttft_ms": round(statistics.median(r[0] for r in runs[True]) * 1000, 1),
+        "workload": args.workload, "prompts": len(prompts),
+        "prompt_tokens": round(statistics.mean(len(p) for p in prompts)),
+        "new_tokens": new_tokens, "runs": args.runs, **machine_info(),
+        "kernels": model.kernel_report(), "ms_per_token": round(ms[plain], 2),
+        "layer_by_layer_ms_per_token": round(ms[layers], 2),
+        "ttft_ms": round(statistics.median(r[0] for r in runs[plain]) * 1000, 1),
         "bare_matmul_ms_per_token": round(bare_matmul_seconds(model) * 1000, 2),
     }
+    if engine.speculator is not None:
+        drafted, accepted = engine.speculator.drafted, engine.speculator.accepted
+        figures |= {"speculate_tokens": args.speculate,
+                    "speculate_ms_per_token": round(ms[speculative], 2),
+                    "speculate_speedup": round(ms[plain] / ms[speculative], 3),
+                    "spec_drafted": drafted, "spec_accepted": accepted,
+                    "spec_acceptance_rate": round(accepted / drafted, 3) if drafted else None}
     if llama_ms:
         figures |= {"llama_cpp_ms_per_token": round(statistics.median(llama_ms), 2),
                     "llama_cpp_over_ours": round(statistics.median(llama_ms) / ms[True], 3)}

@@ -9,19 +9,24 @@ import json
 import os
 import re
 import shlex
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
 import redis
+import uvicorn
 
 from qworker_client import JobError, Producer
 from qworker_client.acl import ROLES, main, roles
 from qworker_client.batch import run_batch
 from qworker_client.cli import main as cli_main
-from qworker_client.local_redis import RedisProcess
+from qworker_client.dashboard.app import create_dashboard
+from qworker_client.local_redis import RedisProcess, free_port
 from qworker_client.protocol import Keys
 from tests.gateway_harness import gateway
 from tests.service_harness import sim_engine, thread_worker, wait_for
@@ -166,6 +171,10 @@ def test_a_gateway_serves_as_its_acl_user(acl_redis: AclRedis, tmp_path: Path) -
         done = wait_for(lambda: _ended(http.get(f"/v1/batches/{batch['id']}").json()),
                         what="the batch")
         assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
+        response = http.post("/v1/responses", json={"model": "sim", "input": "hi",
+                                                    "max_output_tokens": 4}).json()
+        assert http.get(f"/v1/responses/{response['id']}").json()["status"] == "incomplete"
+        assert http.delete(f"/v1/responses/{response['id']}").status_code == 200
     assert acl_redis.refused() == []
 
 
@@ -211,6 +220,46 @@ def test_an_operator_runs_its_verbs_as_its_acl_user(acl_redis: AclRedis,
     assert run("operator", "dead", "purge", "--yes")[1] == "purged 1 dead letter(s)\n"
     assert admin.xlen(KEYS.dead) == 0
     assert acl_redis.refused() == []
+
+
+def test_the_dashboard_runs_as_the_operator_user(acl_redis: AclRedis) -> None:
+    """`qworker dashboard` as the operator user: every page, a cancel and a retry, nothing
+    refused."""
+    admin = acl_redis.admin
+    with thread_worker(acl_redis.url("worker"), "acl-dash", sim_engine("sim:step_ms=2")), \
+            serve(create_dashboard(acl_redis.url("operator"))) as url, \
+            httpx2.Client(base_url=url, timeout=30) as http:
+        wait_for(lambda: admin.exists(KEYS.worker("acl-dash")), what="the worker's key")
+        with Producer(acl_redis.url("producer")) as prod:
+            long = prod.submit("long", max_tokens=20000, ignore_eos=True)
+            admin.xadd(KEYS.jobs, {"id": "late", "prompt": "p", "deadline_ms": "1"})
+            wait_for(lambda: admin.xlen(KEYS.dead) == 1, what="the late job's dead letter")
+            wait_for(lambda: admin.xlen(KEYS.out(long.id)) >= 2, what="tokens")
+            for path in ("/", "/workers", "/jobs", f"/jobs/{long.id}", "/jobs/late", "/dead"):
+                assert http.get(path).status_code == 200, path
+            token = re.search(r'name="csrf" value="([0-9a-f]+)"', http.get("/dead").text)
+            assert token is not None
+            entry = admin.xrange(KEYS.dead)[0][0]
+            retried = http.post("/dead/retry", data={"entry": entry, "csrf": token.group(1)})
+            assert "queued+again" in retried.headers["location"]
+            assert http.post(f"/jobs/{long.id}/cancel", data={"csrf": token.group(1)}
+                             ).status_code == 303
+            assert prod.job(long.id).result(timeout=30).finish_reason == "cancelled"
+    assert acl_redis.refused() == []
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """`app` served by uvicorn in a thread on a free port: its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, what="the dashboard to start")
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def _ended(batch: dict[str, object]) -> dict[str, object] | None:

@@ -17,11 +17,13 @@ def chat(**body: Any) -> dict[str, Any]:
 
 def test_fields_go_to_the_wire_names() -> None:
     req = translate("chat", chat(max_completion_tokens=7, max_tokens=99, stop="\n", top_k=3,
-                                 temperature=0.5, user="u", ignore_eos=True), max_n=4)
+                                 temperature=0.5, user="u", ignore_eos=True, speculate=False),
+                    max_n=4)
     spec = req.choices[0].spec
     assert (spec["max_tokens"], spec["stop"], spec["top_k"], spec["temperature"]) == (
         7, ["\n"], 3, 0.5)
     assert spec["ignore_eos"] is True and "user" not in spec
+    assert spec["speculate"] is False
     assert spec["id"] == req.response_id and req.response_id.startswith("chatcmpl-")
 
 
@@ -67,7 +69,7 @@ def test_stream_options_and_detach() -> None:
     ("chat", chat(top_logprobs=2), "top_logprobs"),
     ("chat", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("completion", {"model": "m", "prompt": "x", "logprobs": -1}, "logprobs"),
-    ("chat", chat(tools=[{"type": "function"}]), "tools"),
+    ("chat", chat(tools=[{"type": "code_interpreter"}]), "tools"),
     ("chat", chat(n=0), "n"),
     ("chat", chat(n=5), "n"),
     ("chat", chat(seed=-1), "seed"),

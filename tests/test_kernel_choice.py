@@ -297,3 +297,33 @@ def test_the_load_is_the_machine_s_per_cpu() -> None:
     import os
 
     assert abs(MACHINE_LOAD() - os.getloadavg()[0] / (os.cpu_count() or 1)) < 0.5
+
+
+def test_every_bucket_a_decode_step_takes_keeps_the_graph_s_kernels() -> None:
+    """The noisy choice that cost a quarter of workload v1: oneDNN a little faster for one shape
+    from 8 rows on took every batched decode step off the graph. Up to the batch's most rows the
+    graph's kernels stay; above them (prefill chunks only) the fastest."""
+    timings = {"down": {"native": [1.0, 1.0, 1.0, 1.0, 1.0], "onednn": [1.1, 0.9, 0.9, 0.9, 0.9]},
+               "up": _timings({"native": 1.0, "onednn": 1.5})}
+    chosen = {key: fastest(t) for key, t in timings.items()}
+    assert chosen["down"] == ("native",) + ("onednn",) * 4
+    kept = kernel_choice.keep_graph_kernels(chosen, timings, {"down": 1, "up": 1}, graph_rows=64)
+    assert kept["down"] == ("native",) * 3 + ("onednn",) * 2  # 1, 8, 32 rows: decode steps
+    assert kept["up"] == chosen["up"]
+    assert kernel_choice.keep_graph_kernels(chosen, timings, {"down": 1, "up": 1}) == chosen
+
+
+@pytest.mark.skipif(native.library() is None, reason="no native build: no decode graph")
+def test_the_model_reports_which_decode_steps_the_graph_runs() -> None:
+    from tests.engine_fixtures import tiny_model
+
+    model = tiny_model(64, dtype=torch.float32)
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.set_choice(("native",) * len(BUCKETS))
+    model.decode_rows = 64
+    assert model.kernel_report()["decode_graph"] == "runs decode steps of 1-64 rows"
+    down = next(m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+    down.set_choice(("native",) + ("onednn",) * 4)
+    assert model.kernel_report()["decode_graph"] == (
+        "off at 8, 32 rows (a layer's kernel it does not run)")

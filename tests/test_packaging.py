@@ -124,6 +124,9 @@ def test_the_client_wheel_needs_neither_torch_nor_the_worker(wheels: dict[str, P
     assert {"redis", "pydantic"} <= required and not required & {"torch", "numpy", "qworker-llm"}
     assert all(name.startswith("qworker_client/") for name in wheel_files(wheel))
     assert entry_points(wheel)["console_scripts"] == {"qworker": "qworker_client.cli:main"}
+    files = set(wheel_files(wheel))  # the dashboard's pages and script travel with it
+    assert {"qworker_client/dashboard/templates/base.html",
+            "qworker_client/dashboard/static/dashboard.js"} <= files
 
 
 def test_the_worker_wheel_pins_the_client_and_gives_torch_a_range(
@@ -175,7 +178,8 @@ def test_importing_the_client_imports_neither_torch_nor_numpy(client_bin: Path) 
         "import importlib, importlib.util, pkgutil, sys, qworker_client\n"
         "assert importlib.util.find_spec('torch') is None, 'the venv has torch'\n"
         "for m in pkgutil.walk_packages(qworker_client.__path__, 'qworker_client.'):\n"
-        "    extra = m.name == 'qworker_client.rq' or m.name.startswith('qworker_client.gateway')\n"
+        "    extra = m.name == 'qworker_client.rq' or m.name.startswith(\n"
+        "        ('qworker_client.gateway', 'qworker_client.dashboard'))\n"
         "    if not extra and m.name != 'qworker_client.__main__':  # rq, gateway: their extras\n"
         "        importlib.import_module(m.name)\n"
         "importlib.import_module('qworker_client.cli').build_parser()\n"

@@ -11,13 +11,13 @@ import torch
 
 from qworker.model.batch import SequenceInput, build_batch
 from qworker.model.decoder import DecoderModel, load_model
-from qworker.model.kernels import native
+from qworker.model.kernels import kernel_choice, native
 from qworker.model.kernels.quant_interleave import X8_TYPES
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kernels.quant_weight import QuantWeight
 from qworker.model.kv_cache import KVCache
 from qworker.model.layers.experts import RoutedExperts
-from qworker.model.loading import gguf_checkpoint
+from qworker.model.loading import gguf_checkpoint, weights_auto
 from qworker.model.loading.checkpoint import load_checkpoint
 from qworker.model.loading.gguf_checkpoint import is_quantized_file
 from tests.gguf_writer import write_gguf
@@ -144,14 +144,43 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
     assert load_model(path, weights="float32").kernel_report()["weights"] == "float32"
 
 
-def test_auto_keeps_the_blocks_only_where_the_expanded_weights_would_not_fit(
+def test_auto_keeps_the_blocks_where_they_decode_as_fast_or_expanded_would_not_fit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write_tiny_gguf(tmp_path / "q.gguf", gguf.GGMLQuantizationType.Q8_0)
-    expanded = gguf_checkpoint.expanded_bytes(path, 4)
-    assert expanded > path.stat().st_size
-    assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # it fits
-    monkeypatch.setattr(gguf_checkpoint, "available_memory", lambda: 3 * expanded)  # 2x > half
-    assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
+    path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_K, others={"ffn_down": Q.Q6_K})
+    sample = weights_auto.sample_tensor(path)
+    assert (sample.tensor_type.name, tuple(sample.shape)) == ("Q4_K", (256, 256))  # most bytes
+    kept, expanded = weights_auto.decode_seconds(sample, torch.float32)
+    assert kept > 0 and expanded > 0
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.5)
+    for times, keeps in (((1.0, 2.0), True), ((2.0, 1.0), False), ((1.0, 1.0), True)):
+        monkeypatch.setattr(weights_auto, "decode_seconds", lambda f, d, t=times: t)
+        assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear) == keeps
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # too busy to time: fits
+    assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
+    expanded_bytes = gguf_checkpoint.expanded_bytes(path, 4)
+    assert expanded_bytes > path.stat().st_size
+    monkeypatch.setattr(weights_auto, "available_memory", lambda: 3 * expanded_bytes)  # 2x > half
+    assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # though slower
+
+
+def test_auto_times_once_and_a_restart_reads_the_timing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_K, others={"ffn_down": Q.Q6_K})
+    cache = tmp_path / "kernels"
+    timed: list[Path] = []
+    monkeypatch.setattr(weights_auto, "decode_seconds",
+                        lambda f, d: timed.append(f) or (1.0, 2.0))
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # busy, nothing cached
+    assert not isinstance(load_model(path, weights="auto", cache_dir=cache).lm_head, QuantLinear)
+    assert not timed and not cache.exists()  # nothing timed, nothing written
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.5)
+    assert isinstance(load_model(path, weights="auto", cache_dir=cache).lm_head, QuantLinear)
+    assert len(timed) == 1 and len(list(cache.glob("weights-*.json"))) == 1
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # busy again: the cache
+    assert isinstance(load_model(path, weights="auto", cache_dir=cache).lm_head, QuantLinear)
+    assert len(timed) == 1
+    assert not isinstance(load_model(path, weights="auto", dtype=torch.bfloat16,
+                                     cache_dir=cache).lm_head, QuantLinear)  # bf16: not timed
 
 
 def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,

@@ -107,7 +107,7 @@ def other_value(flag: Flag) -> str:
     if flag.type is int:
         return str((flag.default or 0) + 3)
     if flag.type is float:
-        return str((flag.default or 1.0) + 1.5)
+        return str((flag.default or 1.0) * 1.5)  # within a share's range too
     return f"x-{flag.field}"
 
 
@@ -216,7 +216,7 @@ SAMPLED: dict[str, Any] = {
     "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "seed": 11,
     "stop": ["zz"], "stop_token_ids": [5], "ignore_eos": True, "min_tokens": 2,
     "repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.4}
-SAMPLED.update(logprobs=3, prompt_logprobs=2)
+SAMPLED.update(logprobs=3, prompt_logprobs=2, speculate=False)
 SAMPLED["structured_outputs"] = {"regex": "[ab]+"}
 # what the engine gets where it is not the job's value itself (or its list as a tuple)
 CARRIED: dict[str, Any] = {"structured_outputs": StructuredOutputs(regex="[ab]+")}

@@ -53,6 +53,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     work = (*jobs, k.requeue, k.model_stream_patterns[1])  # and requeued work
     out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
+    response = k.response("*")  # the gateway's Responses API records
     delayed = (k.delayed_of(None), k.delayed_pattern)  # the delayed sets and their hashes
     fair = tuple(key for key in (k.ready_of(k.jobs), k.vtime_of(k.jobs), k.held_of(k.jobs))
                  for key in (key, key + ":*"))  # the fair share's ready and held sets, vtimes
@@ -90,13 +91,16 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("hmget", "hget", "hexists"), (k.tenants,), read_only=True),
             Grant(("hincrby", "hmget", "expire"), counts),
             Grant(("zadd", "zlexcount", "zrem", "zrangebylex"), (k.running,)),
+            Grant(("hincrby", "expire"), (k.throughput("*"),)),  # the dashboard's throughput
             Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
                                         k.tenants, counts[0], k.running)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",
                                             "exec"), producer(
-            reads=(gateway, worker), read_commands=("mget", "xlen"), sets=(gateway,)) + (
+            reads=(gateway, response, worker), read_commands=("mget", "xlen"),
+            sets=(gateway, response)) + (
+            Grant(("del",), (response,)),
             Grant(("del", "hset"), (k.tenants,)),  # the keys file's tenants, published
             Grant(("hget",), (k.tpm(0).removesuffix("0") + "*",), read_only=True),  # quotas
             Grant(("zlexcount",), (k.running,), read_only=True),
@@ -106,12 +110,14 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
                   (*work, k.dead, worker), read_only=True),
         )),
         # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
-        # letters (`qworker dead`): the retry script deletes the job's old output
+        # letters (`qworker dead`): the retry script deletes the job's old output; and runs the
+        # dashboard (`qworker dashboard`: the consumers, workers' TTLs, throughput counters)
         "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
-                         producer(reads=(k.dead, k.recent, worker, *delayed, k.tenants,
-                                         *counts),
+                         producer(reads=(k.dead, k.recent, worker, *delayed,
+                                         k.throughput("*"), cancel, k.tenants, *counts),
                                   read_commands=("hmget", "mget", "xlen", "xinfo|groups",
-                                                 "zrange", "hgetall"),
+                                                 "zrange", "xinfo|consumers", "xpending",
+                                                 "pttl", "hgetall"),
                                   script_keys=(owner, k.dead)) + (
             Grant(("del",), (out,)),
             Grant(("xdel",), (k.dead,)),

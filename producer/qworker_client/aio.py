@@ -58,7 +58,7 @@ class AsyncProducer:
         self,
         prompt: str | None = None,
         *,
-        messages: list[Mapping[str, str]] | None = None,
+        messages: list[Mapping[str, Any]] | None = None,
         prompt_token_ids: list[int] | None = None,
         **params: Any,
     ) -> AsyncJob:

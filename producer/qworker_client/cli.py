@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from typing import Any, TextIO
 
 import redis
@@ -32,7 +31,7 @@ from qworker_client.protocol import (
     PromptLogprobsEvent,
     TokenEvent,
 )
-from qworker_client.result import JobError, JobTimeoutError, Result
+from qworker_client.result import JobError, JobTimeoutError, Result, result_fields
 from qworker_client.version import add_version_flag
 
 CLIENT_COMMANDS = (
@@ -46,6 +45,7 @@ CLIENT_COMMANDS = (
     "qworker_client.commands.jobs",
     "qworker_client.commands.dead",
     "qworker_client.commands.gateway",
+    "qworker_client.commands.dashboard",
 )
 EXIT_JOB_ERROR = 1
 EXIT_USAGE = 2
@@ -170,13 +170,10 @@ def follow(
 
 def print_result(result: Result, as_json: bool) -> None:
     if as_json:
-        data = asdict(result)
-        for name in ("logprobs", "prompt_logprobs"):  # pydantic entries; absent when not asked
-            entries = getattr(result, name)
-            if entries is None:
+        data = result_fields(result)
+        for name in ("logprobs", "prompt_logprobs"):  # absent when not asked
+            if data[name] is None:
                 del data[name]
-            else:
-                data[name] = [e.model_dump(exclude_none=True) for e in entries]
         print_json({"id": data.pop("job_id"), **data})
     else:
         print(result.text)

@@ -67,7 +67,7 @@ class Producer:
         self,
         prompt: str | None = None,
         *,
-        messages: list[Mapping[str, str]] | None = None,
+        messages: list[Mapping[str, Any]] | None = None,
         prompt_token_ids: list[int] | None = None,
         **params: Any,
     ) -> Job:

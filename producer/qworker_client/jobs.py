@@ -11,6 +11,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from qworker_client.found_keys import FoundKeys, delayed_keys
 from qworker_client.protocol import (
     DEFAULT_TENANT,
     Keys,
@@ -40,11 +41,13 @@ class JobRow:
         return {"id": self.job_id, **{k: v for k, v in asdict(self).items() if k != "job_id"}}
 
 
-def list_jobs(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+def list_jobs(client: redis.Redis, keys: Keys, limit: int,
+              found: FoundKeys | None = None) -> list[JobRow]:
     """Up to `limit` jobs: running and waiting ones (oldest first), delayed ones (soonest
-    first), then those that ended (newest first)."""
+    first), then those that ended (newest first). `found`: the per-model keys as found before
+    (else found now, by SCAN)."""
     limit = max(1, min(limit, MAX_LIMIT))
-    rows = (queued(client, keys, limit) + delayed(client, keys, limit)
+    rows = (queued(client, keys, limit, found) + delayed(client, keys, limit, found)
             + recent(client, keys, limit) + dead(client, keys, limit))
     rows.sort(key=_shown_order)
     return rows[:limit]
@@ -58,10 +61,12 @@ def _shown_order(row: JobRow) -> tuple[int, int]:
     return len(ORDER), -row.since_ms
 
 
-def queued(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+def queued(client: redis.Redis, keys: Keys, limit: int,
+           found: FoundKeys | None = None) -> list[JobRow]:
     """The jobs in the work streams (acked entries are deleted: all of them are unfinished)."""
     entries: list[tuple[str, str, dict[str, str]]] = []
-    for stream in (*keys.streams, *model_streams(client, keys)):
+    streams = model_streams(client, keys, None if found is None else found.streams)
+    for stream in (*keys.streams, *streams):
         for entry_id, fields in _entries(client.xrange(stream, "-", "+",
                                                        count=limit - len(entries))):
             entries.append((stream, entry_id, fields))
@@ -107,14 +112,13 @@ def over_quota(client: redis.Redis, keys: Keys, tenants: set[str]) -> set[str]:
     return over
 
 
-def delayed(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+def delayed(client: redis.Redis, keys: Keys, limit: int,
+            found: FoundKeys | None = None) -> list[JobRow]:
     """The delayed jobs, the soonest of each delayed set (the model-less one, each model's)."""
     sets = {keys.delayed_of(None): ""}
     head = keys.delayed_of(None) + ":{"
-    for key in map(_text, client.scan_iter(match=keys.delayed_pattern, count=1000,
-                                           _type="zset")):
-        if key.startswith(head) and key.endswith("}"):
-            sets[key] = key[len(head):-1]
+    for key in delayed_keys(client, keys) if found is None else found.delayed:
+        sets[key] = key[len(head):-1]
     rows = []
     for key, model in sets.items():
         pairs: Any = client.zrange(key, 0, limit - 1, withscores=True)

@@ -61,10 +61,17 @@ MAX_STRUCTURED_CHARS = 65_536  # a `structured_outputs` schema (as compact JSON)
 MAX_CHOICES = 256  # strings of `structured_outputs.choice`
 MAX_CHOICE_CHARS = 1_024
 MAX_LOGPROBS = 20  # alternatives per position of `logprobs` / `prompt_logprobs`
+MAX_TOOLS = 128  # functions of `tools`
+MAX_TOOL_CALLS = 128  # calls of one assistant message
+MAX_TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's function names (and dots)
+MAX_TOOL_CALL_ID_CHARS = 256
+MAX_REASONING_TOKENS = MAX_TOKENS_CAP
 MAX_FIELD_BYTES = 4 * 1024 * 1024  # one wire value, before any parsing
 MAX_FIELDS = 64  # fields of one entry
 
 DEFAULT_PREFIX = "qw"
+# how long a minute of throughput counters (`Keys.throughput`) is kept: the last hour and a bit
+THROUGHPUT_TTL_S = 3_900
 DEFAULT_GROUP = "workers"
 
 # Error codes of `ErrorEvent.code` (the set is open: clients must accept unknown codes).
@@ -79,7 +86,7 @@ LOST_STATE = "lost_state"  # the job's state vanished from Redis (wiped, restart
 # field whose name collides with one of them is kept as `original.<name>`.
 DEAD_META_FIELDS = ("reason", "code", "source", "source_id", "worker")
 
-FinishReason = Literal["stop", "length", "cancelled", "timeout"]
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "tool_calls"]
 
 # one stream entry's fields, as read with or without decode_responses, or as written
 WireFields = Mapping[str, str] | Mapping[bytes, bytes] | Mapping[bytes | str, bytes | str]
@@ -114,11 +121,92 @@ def is_valid_tenant(value: str) -> bool:
 # ----------------------------------------------------------------------------- job
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: Annotated[str, Field(pattern=MAX_TOOL_NAME)]
+    arguments: Annotated[str, Field(max_length=MAX_PROMPT_CHARS,
+                                    description="the arguments as JSON text")]
+
+
+class ToolCall(BaseModel):
+    """A call the model made (OpenAI's shape): in an assistant message, and on `done`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    id: Annotated[str, Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """A chat turn. An assistant turn may hold `tool_calls` (its `content` then may be null); a
+    `tool` turn is a call's result, naming the call by `tool_call_id`."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+    content: Annotated[str | None, Field(max_length=MAX_PROMPT_CHARS)] = None
+    tool_calls: Annotated[list[ToolCall] | None, Field(
+        min_length=1, max_length=MAX_TOOL_CALLS, description="assistant only")] = None
+    tool_call_id: Annotated[str | None, Field(
+        min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS, description="tool only")] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message may hold tool_calls")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has a tool_call_id")
+        return self
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: Annotated[str, Field(pattern=MAX_TOOL_NAME)]
+    description: Annotated[str | None, Field(max_length=MAX_CHOICE_CHARS * 8)] = None
+    parameters: Annotated[dict[str, Any] | None, Field(
+        description="a JSON Schema of the arguments (an object)")] = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> FunctionTool:
+        size = len(json.dumps(self.parameters or {}, separators=(",", ":")))
+        if size > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"the parameters schema of {self.name} is longer than "
+                             f"{MAX_STRUCTURED_CHARS} characters ({size})")
+        return self
+
+
+class Tool(BaseModel):
+    """An OpenAI function tool."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    type: Literal["function"]
+    function: FunctionTool
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: Annotated[str, Field(pattern=MAX_TOOL_NAME)]
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function to call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["low", "medium", "high"]
 
 
 _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -237,6 +325,21 @@ class Job(BaseModel):
     ] = None
     logprobs_text: Annotated[bool, Field(description=(
         "each logprob entry also carries its token's own text (`token`)"))] = False
+    tools: Annotated[list[Tool] | None, Field(min_length=1, max_length=MAX_TOOLS, description=(
+        "function tools, rendered with the chat; the done event carries the calls made"))] = None
+    tool_choice: Annotated[ToolChoice | None, Field(description=(
+        "none | auto (default) | required | {\"type\": \"function\", \"function\": "
+        "{\"name\": ...}}"))] = None
+    parallel_tool_calls: Annotated[bool | None, Field(description=(
+        "several calls in one turn (default true)"))] = None
+    max_reasoning_tokens: Annotated[int | None, Field(ge=0, le=MAX_REASONING_TOKENS, description=(
+        "a thinking model's budget: past it, the end of thinking is forced"))] = None
+    reasoning_effort: Annotated[ReasoningEffort | None, Field(description=(
+        "a thinking budget: low 512, medium 2048, high 8192 tokens (max_reasoning_tokens "
+        "wins)"))] = None
+    speculate: Annotated[bool, Field(description=(
+        "false: never decoded speculatively, on a worker that speculates (the tokens are the "
+        "same either way)"))] = True
 
     @model_validator(mode="after")
     def _check(self) -> Job:
@@ -244,9 +347,22 @@ class Job(BaseModel):
         if len(given) != 1:
             got = ", ".join(given) if given else "none"
             raise ValueError(f"exactly one of {', '.join(_PROMPT_FIELDS)} is required (got {got})")
-        chars = sum(len(m.content) for m in self.messages or ())
+        chars = sum(len(m.content or "") + sum(len(c.function.arguments)
+                                               for c in m.tool_calls or ())
+                    for m in self.messages or ())
         if chars > MAX_PROMPT_CHARS:
             raise ValueError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with `messages` (a chat), not a plain prompt")
+        if (self.tool_choice is not None or self.parallel_tool_calls is not None
+                ) and self.tools is None:
+            raise ValueError("tool_choice and parallel_tool_calls need tools")
+        named = self.tool_choice
+        if isinstance(named, NamedToolChoice) and self.tools is not None and not any(
+                t.function.name == named.function.name for t in self.tools):
+            raise ValueError(f"tool_choice names {named.function.name!r}, which is not in tools")
+        if self.tools is not None and self.structured_outputs is not None:
+            raise ValueError("tools cannot go with structured_outputs")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be <= max_tokens")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -285,7 +401,11 @@ _JOB_WIRE_KINDS: dict[str, str] = {
     "deadline_ms": "int", "start_within_ms": "int", "delay_ms": "int", "not_before_ms": "int",
     "timeout_ms": "int", "result_ttl_s": "int", "structured_outputs": "json",
     "logprobs": "int", "prompt_logprobs": "int", "logprobs_text": "bool",
+    "tools": "json", "tool_choice": "word_or_json", "parallel_tool_calls": "bool",
+    "max_reasoning_tokens": "int", "reasoning_effort": "str",
+    "speculate": "bool",
 }
+_TOOL_CHOICE_WORDS = ("none", "auto", "required")
 assert set(_JOB_WIRE_KINDS) == set(Job.model_fields)
 
 _INT_RE = re.compile(r"^-?[0-9]{1,20}$")
@@ -325,6 +445,8 @@ def _decode_value(name: str, kind: str, raw: str) -> Any:
         if not _FLOAT_RE.match(raw):
             raise ValueError(f"field {name!r}: expected a decimal number, got {_preview(raw)}")
         return float(raw)
+    if kind == "word_or_json" and raw in _TOOL_CHOICE_WORDS:
+        return raw
     if kind == "bool":
         if raw not in ("true", "false"):
             raise ValueError(f"field {name!r}: expected true or false, got {_preview(raw)}")
@@ -441,8 +563,15 @@ class TokenEvent(_Event):
         description="with logprobs k > 0: the k most likely tokens here, best first")] = None
     token: Annotated[str | None, Field(
         description="with logprobs_text: this token's own text")] = None
+    reasoning: Annotated[str | None, Field(
+        description="a thinking model's new thinking text (apart from the answer's `text`)")
+    ] = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, Field(description=(
+        "with tools: calls as OpenAI streams them (delta.tool_calls): a call's first delta has "
+        "index, id, type and function.name with empty arguments, then its arguments in pieces"))
+    ] = None
 
-    _lists = field_validator("top_logprobs", mode="before")(_json_list)
+    _lists = field_validator("top_logprobs", "tool_calls", mode="before")(_json_list)
 
 
 class PromptLogprobsEvent(_Event):
@@ -460,12 +589,19 @@ class DoneEvent(_Event):
 
     type: Literal["done"] = "done"
     finish_reason: FinishReason
-    text: Annotated[str, Field(description="the whole final text")]
+    text: Annotated[str, Field(description="the whole final text (the answer: no thinking, no "
+                                           "tool-call markup)")]
     prompt_tokens: Annotated[int, Field(ge=0)]
     completion_tokens: Annotated[int, Field(ge=0)]
     queue_ms: Annotated[int, Field(ge=0, description="queued until first taken by a worker")] = 0
     ttft_ms: Annotated[int, Field(ge=0, description="queued until the first token")] = 0
     total_ms: Annotated[int, Field(ge=0, description="queued until done")] = 0
+    tool_calls: Annotated[list[ToolCall] | None, Field(description=(
+        "with tools: the calls made, arguments as JSON text (finish_reason tool_calls)"))] = None
+    reasoning: Annotated[str | None, Field(
+        description="a thinking model's whole thinking text, when it thought")] = None
+
+    _lists = field_validator("tool_calls", mode="before")(_json_list)
 
 
 class ErrorEvent(_Event):
@@ -568,6 +704,10 @@ class Keys:
         """One UTC day's usage (`YYYY-MM-DD`), a hash: `<tenant>|<model>|<counter>` -> count
         (counters: jobs, prompt_tokens, completion_tokens, errors; model `-`: none)."""
         return f"{self.prefix}:usage:{day}"
+    def throughput(self, minute: int | str) -> str:
+        """One minute's counters (unix minute): tokens and jobs ended per model and per worker,
+        written by the workers with each ended job, kept `THROUGHPUT_TTL_S` (the dashboard)."""
+        return f"{self.prefix}:tput:{minute}"
 
     def out(self, job_id: str) -> str:
         return f"{self.prefix}:out:{job_id}"
@@ -604,6 +744,11 @@ class Keys:
     def gateway_job(self, job_id: str) -> str:
         """The gateway's record of a job it submitted (JSON: its response's shape, its owner)."""
         return f"{self.prefix}:gw:{job_id}"
+
+    def response(self, response_id: str) -> str:
+        """The gateway's record of a Responses API response (JSON: its request, input, chain
+        and, once ended, its output)."""
+        return f"{self.prefix}:resp:{response_id}"
 
     def delayed_of(self, model: str | None) -> str:
         """The delayed jobs of a model (none: model-less), a sorted set: job id -> due unix ms
@@ -732,6 +877,9 @@ class WorkerInfo(BaseModel):
     native: str = ""  # the native CPU kernels' level, or "missing: <why>"
     served_model_name: str = ""  # the name clients ask for (`--served-model-name`; "": `model`)
     chat: bool | None = None  # whether its model has a chat template (None: an older worker)
+    version: str = ""  # the worker's package version ("": an older worker)
+    kv_used: float | None = None  # the share of its KV cache blocks in use (None: not known)
+    liveness_ms: int = 0  # the key's TTL at each beat (0: not known): how old its last beat is
 
 
 def _work_stream(base: str, model: str | None, band: str) -> str:
@@ -787,7 +935,8 @@ __all__ = [
     "ID_PATTERN", "INTERNAL", "PARKED_CONSUMER", "TENANT_PATTERN",
     "INVALID_REQUEST", "LOST_STATE", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG",
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
-    "DoneEvent", "ErrorEvent",
+    "DoneEvent", "ErrorEvent", "FunctionCall", "FunctionTool", "NamedToolChoice", "Tool",
+    "ToolCall", "ToolChoice",
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
     "RecentJob",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",

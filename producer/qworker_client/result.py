@@ -13,7 +13,8 @@ taken after the first `done` or `error` (docs/protocol.md, "The read loop").
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from qworker_client.protocol import (
     AnyEvent,
@@ -22,6 +23,7 @@ from qworker_client.protocol import (
     PromptLogprobsEvent,
     TokenEvent,
     TokenLogprob,
+    ToolCall,
     parse_event,
 )
 
@@ -71,6 +73,8 @@ class Result:
     # `prompt_logprobs`: the prompt tokens' from the second on
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None  # a job with tools: the calls it made
+    reasoning: str | None = None  # a thinking model's thinking, apart from `text`
 
     @classmethod
     def from_done(cls, job_id: str, done: DoneEvent, logprobs: list[TokenLogprob] | None = None,
@@ -83,7 +87,23 @@ class Result:
             timings=Timings(done.queue_ms, done.ttft_ms, done.total_ms),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            tool_calls=done.tool_calls,
+            reasoning=done.reasoning,
         )
+
+
+def result_fields(result: Result) -> dict[str, Any]:
+    """`asdict(result)` ready for JSON: pydantic entries dumped (asdict copies them as they are);
+    `tool_calls` and `reasoning` only where the job had them."""
+    data = asdict(result)
+    for name in ("logprobs", "prompt_logprobs", "tool_calls"):
+        entries = getattr(result, name)
+        if entries is not None:
+            data[name] = [e.model_dump(exclude_none=True) for e in entries]
+    for name in ("tool_calls", "reasoning"):
+        if data[name] is None:
+            del data[name]
+    return data
 
 
 def token_logprob(event: TokenEvent) -> TokenLogprob | None:

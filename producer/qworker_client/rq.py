@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from qworker_client import batch
 from qworker_client.client import Producer
 from qworker_client.connect import ClientOptions, redis_url_from_env, sync_client
 from qworker_client.protocol import DEFAULT_PREFIX
-from qworker_client.result import Result
+from qworker_client.result import Result, result_fields
 
 SERIALIZER = JSONSerializer
 GENERATE = "qworker_client.rq.generate"
@@ -41,7 +40,7 @@ RUN_BATCH = "qworker_client.rq.run_batch"
 def generate(
     prompt: str | None = None,
     *,
-    messages: list[Mapping[str, str]] | None = None,
+    messages: list[Mapping[str, Any]] | None = None,
     prompt_token_ids: list[int] | None = None,
     timeout: float | None = None,
     redis_url: str | None = None,
@@ -77,7 +76,7 @@ def run_batch(
 
 
 def result_dict(result: Result) -> dict[str, Any]:
-    data = asdict(result)
+    data = result_fields(result)
     return {"id": data.pop("job_id"), **data}
 
 

@@ -12,9 +12,8 @@ import redis
 import redis.asyncio
 from pydantic import ValidationError
 
+from qworker_client.found_keys import SCAN_COUNT, model_stream_keys, worker_keys
 from qworker_client.protocol import BANDS, DEFAULT_GROUP, PARKED_CONSUMER, Keys, WorkerInfo
-
-SCAN_COUNT = 1000
 
 
 @dataclass(frozen=True)
@@ -86,14 +85,15 @@ def collect_stats(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -
     )
 
 
-def model_streams(client: redis.Redis, keys: Keys) -> list[str]:
-    """The per-model streams there are (`<prefix>:jobs:{<model>}`, `<prefix>:requeue:{...}`)."""
-    found = [key for pattern in keys.model_stream_patterns
-             for key in client.scan_iter(match=pattern, count=SCAN_COUNT, _type="stream")]
-    return _by_model(keys, found)
+def model_streams(client: redis.Redis, keys: Keys,
+                  found: Sequence[str] | None = None) -> list[str]:
+    """The per-model streams there are (`<prefix>:jobs:{<model>}`, `<prefix>:requeue:{...}`),
+    in order; `found`: their names as found before (else found now, by SCAN)."""
+    return streams_in_order(keys, model_stream_keys(client, keys) if found is None else found)
 
 
-def _by_model(keys: Keys, found: Sequence[bytes | str]) -> list[str]:
+def streams_in_order(keys: Keys, found: Sequence[bytes | str]) -> list[str]:
+    """Per-model streams by model, band (high first), new jobs before requeued work."""
     names = {k.decode() if isinstance(k, bytes) else k for k in found}
     return sorted(names, key=lambda s: (keys.stream_model(s) or "",
                                         BANDS.index(keys.stream_band(s)), keys.is_requeue(s), s))
@@ -123,7 +123,7 @@ async def collect_stats_async(
         requeue=await stream(keys.requeue),
         dead_letters=int(await client.xlen(keys.dead)),
         workers=_workers(keys, names, values),
-        models=[await stream(key) for key in _by_model(keys, found)],
+        models=[await stream(key) for key in streams_in_order(keys, found)],
     )
 
 
@@ -143,8 +143,10 @@ def with_parked(stats: StreamStats, summary: Any) -> StreamStats:
     return replace(stats, pending=stats.pending - parked, parked=parked)
 
 
-def live_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    names = sorted(client.scan_iter(match=keys.worker_pattern, count=SCAN_COUNT))
+def live_workers(client: redis.Redis, keys: Keys,
+                 found: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every live worker's info; `found`: the liveness keys as found before (else by SCAN)."""
+    names = list(worker_keys(client, keys) if found is None else found)
     return _workers(keys, names, client.mget(names) if names else [])
 
 

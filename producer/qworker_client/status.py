@@ -3,14 +3,14 @@ done, error or unknown, with its result when it has ended."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
 import redis.asyncio
 
 from qworker_client.protocol import DoneEvent, ErrorEvent, Keys, TokenEvent, parse_event
-from qworker_client.result import Result
+from qworker_client.result import Result, result_fields
 
 Status = Literal["queued", "running", "done", "error", "unknown"]
 
@@ -25,7 +25,8 @@ class JobStatus:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.job_id, "status": self.status}
         if self.result is not None:
-            out["result"] = {k: v for k, v in asdict(self.result).items() if k != "job_id"}
+            out["result"] = {k: v for k, v in result_fields(self.result).items()
+                             if k != "job_id"}
         if self.error is not None:
             out["error"] = {"code": self.error.code, "message": self.error.message}
         return out

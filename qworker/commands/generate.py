@@ -64,10 +64,14 @@ def _generate(args: argparse.Namespace) -> int:
     from qworker.commands.serve import engine_for
     from qworker.engine.request import sampling_params
     from qworker.model.errors import ModelInputError, one_line
+    from qworker.model.loading.hub import resolve_model
+    from qworker.model.tokenizer.tokenizer import Tokenizer
     from qworker.service.logs import configure_logging, get_logger
 
     configure_logging(args.log_level)  # on stderr: stdout is the answer's
     try:
+        if args.chat:  # a chat asked of a base model is said before its weights load
+            prompt_ids(Tokenizer.load(resolve_model(args.model)), args)
         engine = engine_for(EngineConfig(**config_values(args, EngineConfig), max_num_seqs=1,
                                          kv_cache_gb=0.25))
         prompt = prompt_ids(engine.tokenizer, args)

@@ -24,9 +24,10 @@ class EngineConfig:
     # a GGUF's block-quantized matrices: kept in their blocks (native kernels over Q4_0 ... Q6_K),
     # or expanded to bf16 / float32 weights (which then set the dtype)
     weights: str = field(default="auto", metadata={
-        "help": "auto (a quantized GGUF on the CPU kept in its blocks where its expanded weights "
-                "would not fit in memory, else --dtype) | quantized | "
-                "bf16 | float32", "choices": ("auto", "quantized", "bf16", "float32")})
+        "help": "auto (a quantized GGUF on the CPU kept in its blocks where they time at least "
+                "as fast for decode, or its expanded weights would not fit in memory; else "
+                "--dtype) | quantized | bf16 | float32",
+        "choices": ("auto", "quantized", "bf16", "float32")})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
     # decode tokens do not count. 512: on the CPU a step of 512 rows already runs the matmuls at
     # full speed (workload v1 the same as at 2048), and smaller steps give first tokens sooner,
@@ -60,10 +61,29 @@ class EngineConfig:
         "help": "pace prefill so a step with decodes takes about this many times a decode-only "
                 "step (even inter-token latency while long prompts arrive; default: off)"})
 
+    # how tool calls are read out of the text (tool_calls.py); auto: from the chat template
+    tool_call_parser: str = field(default="auto", metadata={
+        "help": "tool-call format: auto (from the chat template) | hermes | llama3_json | "
+                "mistral", "choices": ("auto", "hermes", "llama3_json", "mistral")})
+
     # reuse the KV blocks of a prompt prefix already computed (prefix_cache.py)
     prefix_caching: bool = field(default=True, metadata={
         "flag": "--no-prefix-caching",
         "help": "turn off prefix caching (reusing the KV blocks of shared prompt prefixes)"})
+
+    # speculative decoding by prompt lookup (speculation.py): draft tokens verified per decode
+    # step; 0: off. Greedy and seeded output are the same tokens either way
+    num_speculative_tokens: int = field(default=0, metadata={
+        "flag": "--speculate-tokens",
+        "help": "speculative decoding: draft up to this many tokens per decode step from the "
+                "job's own prompt and output (n-gram lookup), verified in one forward; same "
+                "output, faster where answers copy their input (default 0: off)"})
+    # a guess, to be measured on the CPU at hand (docs/engine.md, "Speculative decoding")
+    speculate_max_batch: int = field(default=4, metadata={
+        "help": "speculate only in steps of at most this many decoding sequences"})
+    speculate_min_acceptance: float = field(default=0.3, metadata={
+        "help": "a sequence whose recent share of accepted draft tokens falls below this pauses "
+                "speculating (for longer each time)"})
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batched_tokens", "prefill_chunk", "block_size"):
@@ -75,5 +95,11 @@ class EngineConfig:
             raise ValueError("decode_stretch must be > 1")
         if not self.priority_aging_s >= 0:
             raise ValueError("priority_aging_s must be >= 0")
+        if not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in 0..64")
+        if self.speculate_max_batch < 1:
+            raise ValueError("speculate_max_batch must be >= 1")
+        if not 0 <= self.speculate_min_acceptance <= 1:
+            raise ValueError("speculate_min_acceptance must be in [0, 1]")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")

@@ -6,12 +6,14 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from qworker.engine.block_groups import KVGroup
 from qworker.engine.config import EngineConfig
 from qworker.engine.core import EngineCore, Vocabulary
 from qworker.engine.runner import Runner
 from qworker.engine.validation import max_token_chars
+from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderModel
-from qworker.model.kv_cache import KVCache, blocks_for_budget
+from qworker.model.kv_cache import KVCache, KVLayout, blocks_for_budget, bytes_per_block
 from qworker.model.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -21,13 +23,15 @@ class Engine(EngineCore):
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
                  sampling_defaults: Mapping[str, float | int] | None = None) -> None:
         mc = model.config
-        num_blocks = config.num_blocks or blocks_for_budget(
-            mc, config.block_size, model.dtype, config.kv_cache_gb)
-        cache = KVCache.allocate(mc, num_blocks, config.block_size, model.dtype, model.device)
+        groups = kv_groups(mc, config, model.dtype)
+        window_blocks = groups[1].num_blocks if len(groups) > 1 else None
+        cache = KVCache.allocate(mc, groups[0].num_blocks, config.block_size, model.dtype,
+                                 model.device, window_blocks)
         eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
         vocab = Vocabulary(tokenizer, lambda: IncrementalDetokenizer(tokenizer), eos_token_ids,
                            max_token_chars(tokenizer))
-        super().__init__(config, Runner(model, cache, eos_token_ids), vocab, num_blocks)
+        super().__init__(config, Runner(model, cache, eos_token_ids), vocab,
+                         groups[0].num_blocks, groups)
         self.sampling_defaults = dict(sampling_defaults or {})
 
     @classmethod
@@ -37,6 +41,7 @@ class Engine(EngineCore):
         each stage as it begins: weights, tokenizer, kernels (the commands show it)."""
         from qworker.model.decoder import load_model
         from qworker.model.dtypes import resolve_dtype
+        from qworker.model.home import qworker_home
         from qworker.model.loading.generation import sampling_defaults
         from qworker.model.loading.hub import resolve_model
 
@@ -44,7 +49,8 @@ class Engine(EngineCore):
         path = resolve_model(config.model)
         dtype = {"bf16": torch.bfloat16, "float32": torch.float32}.get(
             config.weights, resolve_dtype(config.dtype, config.device))
-        model = load_model(path, dtype=dtype, device=config.device, weights=config.weights)
+        model = load_model(path, dtype=dtype, device=config.device, weights=config.weights,
+                           cache_dir=qworker_home() / "kernels")
         stage("tokenizer")
         engine = cls(model, Tokenizer.load(path), config, sampling_defaults(path))
         stage("kernels")
@@ -64,8 +70,36 @@ class Engine(EngineCore):
         from qworker.model.home import qworker_home
 
         config = self.config
-        self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs,
-                                         config.max_num_seqs, qworker_home() / "kernels")
+        drafts = config.speculate_max_batch * config.num_speculative_tokens  # a verify's rows
+        self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs + drafts,
+                                         config.max_num_seqs + drafts, qworker_home() / "kernels")
         self.blocks.drop_cache()  # the forward writes block 0
         self.runner.warm_up()
         self._detokenizer()
+
+
+def kv_groups(mc: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tuple[KVGroup, ...]:
+    """The pool of each KV group of the model (`KVLayout`; a windowed pool has its null block
+    besides). One group: `num_blocks`, or as many as `kv_cache_gb` holds. Two: the windowed
+    group gets as many blocks as the full one, or (less memory) what `max_num_seqs` windows
+    and a step's prefill hold at most, the rest of the budget going to the full group."""
+    layout, size = KVLayout.of(mc), config.block_size
+    if len(layout.windows) == 1:
+        blocks = config.num_blocks or blocks_for_budget(mc, size, dtype, config.kv_cache_gb)
+        return (KVGroup(blocks + (layout.windows[0] is not None), layout.windows[0]),)
+    window = layout.windows[1]
+    assert window is not None
+    most = (config.max_num_seqs * (-(-(window - 1) // size) + 2)
+            + -(-config.max_batched_tokens // size))
+    if config.num_blocks:
+        full = config.num_blocks
+        windowed = min(full, most)
+    else:
+        full_bytes, window_bytes = (bytes_per_block(mc, size, dtype, layout.num_layers_of(g))
+                                    for g in (0, 1))
+        budget = int(config.kv_cache_gb * 2**30)
+        full = windowed = max(1, budget // (full_bytes + window_bytes))
+        if full > most:
+            windowed = most
+            full = max(1, (budget - most * window_bytes) // full_bytes)
+    return KVGroup(full), KVGroup(windowed + 1, window)

@@ -46,12 +46,25 @@ class HashRunner:
         time.sleep((self.step_ms + self.token_us * computed / 1000) / 1000)
         for seq, n in work:
             self._prompt_logprobs(seq, n)
-        sampled = {seq: self._sample(seq) for seq, n in work
-                   if seq.num_computed + n == len(seq.token_ids)}
-        for seq, token in sampled.items():
+        return {seq: self._verify(seq) for seq, n in work if seq.reaches_end(n)}
+
+    def _verify(self, seq: Sequence) -> int:
+        """Its next token; with a draft, the token after the draft's accepted part (as the torch
+        runner: each position sampled after the draft before it, accepted while they agree)."""
+        h, i = self._hash(seq), 0
+        seq.sampled_logprobs = []
+        while True:
+            token = self._sample(seq, h, seq.num_output_tokens + i)
             if seq.params.logprobs is not None:
-                seq.sampled_logprobs = _logprobs(self._hash(seq), token, seq.params.logprobs)
-        return sampled
+                seq.sampled_logprobs.append(_logprobs(h, token, seq.params.logprobs))
+            if i == len(seq.draft) or token != seq.draft[i]:
+                seq.num_accepted = i
+                if seq.matcher is not None:
+                    seq.matcher.rollback(i)  # it followed the accepted ones to mask after them
+                return token
+            if seq.matcher is not None:
+                assert seq.matcher.advance(token), "a draft its grammar refuses"
+            h, i = ((h ^ token) * _FNV_PRIME) & _MASK, i + 1
 
     def warm_up(self) -> None:
         pass
@@ -59,11 +72,12 @@ class HashRunner:
     def kernel_report(self) -> dict[str, str]:
         return {"native": "none: simulated engine"}
 
-    def _sample(self, seq: Sequence) -> int:
+    def _sample(self, seq: Sequence, context: int, index: int) -> int:
+        """Token `index` of its output after tokens hashing to `context`."""
         p = seq.params
-        h = _mix(self._hash(seq) ^ ((p.seed or 0) * 0x9E3779B97F4A7C15 & _MASK))
-        banned = set(p.stop_token_ids) if seq.num_output_tokens < p.min_tokens else set()
-        may_end = not p.ignore_eos and seq.num_output_tokens >= p.min_tokens
+        h = _mix(context ^ ((p.seed or 0) * 0x9E3779B97F4A7C15 & _MASK))
+        banned = set(p.stop_token_ids) if index < p.min_tokens else set()
+        may_end = not p.ignore_eos and index >= p.min_tokens
         if seq.matcher is not None:
             return _constrained(seq.matcher, h, banned if may_end else banned | {EOS_TOKEN_ID})
         if self.eos_every and may_end and h % self.eos_every == 0:

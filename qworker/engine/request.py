@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 MAX_LOGPROBS = 20  # the most alternatives `logprobs` / `prompt_logprobs` may ask for
 
 
@@ -42,6 +42,9 @@ class SamplingParams:
     # None: not computed at all
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # speculative decoding (speculation.py) where the engine has it on; False: this request
+    # never speculates (the tokens are the same either way)
+    speculate: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +57,38 @@ def sampling_params(given: Mapping[str, Any], model_defaults: Mapping[str, float
     one (engine.sampling_defaults), else the documented default above (vLLM's neutral ones)."""
     chosen = {name: value for name, value in given.items() if value is not None}
     return SamplingParams(**(dict(model_defaults) | chosen))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the engine's front door encodes (EngineCore.encode, chat.py): exactly one of `text`
+    (completed as is), `messages` (a chat, OpenAI's message shape) or `token_ids`."""
+
+    text: str | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+    tools: tuple[Mapping[str, Any], ...] = ()  # OpenAI function tools, rendered with the chat
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """A request's tools (OpenAI `function` objects: name, description, parameters, strict) and
+    how they may be called: `choice` auto | required | none | the name of one function."""
+
+    functions: tuple[Mapping[str, Any], ...]
+    choice: str = "auto"
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        """The whole output is calls (required, or a named function)."""
+        return self.choice not in ("auto", "none")
+
+    @property
+    def allowed(self) -> tuple[Mapping[str, Any], ...]:
+        if self.choice in ("auto", "none", "required"):
+            return self.functions
+        return tuple(f for f in self.functions if f["name"] == self.choice)
 
 
 @dataclass
@@ -77,6 +112,8 @@ class Request:
     isolate: bool = False
     # prefix caching: only requests with the same salt share cached blocks (tenants apart)
     cache_salt: str | None = None
+    tools: ToolCalling | None = None  # calls parsed out of the text (and constrained)
+    max_reasoning_tokens: int | None = None  # a thinking model's budget: then `</think>`
 
 
 @dataclass(frozen=True)
@@ -110,6 +147,13 @@ class StepOutput:
     # with SamplingParams.prompt_logprobs, on the output of the first generated token: prompt
     # tokens 1 .. P-1 (the first has no context to be predicted from)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # with an output parser (tools, or a model that thinks): `text_delta` is the answer alone,
+    # the thinking comes here, and calls as OpenAI streams them (delta.tool_calls)
+    reasoning_delta: str = ""
+    tool_call_deltas: list[dict[str, Any]] | None = None
+    # set when finished: the whole thinking, and the calls (id, type, function: name, arguments)
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class RequestRejectedError(ValueError):

@@ -31,7 +31,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from qworker.engine.aging import Aging
-from qworker.engine.block_manager import BlockManager
+from qworker.engine.block_groups import Blocks
 from qworker.engine.sequence import Sequence, Status
 
 
@@ -53,7 +53,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, aging: Aging) -> None:
+    def __init__(self, limits: SchedulerLimits, blocks: Blocks, aging: Aging) -> None:
         self.limits = limits
         self.blocks = blocks
         self.aging = aging
@@ -103,10 +103,9 @@ class Scheduler:
         seq = self.waiting[0]
         # room for its whole prefill: nobody else runs meanwhile, so it never has to
         # preempt itself between chunks (and start over, alone again, for ever)
-        need = self.blocks.blocks_needed(seq, len(seq.token_ids))
         reserve = self.limits.watermark_blocks if self.running else 0
         full = len(self.running) >= self.limits.max_num_seqs
-        if full or need + reserve > self.blocks.num_free:
+        if full or not self.blocks.can_grow(seq, len(seq.token_ids), reserve):
             return None  # no room yet: the others run, and admission stops at it
         return seq
 
@@ -218,7 +217,7 @@ class Scheduler:
             start = len(prefix) * self.blocks.block_size
             n = min(seq.num_pending - start, self.limits.prefill_chunk, budget)
             reserve = held_blocks + (self.limits.watermark_blocks if self.running else 0)
-            if self.blocks.admission_cost(prefix, start + n) + reserve > self.blocks.num_free:
+            if not self.blocks.can_admit(seq, prefix, start + n, reserve):
                 return
             self.waiting.pop(i)
             self.aging.stop_waiting(seq)

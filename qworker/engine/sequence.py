@@ -10,6 +10,7 @@ from qworker.engine.request import FinishReason, SamplingParams, TokenLogprobs
 from qworker.engine.text import TextStream
 
 if TYPE_CHECKING:
+    from qworker.engine.output import OutputParser
     from qworker.engine.structured import Matcher
 
 
@@ -33,6 +34,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     matcher: Matcher | None = None  # its place in its structured_outputs grammar (structured.py)
+    output: OutputParser | None = None  # thinking and tool calls apart from the answer
     status: Status = Status.NEW
     finish_reason: FinishReason | None = None
     # priority aging (aging.py): seconds it has waited (as of `waiting_since` while it waits,
@@ -46,10 +48,19 @@ class Sequence:
     # and how many of its blocks the cache knows (its shared prefix, then each one it completed)
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0
-    # logprobs, written by the runner, taken by the core with the token they belong to: of the
-    # token the last run sampled; of prompt tokens 1.. (None: not asked, or already handed out)
-    sampled_logprobs: TokenLogprobs | None = None
+    # a model's second KV group (its sliding-window layers beside full-attention ones,
+    # block_groups.py): its block table, and how many of those blocks the group's cache knows
+    window_table: list[int] = field(default_factory=list)
+    window_registered: int = 0
+    # logprobs, written by the runner, taken by the core with the tokens they belong to: of the
+    # tokens the last run gave it, in order; of prompt tokens 1.. (None: not asked, or already
+    # handed out)
+    sampled_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # speculative decoding (speculation.py): this step's draft, computed after its pending token,
+    # and how many of it the runner accepted
+    draft: list[int] = field(default_factory=list)
+    num_accepted: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -67,6 +78,11 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         return self.num_pending > 1
+
+    def reaches_end(self, n: int) -> bool:
+        """Whether computing its next `n` scheduled tokens (its draft included) reaches its last
+        token: then it samples."""
+        return self.num_computed + n - len(self.draft) == len(self.token_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

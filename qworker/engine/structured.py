@@ -18,7 +18,7 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from qworker.engine.request import RequestRejectedError, StructuredOutputs
@@ -71,6 +71,17 @@ class Matcher:
         """Follows a generated token; False (and an error state) when the grammar refuses it."""
         return bool(self._ll.consume_token(token))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar allows in a row from here (nothing
+        changes): a speculative draft is cut there."""
+        return int(self._ll.validate_tokens(tokens)) if tokens else 0
+
+    def rollback(self, num_tokens: int) -> None:
+        """Takes back the last `num_tokens` tokens it followed."""
+        if num_tokens:
+            taken_back = self._ll.rollback(num_tokens)
+            assert taken_back is not False and not self._ll.is_error(), self.error
+
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (EOS at most)."""
@@ -86,14 +97,24 @@ class Matcher:
         self._ll.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
 
 
-def _bitmasks(matchers: Sequence[Matcher]) -> np.ndarray:
-    """[len(matchers), words] int32: bit j of word w says whether token 32w + j is allowed."""
+def _bitmasks(matchers: Sequence[Matcher], drafts: Sequence[list[int]] | None = None
+              ) -> np.ndarray:
+    """[rows, words] int32: bit j of word w says whether token 32w + j is allowed. One row per
+    matcher, and with `drafts` (a speculative draft each, valid in its grammar) one more per
+    draft token: the mask after the draft's first 1, 2, ... tokens (followed, then taken back)."""
     import numpy as np
 
     assert matchers
-    bits = np.empty((len(matchers), matchers[0].words), dtype=np.int32)
-    for row, matcher in zip(bits, matchers, strict=True):
-        matcher.fill(row)
+    drafts = drafts or [[] for _ in matchers]
+    bits = np.empty((sum(1 + len(d) for d in drafts), matchers[0].words), dtype=np.int32)
+    row = 0
+    for matcher, draft in zip(matchers, drafts, strict=True):
+        for i in range(len(draft) + 1):
+            if i:
+                assert matcher.advance(draft[i - 1]), "a draft its grammar refuses"
+            matcher.fill(bits[row])
+            row += 1
+        matcher.rollback(len(draft))
     return bits
 
 
@@ -107,14 +128,16 @@ def allowed_masks(matchers: Sequence[Matcher]) -> np.ndarray:
     return unpacked.view(np.bool_)
 
 
-def mask_biases(matchers: Sequence[Matcher]) -> np.ndarray:
-    """[len(matchers), vocab] float32: 0 where a token is allowed next, -inf elsewhere. Added to
-    the logits, one vectorised pass (a bool masked_fill of 64 x 49k logits took 5x as long)."""
+def mask_biases(matchers: Sequence[Matcher], drafts: Sequence[list[int]] | None = None
+                ) -> np.ndarray:
+    """[rows, vocab] float32 (rows as `_bitmasks`): 0 where a token is allowed next, -inf
+    elsewhere. Added to the logits, one vectorised pass (a bool masked_fill of 64 x 49k logits
+    took 5x as long)."""
     import numpy as np
 
-    bytes_ = _bitmasks(matchers).view(np.uint8)
+    bytes_ = _bitmasks(matchers, drafts).view(np.uint8)
     # each byte's 8 tokens at once: a table of 256 rows of 8 biases
-    biases = np.take(_byte_biases(), bytes_, axis=0).reshape(len(matchers), -1)
+    biases = np.take(_byte_biases(), bytes_, axis=0).reshape(len(bytes_), -1)
     return biases[:, : matchers[0].vocab_size]
 
 
@@ -127,18 +150,25 @@ def _byte_biases() -> np.ndarray:
 
 
 class MaskFuture:
-    """The masks of one step's constrained rows (as `mask_biases`), computed in a worker thread
-    while the caller runs the forward; `result()` joins it."""
+    """The masks of one step's constrained rows (as `mask_biases`, speculative drafts' rows
+    included), computed in a worker thread while the caller runs the forward; `result()` joins
+    it (nobody touches the matchers meanwhile)."""
 
     _pool: ThreadPoolExecutor | None = None
 
-    def __init__(self, matchers: Sequence[Matcher]) -> None:
+    def __init__(self, matchers: Sequence[Matcher], drafts: Sequence[list[int]] | None = None
+                 ) -> None:
         if MaskFuture._pool is None:
             MaskFuture._pool = ThreadPoolExecutor(1, thread_name_prefix="qworker-masks")
-        self._future: Future[np.ndarray] = MaskFuture._pool.submit(mask_biases, matchers)
+        self._future: Future[np.ndarray] = MaskFuture._pool.submit(mask_biases, matchers, drafts)
 
     def result(self) -> np.ndarray:
         return self._future.result()
+
+    def join(self) -> None:
+        """Waits for it to end, whatever it gave (a failed forward's masks: the matchers are
+        the caller's again)."""
+        wait([self._future])
 
 
 class Grammars:

@@ -6,7 +6,7 @@ decodes are attended in a few batched calls (grouped by length), prefill chunks 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,9 @@ class SequenceInput:
     need_logits: bool = True  # whether the last new token's logits are wanted
     # logits of every new token (prompt logprobs), in order; includes the last one
     all_logits: bool = False
+    # the blocks of the model's windowed KV group (kv_cache.KVLayout), where it has two: as long
+    # as block_table, the entries behind the window null (never read)
+    window_table: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class ForwardBatch:
     decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
     block_size: int
+    # the same batch through the windowed KV group's block tables (its own slots, decode and
+    # chunk tables), where the model has two groups
+    window: ForwardBatch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +69,18 @@ class ForwardBatch:
 
 
 def build_batch(
+    seqs: list[SequenceInput], block_size: int, device: torch.device | str = "cpu"
+) -> ForwardBatch:
+    batch = _build(seqs, block_size, device)
+    if not seqs or seqs[0].window_table is None:
+        return batch
+    assert all(s.window_table is not None for s in seqs), "window tables for some sequences"
+    window = _build([replace(s, block_table=s.window_table or []) for s in seqs], block_size,
+                    device)
+    return replace(batch, window=window)
+
+
+def _build(
     seqs: list[SequenceInput], block_size: int, device: torch.device | str = "cpu"
 ) -> ForwardBatch:
     ids: list[int] = []

@@ -15,7 +15,8 @@ norms, SiLU and tanh GELU, Gemma's norms after attention and MLP, a layer's own 
 attention scale) it runs; a model that asks for anything else is refused once, with one log
 line, and every step of it goes layer by layer (`refusal`). A new feature of a declaration is
 refused here until decoder.cpp runs it. A layer's sliding window it hands the decode attention
-kernel, as the layer-by-layer path does.
+kernel, as the layer-by-layer path does, and a layer of a model's windowed KV group
+(`KVCache.layer_groups`) its group's block tables and slots.
 """
 
 from __future__ import annotations
@@ -97,10 +98,14 @@ class DecodeGraph:
         """Forget the tables (after the layers' kernel choice changed)."""
         self._tables = None
 
-    def run(self, x: torch.Tensor, plan: AttentionPlan, cache: KVCache) -> torch.Tensor | None:
-        """Logits of the batch's `logits_indices` rows, in the model's dtype (x, the residual
+    def run(self, x: torch.Tensor, plans: tuple[AttentionPlan, ...],
+            cache: KVCache) -> torch.Tensor | None:
+        """Logits of the batch's `logits_indices` rows, in the model's dtype (float32 from a
+        quantized LM head, as `QuantLinear.float_out`) (x, the residual
         stream, is updated in place); None, with x untouched, where this step or model is not
-        served."""
+        served. plans: each KV group's (`KVCache.layer_groups`); a layer of the windowed group
+        reads its group's tables and slots."""
+        plan = plans[0]
         batch = plan.batch
         served = (plan.fused and batch.decodes and not batch.prefills
                   and x.dtype in native.GEMM_DTYPES)
@@ -114,13 +119,19 @@ class DecodeGraph:
             return None
         c = self.config
         tables, lens = _in_row_order(batch.decodes, x.shape[0])
+        window_slots = window_tables = None
+        if batch.window is not None:
+            window_slots = batch.window.slot_mapping
+            window_tables, _ = _in_row_order(batch.window.decodes, x.shape[0])
         dims = DecodeDims(hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
                           head_dim=c.head_dim, inter=c.intermediate_size,
-                          num_blocks=cache.num_blocks, block_size=cache.block_size)
+                          num_blocks=cache.num_blocks, block_size=cache.block_size,
+                          window_num_blocks=cache.blocks_of(1) if cache.num_groups > 1 else 0)
         return native.decode_step(
             x, layers, self.norm.weight, lm_head, self.lm_head.out_features, rows,
             plan.rope.cos, plan.rope.sin, batch.positions, batch.slot_mapping, tables, lens, dims,
-            c.rms_norm_eps, c.attention_scale)
+            c.rms_norm_eps, c.attention_scale, isinstance(self.lm_head, QuantLinear),
+            window_slots, window_tables)
 
     def _current(self, cache: KVCache) -> _Tables:
         """The tables, made anew where the cache or any weight (its version) changed."""
@@ -149,7 +160,8 @@ class DecodeGraph:
         keep: list[object] = []
         head = _projection(self.lm_head, rows, dtype, keep)
         entries: list[DecodeLayer] = []
-        for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
+        groups = cache.layer_groups or (0,) * len(self.layers)
+        for layer, k, v, group in zip(self.layers, cache.keys, cache.values, groups, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             assert isinstance(mlp, MLP), "routed experts are refused (refusal)"
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -174,7 +186,7 @@ class DecodeGraph:
                             "mlp_out_norm": layer.post_feedforward_layernorm.weight}
             entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down,
                                         activation=ACTIVATIONS[mlp.activation],
-                                        window=attn.attends.window or 0))
+                                        window=attn.attends.window or 0, kv_group=group))
             keep.extend(t for t in tensors.values() if t is not None)
         return _BucketTable((DecodeLayer * len(entries))(*entries), head, tuple(keep))
 
@@ -203,14 +215,15 @@ def _projection(lin: Linear | QuantLinear, rows: int, dtype: torch.dtype,
 
 
 def _pointing_at(parts: dict[str, torch.Tensor | None], activation: int, window: int,
-                 **projs: DecodeProj | None) -> DecodeLayer:
+                 kv_group: int, **projs: DecodeProj | None) -> DecodeLayer:
     """A layer whose every field (by its C name) points at that tensor's data (null for None),
-    or is that projection, the activation or the window."""
-    named = parts.keys() | projs.keys() | {"activation", "window"}
+    or is that projection, the activation, the window or the KV group."""
+    named = parts.keys() | projs.keys() | {"activation", "window", "kv_group"}
     assert named == set(field_names(DecodeLayer)), "a misspelt field"
     assert all(p is None or p.is_contiguous() for p in parts.values())
     pointers = {name: None if p is None else p.data_ptr() for name, p in parts.items()}
-    return DecodeLayer(**pointers, **projs, activation=activation, window=window)
+    return DecodeLayer(**pointers, **projs, activation=activation, window=window,
+                       kv_group=kv_group)
 
 
 def _in_row_order(groups: tuple[DecodeGroup, ...], rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ decode-only step runs in one native call where the decode graph serves it (`deco
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import structlog
@@ -55,6 +55,7 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.decode_graph = DecodeGraph(layers, self.norm, self.lm_head, config)
+        self.decode_rows = 1  # the most rows of a decode-only step (choose_kernels says)
         self.rope = RotaryTable(
             config.head_dim, config.context_length, config.rope_theta,
             config.rope_scaling, dtype, device,
@@ -75,19 +76,31 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        plan = AttentionPlan.build(batch, cache.keys[0], self.rope,
-                                   self.config.num_heads // self.config.num_kv_heads,
-                                   self.layer_ropes)
-        logits = self.decode_graph.run(x, plan, cache)
+        plans = self._plans(batch, cache)
+        logits = self.decode_graph.run(x, plans, cache)
         if logits is None:  # not a step the graph serves: layer by layer
-            logits = self._layer_by_layer(x, plan, cache)
+            logits = self._layer_by_layer(x, plans, cache)
         return logits if logits.dtype == torch.float64 else logits.float()
 
-    def _layer_by_layer(self, x: torch.Tensor, plan: AttentionPlan,
+    def _plans(self, batch: ForwardBatch, cache: KVCache) -> tuple[AttentionPlan, ...]:
+        """The attention plan of each KV group (`KVCache.layer_groups`): the batch through its
+        block tables, over its layers' cache geometry."""
+        group = self.config.num_heads // self.config.num_kv_heads
+        if cache.layer_groups is None:
+            return (AttentionPlan.build(batch, cache.keys[0], self.rope, group,
+                                        self.layer_ropes),)
+        assert batch.window is not None, "a cache of two KV groups takes window tables"
+        return tuple(AttentionPlan.build(b, cache.keys[cache.first_layer_of(g)], self.rope,
+                                         group, self.layer_ropes)
+                     for g, b in enumerate((batch, batch.window)))
+
+    def _layer_by_layer(self, x: torch.Tensor, plans: tuple[AttentionPlan, ...],
                         cache: KVCache) -> torch.Tensor:
         pending = None
-        for layer, k, v in zip(self.layers, cache.keys, cache.values, strict=True):
-            x, pending = layer(x, pending, plan, k, v)
+        groups = cache.layer_groups or (0,) * len(self.layers)
+        for layer, k, v, g in zip(self.layers, cache.keys, cache.values, groups, strict=True):
+            x, pending = layer(x, pending, plans[g], k, v)
+        plan = plans[0]
         rows = plan.batch.logits_indices
         _, x = self.norm.add_and_norm(x[rows], None if pending is None else pending[rows],
                                       plan.fused)
@@ -99,8 +112,10 @@ class DecoderModel(nn.Module):
         tokens, `max_logit_rows` of which sample; the choice by shape, logged once."""
         layers = [(m, max_rows) for m in self.modules()
                   if isinstance(m, Linear | QuantLinear) and m is not self.lm_head]
+        graph_rows = max_logit_rows if self.decode_graph.refused is None else 0
+        self.decode_rows = max_logit_rows
         chosen = kernel_choice.choose([*layers, (self.lm_head, max_logit_rows)], cache_dir,
-                                      graph=self.decode_graph.refused is None)
+                                      graph_rows=graph_rows)
         self._follow_repacked_head()
         self.decode_graph.reset()
         log.info("kernels_chosen", **self.kernel_report())
@@ -171,10 +186,23 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear | QuantLinear):
                 shapes.setdefault(kernel_choice.shape_key(module), module)
+        report["decode_graph"] = self._graph_report(shapes.values())
         for key, layer in shapes.items():
             kinds = layer.choice or tuple(layer.kind_for(b) for b in kernel_choice.BUCKETS)
             report[f"linear {key}"] = kernel_choice.describe({key: kinds})[key]
         return report
+
+    def _graph_report(self, layers: Iterable[Linear | QuantLinear]) -> str:
+        """Which decode-only steps the decode graph runs: those whose bucket every layer runs a
+        graph kernel at (a step it does not run goes layer by layer, slower)."""
+        if self.decode_graph.refused is not None:
+            return f"refused ({self.decode_graph.refused})"
+        buckets = kernel_choice.BUCKETS[: kernel_choice.bucket(self.decode_rows) + 1]
+        off = [rows for rows in buckets if any(
+            layer.kind_for(rows) not in kernel_choice.GRAPH_KINDS for layer in layers)]
+        if not off:
+            return f"runs decode steps of 1-{self.decode_rows} rows"
+        return f"off at {', '.join(map(str, off))} rows (a layer's kernel it does not run)"
 
     def load_hf_weights(self, weights: Mapping[str, Weight]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up).
@@ -215,11 +243,12 @@ class DecoderModel(nn.Module):
         assert bias is None or isinstance(bias, torch.Tensor)
         self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float()))
 
-    def _set_module(self, dotted: str, module: nn.Module) -> None:
+    def _set_module(self, dotted: str, module: QuantLinear) -> None:
         parent, _, name = dotted.rpartition(".")
         setattr(self.get_submodule(parent) if parent else self, name, module)
         if dotted == "lm_head":
-            self.decode_graph.lm_head = module  # type: ignore[assignment]
+            module.float_out = True  # logits as its kernels compute them, never rounded to bf16
+            self.decode_graph.lm_head = module
 
     def _materialize(self) -> None:
         """Allocates every parameter still on the meta device (a tied one once)."""
@@ -277,20 +306,20 @@ WEIGHTS = ("auto", "quantized", "bfloat16", "float32")  # --weights
 
 def load_model(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu", weights: str = "dense",
+    device: torch.device | str = "cpu", weights: str = "dense", cache_dir: Path | None = None,
 ) -> DecoderModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
-    the CPU, whose expanded weights would not fit in memory; `keep_quantized_by_default`);
-    anything else dequantizes them to `dtype`."""
+    the CPU, where they measure at least as fast for decode, or the expanded weights would not
+    fit; `loading/weights_auto.py`, its timing cached in `cache_dir`); anything else dequantizes
+    them to `dtype`."""
     from qworker.model.loading.checkpoint import load_checkpoint
-    from qworker.model.loading.gguf_checkpoint import keep_quantized_by_default
     from qworker.model.loading.hub import resolve_model
+    from qworker.model.loading.weights_auto import keep_quantized
 
     path = resolve_model(str(name_or_path))
-    itemsize = torch.empty(0, dtype=dtype).element_size()
     keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
-                                      and keep_quantized_by_default(path, itemsize))
+                                      and keep_quantized(path, dtype, cache_dir))
     config, weights_ = load_checkpoint(path, keep_quantized=keep)
     model = DecoderModel(config, dtype=dtype, device=device, init_weights=False)
     model.load_hf_weights(weights_)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from qworker.engine.request import Request, RequestRejectedError
+from qworker.engine.request import Prompt, Request, RequestRejectedError
 from qworker.service.alone import Alone
 from qworker.service.config import ServiceConfig
 from qworker.service.core import ServiceCore
@@ -18,34 +18,27 @@ from qworker.service.heartbeat import Heartbeat
 from qworker.service.intake import BAND_PRIORITY, Intake
 from qworker.service.job import Entry, Reject, Taken, now_ms
 from qworker.service.metrics import Metrics
-from qworker.service.sampling import sampling_params
+from qworker.service.sampling import (
+    prompt_of,
+    reasoning_budget,
+    sampling_params,
+    tool_calling,
+)
 from qworker_client.protocol import INTERNAL, INVALID_REQUEST, Job, Keys
 
 
 class AdmittingEngine(Protocol):
-    tokenizer: Any
     sampling_defaults: dict[str, float | int]
 
+    def encode(self, prompt: Prompt) -> list[int]: ...
     def add(self, request: Request) -> None: ...
-    def check_prompt_text(self, text: str) -> None: ...
     def free_slots(self, priority: int | None = None) -> int: ...
     def has_unfinished(self) -> bool: ...
 
 
 def prompt_ids(engine: AdmittingEngine, job: Job) -> list[int]:
-    """The job's prompt as token ids: given, or its text (a chat rendered by the template)."""
-    if job.prompt_token_ids is not None:
-        return list(job.prompt_token_ids)
-    tokenizer = engine.tokenizer
-    if job.messages is not None and getattr(tokenizer, "chat_template", "") is None:
-        raise RequestRejectedError(INVALID_REQUEST, "the model has no chat template (a base "
-                                   "model): send a plain `prompt` to complete, not `messages`")
-    text = (tokenizer.apply_chat_template([m.model_dump() for m in job.messages])
-            if job.messages is not None else job.prompt or "")
-    engine.check_prompt_text(text)  # far too long for the context: rejected untokenized
-    # a plain prompt gets the special tokens its vocabulary adds (Llama 2's BOS), as vLLM's
-    # and llama.cpp's completions do; a rendered chat has them from its template already
-    return list(tokenizer.encode(text, add_special_tokens=job.messages is None))
+    """The job's prompt as token ids, by the engine's front door (it owns text)."""
+    return engine.encode(prompt_of(job))
 
 
 class Admission:
@@ -166,7 +159,8 @@ class Admission:
                                     queued_s=t.waited_ms(read_ms) / 1000,  # for aging
                                     output_token_ids=list(t.readback.token_ids),
                                     priority=t.job.priority, isolate=t.entry.deliveries > 1,
-                                    cache_salt=t.job.cache_salt))
+                                    cache_salt=t.job.cache_salt, tools=tool_calling(t.job),
+                                    max_reasoning_tokens=reasoning_budget(t.job)))
         except RequestRejectedError as exc:
             return Reject(t.entry, exc.code, str(exc), t.job_id, drop_owner=True, job=t.job)
         except Exception as exc:  # a tokenizer / template failure must not stop the worker

@@ -49,6 +49,7 @@ class ServiceCore:
         """A taken job, continuing after what its output stream already shows."""
         job = ActiveJob(t.job, t.entry, log, t0_ms=t.t0_ms, started_ms=t.started_ms,
                         next_index=len(t.readback.token_ids), text=t.readback.text,
+                        reasoning=t.readback.reasoning,
                         first_token_ms=t.readback.first_token_ms)
         if not t.readback.consistent:
             log.warning("output stream is not a clean 0..n-1 token prefix; continuing after it",
@@ -105,10 +106,12 @@ class ServiceCore:
         if out.prompt_logprobs is not None:
             job.add_prompt_logprobs(wire_logprobs(out.prompt_logprobs, text))
         job.add_tokens(out.first_index, out.new_token_ids, out.text_delta,
-                       wire_logprobs(out.logprobs, text) if out.logprobs else None)
+                       wire_logprobs(out.logprobs, text) if out.logprobs else None,
+                       out.reasoning_delta, out.tool_call_deltas)
         self.metrics.tokens.inc(len(out.new_token_ids))
         if out.finished:
             job.prompt_tokens = out.num_prompt_tokens or job.prompt_tokens
+            job.tool_calls = out.tool_calls
             job.finish(out.finish_reason or "stop", out.first_index + len(out.new_token_ids))
 
     def step_failed(self, exc: Exception) -> list[str]:

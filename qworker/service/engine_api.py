@@ -3,18 +3,23 @@ it; the service imports nothing else of the engine but `engine/request.py`."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
-from qworker.engine.request import Request, StepOutput
+from qworker.engine.request import Prompt, Request, StepOutput
 
 
 class EngineLike(Protocol):
-    tokenizer: Any
+    """Text is the engine's: prompts go in as a `Prompt` (`encode`), text comes out parsed."""
+
     max_model_len: int
     sampling_defaults: dict[str, float | int]
 
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    def encode(self, prompt: Prompt) -> list[int]: ...
+    def token_text(self, token_id: int) -> str: ...
     def add(self, request: Request) -> None: ...
-    def check_prompt_text(self, text: str) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[StepOutput]: ...
     def free_slots(self, priority: int | None = None) -> int: ...

@@ -24,6 +24,11 @@ def event_fields(event: AnyEvent) -> dict[str, str]:
         fields["top_logprobs"] = "[" + ",".join(map(_top_json, event.top_logprobs)) + "]"
     if event.token is not None:
         fields["token"] = event.token
+    if event.reasoning is not None:
+        fields["reasoning"] = event.reasoning
+    if event.tool_calls is not None:
+        fields["tool_calls"] = json.dumps(event.tool_calls, ensure_ascii=False,
+                                          separators=(",", ":"))
     return fields
 
 

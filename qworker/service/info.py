@@ -3,8 +3,10 @@ once it takes jobs its ready line."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+from importlib import metadata
 from typing import Any
 
 from qworker.service.config import ServiceConfig
@@ -14,12 +16,25 @@ from qworker_client.protocol import WorkerInfo
 
 
 def worker_info(config: ServiceConfig, started_ms: int, running: int, free_slots: int,
-                draining: bool, kernels: dict[str, str], chat: bool) -> WorkerInfo:
+                draining: bool, kernels: dict[str, str], chat: bool,
+                engine: dict[str, int] | None = None) -> WorkerInfo:
+    """`engine`: its `engine_stats` (the KV cache's blocks), when known."""
+    blocks = (engine or {}).get("blocks_total", 0)
+    kv_used = (blocks - (engine or {}).get("blocks_free", blocks)) / blocks if blocks else None
     return WorkerInfo(name=config.name, host=socket.gethostname(), pid=os.getpid(),
                       model=config.model, group=config.group,
                       served_model_name=config.served_model or "", started_ms=started_ms,
                       running=running, free_slots=free_slots, draining=draining,
-                      native=kernels.get("native", ""), chat=chat)
+                      native=kernels.get("native", ""), chat=chat, version=_version(),
+                      kv_used=kv_used, liveness_ms=config.liveness_ttl_ms)
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return metadata.version("qworker-llm")
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def report_kernels(report: dict[str, str], metrics: Metrics, log: Any) -> None:

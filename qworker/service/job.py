@@ -16,6 +16,7 @@ from qworker_client.protocol import (
     PromptLogprobsEvent,
     TokenEvent,
     TokenLogprob,
+    ToolCall,
     entry_ms,
     parse_event,
 )
@@ -46,6 +47,7 @@ class Readback:
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    reasoning: str = ""
     terminal: bool = False
     first_token_ms: int | None = None
     consistent: bool = True  # False: indices were not 0..n-1 (only the prefix that was is used)
@@ -69,6 +71,7 @@ class Readback:
                     rb.first_token_ms = entry_ms(_str(entry_id))
                 rb.token_ids.append(event.token_id)
                 rb.text += event.text
+                rb.reasoning += event.reasoning or ""
             else:
                 rb.terminal = True
                 break
@@ -131,6 +134,8 @@ class ActiveJob:
     started_ms: int  # first taken by any worker
     next_index: int = 0  # index of the next token to publish
     text: str = ""  # text shown so far (read back + published deltas)
+    reasoning: str = ""  # thinking shown so far, the same way
+    tool_calls: list[dict[str, Any]] | None = None  # the engine's, when it finished the job
     first_token_ms: int | None = None
     prompt_tokens: int = 0
     outbox: list[Event] = field(default_factory=list)  # not yet confirmed written
@@ -151,18 +156,22 @@ class ActiveJob:
         return limit is not None and now >= self.started_ms + limit
 
     def add_tokens(self, first_index: int, token_ids: list[int], text: str,
-                   logprobs: list[TokenLogprob] | None = None) -> None:
+                   logprobs: list[TokenLogprob] | None = None, reasoning: str = "",
+                   tool_calls: list[dict[str, Any]] | None = None) -> None:
+        """Token events; the text, thinking and call deltas go on the last of them."""
         assert logprobs is None or len(logprobs) == len(token_ids), "one logprob entry a token"
         for k, token_id in enumerate(token_ids):
-            delta = text if k == len(token_ids) - 1 else ""
+            last = k == len(token_ids) - 1
             lp = logprobs[k] if logprobs else None
             self.outbox.append(TokenEvent(
-                i=first_index + k, token_id=token_id, text=delta,
+                i=first_index + k, token_id=token_id, text=text if last else "",
                 logprob=lp.logprob if lp else None, top_logprobs=lp.top_logprobs if lp else None,
-                token=lp.token if lp else None))
+                token=lp.token if lp else None, reasoning=reasoning or None if last else None,
+                tool_calls=tool_calls if last else None))
         if token_ids:
             self.next_index = first_index + len(token_ids)
             self.text += text
+            self.reasoning += reasoning
             if self.first_token_ms is None:
                 self.first_token_ms = now_ms()
 
@@ -182,6 +191,8 @@ class ActiveJob:
             queue_ms=max(0, self.started_ms - self.t0_ms),
             ttft_ms=max(0, first - self.t0_ms),
             total_ms=max(0, done_ms - self.t0_ms),
+            tool_calls=[ToolCall.model_validate(c) for c in self.tool_calls or ()] or None,
+            reasoning=self.reasoning or None,
         )
         self.outbox.append(event)
         self.finished = True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from qworker.engine.request import TokenLogprobs
 from qworker_client.protocol import TokenLogprob, TopLogprob
@@ -19,10 +18,3 @@ def wire_logprobs(entries: list[TokenLogprobs], text: TokenText | None) -> list[
                                                   token=text(t) if text else None)
                                        for t, lp in e.top] or None)
             for e in entries]
-
-
-def token_text(tokenizer: Any) -> TokenText:
-    """A token's own text, decoded alone (a token that is part of a UTF-8 character shows as
-    U+FFFD, as in vLLM)."""
-    decode = tokenizer.decode
-    return lambda token_id: str(decode([token_id]))

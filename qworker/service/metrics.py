@@ -25,9 +25,10 @@ _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # Keys of `engine.stats()`; each optional.
 ENGINE_STATS = ("running", "waiting", "blocks_free", "blocks_total", "batch_seqs", "batch_tokens",
-                "prefix_cache_queries", "prefix_cache_hits", "blocks_cached")
+                "prefix_cache_queries", "prefix_cache_hits", "blocks_cached", "spec_drafted",
+                "spec_accepted")
 # of those, running totals (the engine's counters since it started): exported as counters
-_ENGINE_TOTALS = ("prefix_cache_queries", "prefix_cache_hits")
+_ENGINE_TOTALS = ("prefix_cache_queries", "prefix_cache_hits", "spec_drafted", "spec_accepted")
 
 
 class HasStats(Protocol):
@@ -99,11 +100,17 @@ class Metrics:
                                     "sequences", registry=r)
         self.kv_blocks_cached = Gauge("qworker_kv_blocks_cached", "KV cache blocks the prefix "
                                       "cache knows (held or free)", registry=r)
-        self.prefix_cache = {
+        self.engine_totals = {
             "prefix_cache_queries": Counter("qworker_prefix_cache_queries", "Prompt tokens of "
                                             "sequences admitted with prefix caching", registry=r),
             "prefix_cache_hits": Counter("qworker_prefix_cache_hits", "Of those, tokens found in "
-                                         "the prefix cache (not computed)", registry=r)}
+                                         "the prefix cache (not computed)", registry=r),
+            "spec_drafted": Counter("qworker_spec_draft_tokens", "Speculative draft tokens "
+                                    "verified", registry=r),
+            "spec_accepted": Counter("qworker_spec_accepted_tokens", "Of those, accepted (each "
+                                     "one a token without a step of its own)", registry=r)}
+        self.spec_acceptance = Gauge("qworker_spec_acceptance_rate", "Accepted share of the "
+                                     "draft tokens verified since start", registry=r)
         self.batch_size = Histogram("qworker_batch_size", "Sequences per engine step",
                                     registry=r, buckets=_BATCH_BUCKETS)
         self.batch_tokens = Histogram("qworker_batch_tokens", "Tokens computed per engine step "
@@ -150,8 +157,10 @@ class Metrics:
             self.kv_blocks_cached.set(stats["blocks_cached"])
         for name in _ENGINE_TOTALS:
             if name in stats:
-                self.prefix_cache[name].inc(max(0, stats[name] - self._totals.get(name, 0)))
+                self.engine_totals[name].inc(max(0, stats[name] - self._totals.get(name, 0)))
                 self._totals[name] = stats[name]
+        if stats.get("spec_drafted"):
+            self.spec_acceptance.set(stats.get("spec_accepted", 0) / stats["spec_drafted"])
 
     def observe_step(self, engine: HasStats, outputs: Iterable[StepOutput], seconds: float,
                      active: Container[str]) -> None:

@@ -2,10 +2,12 @@
 per job whose terminal event this worker wrote, added right after it (not in the same atomic step:
 an entry may be missing, e.g. when the worker dies in between), trimmed to about `recent_maxlen`.
 Best effort: a Redis error costs only the entries, never a job (an ACL without the key is said
-once in the log)."""
+once in the log). With them, the minute's throughput counters (`Keys.throughput`: tokens and jobs
+per model, tokens per worker; the dashboard's last hour), by this worker's clock."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import redis
@@ -15,7 +17,7 @@ from qworker.service.config import ServiceConfig
 from qworker.service.job import ActiveJob
 from qworker.service.logs import get_logger
 from qworker.service.outcome import DONE
-from qworker_client.protocol import DoneEvent, ErrorEvent, Keys, RecentJob
+from qworker_client.protocol import THROUGHPUT_TTL_S, DoneEvent, ErrorEvent, Keys, RecentJob
 
 
 class Recent:
@@ -33,10 +35,16 @@ class Recent:
         if not records:
             return
         pipe = self.client.pipeline(transaction=False)
+        minute = self.keys.throughput(int(time.time()) // 60)
         for record in records:
             fields: dict[FieldT, EncodableT] = {k: v for k, v in record.items()}  # its types
             pipe.xadd(self.keys.recent, fields, maxlen=self.config.recent_maxlen,
                       approximate=True)
+            tokens = int(record.get("tokens", "0") or 0)
+            pipe.hincrby(minute, f"tokens:{record.get('model', '')}", tokens)
+            pipe.hincrby(minute, f"jobs:{record.get('model', '')}", 1)
+            pipe.hincrby(minute, f"worker:{self.config.name}", tokens)
+        pipe.expire(minute, THROUGHPUT_TTL_S)
         try:
             errors = [r for r in pipe.execute(raise_on_error=False) if isinstance(r, Exception)]
         except redis.RedisError as exc:

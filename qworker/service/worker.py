@@ -49,9 +49,8 @@ from qworker.service.heartbeat import Heartbeat, Held
 from qworker.service.info import report_kernels, say_ready, worker_info
 from qworker.service.intake import Intake
 from qworker.service.job import ActiveJob, Entry, now_ms
-from qworker.service.logprobs import token_text
 from qworker.service.logs import get_logger
-from qworker.service.metrics import Metrics
+from qworker.service.metrics import Metrics, engine_stats
 from qworker.service.on_done import OnDone
 from qworker.service.promoter import Promoter
 from qworker.service.publisher import Publisher
@@ -90,7 +89,7 @@ class Worker:
         self.backoff = Backoff(config.backoff_min_s, config.backoff_max_s)
         self.groups = Groups(self.client, self.intake.streams, config.group, self.log)
         self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
-        self.core = ServiceCore(self.metrics, token_text(engine.tokenizer))
+        self.core = ServiceCore(self.metrics, engine.token_text)
         self.alone = Alone(self.client, config.prefix, self.token, config.owner_ttl_s)
         self.drain = Drain(config.drain_timeout, self.log)
         self.promoter = Promoter(self.client, self.keys, config, scripts)
@@ -337,4 +336,5 @@ class Worker:
     def _info(self) -> WorkerInfo:
         return worker_info(self.config, self._started_ms, len(self.active),
                            self.engine.free_slots(), self.draining, self.kernels,
-                           chat=self.engine.tokenizer.has_chat_template)
+                           chat=self.engine.has_chat_template,
+                           engine=engine_stats(self.engine))

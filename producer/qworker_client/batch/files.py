@@ -117,13 +117,19 @@ def default_errors_path(output: Path) -> Path:
 
 
 def result_record(custom_id: str, done: DoneEvent) -> dict[str, Any]:
-    return {
+    """An output line; `tool_calls` and `reasoning` where the job had them."""
+    record: dict[str, Any] = {
         CUSTOM_ID: custom_id,
         "text": done.text,
         "finish_reason": done.finish_reason,
         "usage": {"prompt_tokens": done.prompt_tokens,
                   "completion_tokens": done.completion_tokens},
     }
+    if done.tool_calls is not None:
+        record["tool_calls"] = [c.model_dump() for c in done.tool_calls]
+    if done.reasoning is not None:
+        record["reasoning"] = done.reasoning
+    return record
 
 
 def error_record(line_no: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:

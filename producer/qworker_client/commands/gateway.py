@@ -82,7 +82,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="connections at once; past it the one idle longest is closed "
                              "(default: the open-file limit less what Redis and files need)")
     parser.add_argument("--api-key", action="append", default=None,
-                        help="require `Authorization: Bearer KEY` (repeatable)")
+                        help="require `Authorization: Bearer KEY` (repeatable); it opens "
+                             "the dashboard (/dashboard) read-only")
+    parser.add_argument("--admin-key", action="append", default=None,
+                        help="a key that opens the dashboard as admin: retry, cancel, purge "
+                             "(repeatable; env QWORKER_ADMIN_KEY, comma-separated)")
     parser.add_argument("--keys-file", default=_env("KEYS_FILE"), metavar="PATH",
                         help="API keys of tenants, JSON (docs/gateway.md, \"Tenants\"); reread "
                              "when it changes or on SIGHUP")
@@ -125,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url or redis_url_from_env(), prefix=args.prefix, host=args.host,
         port=args.port, max_queued=args.max_queued, api_keys=api_keys(args.api_key),
         keys_file=args.keys_file,
+        admin_keys=_listed(args.admin_key, "ADMIN_KEY"),
         result_ttl_s=args.result_ttl, files_dir=args.files_dir,
         stream_interval_ms=args.stream_interval, max_prompts=args.max_prompts,
         max_jobs=args.max_jobs, max_body_bytes=args.max_body_bytes,

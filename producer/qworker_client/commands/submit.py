@@ -103,6 +103,8 @@ def add_param_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", default=None)
     parser.add_argument("--logprobs-text", action="store_true", default=None,
                         help="logprob entries carry their token's text")
+    parser.add_argument("--no-speculate", dest="speculate", action="store_false", default=None,
+                        help="never decode it speculatively (the same tokens either way)")
     parser.add_argument("--id", dest="job_id", default=None, help="job id (default: random)")
     structured = parser.add_mutually_exclusive_group()  # structured_outputs: one constraint
     structured.add_argument("--json-schema", default=None, metavar="FILE",
@@ -121,7 +123,7 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {field: getattr(args, field) for _, field, _ in _PARAM_FLAGS}
     spec.update(
         id=args.job_id, stop=args.stop, ignore_eos=args.ignore_eos,
-        logprobs_text=args.logprobs_text,
+        logprobs_text=args.logprobs_text, speculate=args.speculate,
         stop_token_ids=_json_arg("--stop-token-ids", args.stop_token_ids),
     )
     spec.update(_prompt_fields(args))

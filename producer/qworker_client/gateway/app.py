@@ -13,10 +13,11 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from starlette.types import Receive, Scope, Send
 
-from qworker_client.gateway.auth import RequireKey
+from qworker_client.dashboard.app import create_dashboard
+from qworker_client.gateway.auth import OWN_AUTH, RequireKey
 from qworker_client.gateway.batches import routes as batch_routes
 from qworker_client.gateway.body import LimitBody
 from qworker_client.gateway.catalog import model_card, model_list
@@ -24,6 +25,7 @@ from qworker_client.gateway.chat.completions import complete
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.errors import APIError
 from qworker_client.gateway.metrics import CountResponses
+from qworker_client.gateway.responses import routes as responses
 from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.streams import jobs
 from qworker_client.gateway.streams.disconnect import RAW_SEND
@@ -56,13 +58,18 @@ def create_app(config: GatewayConfig) -> Starlette:
         yield
         await gateway.close()
 
-    routes = [
+    routes: list[Route | Mount] = [
         route("/v1/chat/completions", lambda g, r: complete(g, r, "chat"), "POST"),
         route("/v1/completions", lambda g, r: complete(g, r, "completion"), "POST"),
         route("/v1/models", _models),
         route("/v1/models/{model:path}", _model),
         route("/v1/jobs/{job_id}", jobs.status),
         route("/v1/jobs/{job_id}/stream", jobs.resume),
+        route("/v1/responses", responses.create, "POST"),
+        route("/v1/responses/{response_id}", responses.retrieve),
+        route("/v1/responses/{response_id}", responses.delete, "DELETE"),
+        route("/v1/responses/{response_id}/cancel", responses.cancel, "POST"),
+        route("/v1/responses/{response_id}/input_items", responses.input_items),
         route("/v1/files", batch_routes.upload, "POST"),
         route("/v1/files/{file_id}", batch_routes.file_info),
         route("/v1/files/{file_id}/content", batch_routes.file_content),
@@ -72,6 +79,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         route("/v1/admin/usage", usage_route),
         route("/health", _health),
         route("/metrics", _metrics),
+        Mount(OWN_AUTH, create_dashboard(config.redis_url, config.prefix, config.api_keys,
+                                         config.admin_keys, config.result_ttl_s)),
     ]
     app = GatewayApp(
         routes=routes, lifespan=lifespan,

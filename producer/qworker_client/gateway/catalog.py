@@ -14,10 +14,11 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from qworker_client.found_keys import SCAN_COUNT
 from qworker_client.gateway.errors import APIError
 from qworker_client.protocol import Keys
-from qworker_client.stats import SCAN_COUNT, served_model
 from qworker_client.stats import live_models as live_models  # the batch runner's (no cache)
+from qworker_client.stats import served_model
 
 
 class Catalog:

@@ -20,6 +20,9 @@ class GatewayConfig:
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = ()  # empty: no auth
     keys_file: str | None = None  # API keys of tenants (gateway/tenants.py), besides api_keys
+    # keys that open the dashboard (`/dashboard`) as admin: retry, cancel, purge; the API keys
+    # open it read-only (docs/dashboard.md)
+    admin_keys: tuple[str, ...] = ()
     result_ttl_s: int = DEFAULT_RESULT_TTL_S  # the workers' --result-ttl
     models_cache_s: float = 1.0  # how long the live workers' models are taken as known
     max_n: int = 16  # most choices one request may ask for

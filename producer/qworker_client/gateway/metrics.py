@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.routing import Match, Route
+from starlette.routing import Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 OTHER_ROUTE = "other"  # the label of every path that is no route of the app
@@ -107,7 +107,8 @@ class Timing:
 class CountResponses:
     """ASGI middleware: counts each HTTP request by route and its response by status."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[Route]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[Route | Mount]
+                 ) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = routes

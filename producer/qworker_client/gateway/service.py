@@ -95,10 +95,12 @@ class Gateway:
                         code=code, headers={"retry-after": str(max(1, retry_s))})
 
     async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner,
-                     tenant: Tenant | None = None) -> dict[str, Queued]:
+                     records: dict[str, str] | None = None, tenant: Tenant | None = None
+                     ) -> dict[str, Queued]:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
-        streams and whose they are, then queue them all at once (as the keys file's `tenant`'s
-        jobs, when the key has one). Returns where each job was queued (for the hub to tell one
+        streams and whose they are (and set `records`, key -> value, beside: a response's),
+        then queue them all at once (as the keys file's `tenant`'s jobs, when the key has one).
+        Returns where each job was queued (for the hub to tell one
         that vanished)."""
         try:
             prepared = [job_fields(choice.spec) for choice in request.choices]
@@ -113,6 +115,7 @@ class Gateway:
         metas = {meta_key(self.keys.prefix, c.job_id):
                  JobMeta(shape, c.index, request.include_usage, owner).to_json()
                  for c in request.choices}
+        metas.update(records or {})
         groups = by_stream(self.keys, prepared)
         entries = await self._queue_at_once(metas, prepared, groups)
         if entries is None:

@@ -35,7 +35,7 @@ class DecodeLayer(ctypes.Structure):
     attn_out_norm and mlp_out_norm (Gemma's norms of the attention's and the MLP's outputs; then
     post_norm is the MLP input's) null where the model has none, cos / sin (the layer's own RoPE
     tables) null for the step's; activation: `ACTIVATIONS`; window: the layer's sliding window,
-    0 for none."""
+    0 for none; kv_group: 1 where its blocks are the windowed KV group's, else 0."""
 
     _fields_ = [
         ("input_norm", _P), ("qkv", DecodeProj), ("qkv_bias", _P), ("q_norm", _P),
@@ -43,7 +43,7 @@ class DecodeLayer(ctypes.Structure):
         ("post_norm", _P), ("gate_up", DecodeProj), ("down", DecodeProj), ("k_cache", _P),
         ("v_cache", _P),
         ("attn_out_norm", _P), ("mlp_out_norm", _P), ("cos", _P), ("sin", _P),
-        ("activation", _I), ("window", _I),
+        ("activation", _I), ("window", _I), ("kv_group", _I),
     ]
 
 
@@ -51,11 +51,13 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # C kSilu, kGeluTanh
 
 
 class DecodeDims(ctypes.Structure):
-    """The model's and the step's sizes (C `Dims`)."""
+    """The model's and the step's sizes (C `Dims`); window_num_blocks: the windowed KV group's
+    pool, 0 where the model has one group."""
 
     _fields_ = [
         ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
         ("num_blocks", _I), ("block_size", _I), ("max_blocks", _I), ("vocab", _I),
+        ("window_num_blocks", _I),
     ]
 
 

@@ -6,9 +6,9 @@ prepacked) at a few token counts (`BUCKETS`); each layer then runs, for a step o
 fastest kernel of m's bucket. The choice is cached on disk, keyed by CPU, flags, threads, torch,
 native build and shapes, so a restart does not measure again; but not a choice measured too
 noisily to tell the kernels apart (a busy machine): that one serves this process only, and a later
-start measures again. At one row the decode graph's kernels are kept where they cost the model
-little more than the fastest (`GRAPH_MARGIN`). `QWORKER_KERNELS` set to a family skips the
-measurement: that family wherever it serves.
+start measures again. At every bucket a decode-only step can take, the decode graph's kernels
+are kept where they cost the model little more than the fastest (`GRAPH_MARGIN`).
+`QWORKER_KERNELS` set to a family skips the measurement: that family wherever it serves.
 """
 
 from __future__ import annotations
@@ -128,25 +128,38 @@ def undecided(timings: Mapping[str, Sequence[float | None]]) -> list[int]:
 
 def keep_graph_kernels(chosen: Mapping[str, tuple[str, ...]],
                        timings: Mapping[str, Mapping[str, Sequence[float | None]]],
-                       counts: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
-    """At one row, every shape on its fastest kernel that the decode graph runs, where that costs
+                       counts: Mapping[str, int],
+                       graph_rows: int = 1) -> dict[str, tuple[str, ...]]:
+    """At each bucket a decode-only step can take (up to `graph_rows` rows: the batch's most
+    sequences), every shape on its fastest kernel that the decode graph runs, where that costs
     the model's matmuls (each shape's time by its layer count) at most GRAPH_MARGIN more than
-    the fastest kernels: the graph runs only where every layer chose one of its kernels, and it
-    saves more than that. Where some shape has no such kernel the graph never runs: the choice
-    stays as measured."""
+    the fastest kernels there: the graph runs only where every layer chose one of its kernels,
+    and it saves more than that (one shape on oneDNN at 8-512 rows took every batched decode
+    step off the graph: workload v1 1.00x vLLM CPU against 1.28-1.30x with the graph, Intel
+    AMX Xeon, 2026-12-03). A bucket where some shape has no such kernel stays as measured."""
+    out = {key: list(kinds) for key, kinds in chosen.items()}
+    for b in range(bucket(max(graph_rows, 1)) + 1):
+        picks = _graph_picks(chosen, timings, counts, b)
+        for key, kind in (picks or {}).items():
+            out[key][b] = kind
+    return {key: tuple(kinds) for key, kinds in out.items()}
+
+
+def _graph_picks(chosen: Mapping[str, tuple[str, ...]],
+                 timings: Mapping[str, Mapping[str, Sequence[float | None]]],
+                 counts: Mapping[str, int], b: int) -> dict[str, str] | None:
+    """Bucket b's graph kernel for each shape, or None where the graph would cost too much."""
     picks: dict[str, str] = {}
     graph_total = fastest_total = 0.0
     for key, kinds in chosen.items():
-        one_row = {kind: t[0] for kind, t in timings[key].items() if t[0] is not None}
-        graph = [kind for kind in one_row if kind in GRAPH_KINDS]
-        if not graph:
-            return dict(chosen)
-        picks[key] = min(graph, key=one_row.__getitem__)
-        graph_total += counts[key] * one_row[picks[key]]
-        fastest_total += counts[key] * one_row[kinds[0]]
-    if graph_total > (1 + GRAPH_MARGIN) * fastest_total:
-        return dict(chosen)
-    return {key: (picks[key], *kinds[1:]) for key, kinds in chosen.items()}
+        times = {kind: x for kind, t in timings[key].items() if (x := t[b]) is not None}
+        graph = [kind for kind in times if kind in GRAPH_KINDS]
+        if not graph or kinds[b] not in times:
+            return None
+        picks[key] = min(graph, key=times.__getitem__)
+        graph_total += counts[key] * times[picks[key]]
+        fastest_total += counts[key] * times[kinds[b]]
+    return picks if graph_total <= (1 + GRAPH_MARGIN) * fastest_total else None
 
 
 def machine_load() -> float:
@@ -207,10 +220,11 @@ def shape_key(layer: Layer) -> str:
 
 
 def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
-           timer: Timer = one_call, graph: bool = True) -> dict[str, tuple[str, ...]]:
+           timer: Timer = one_call, graph_rows: int = 1) -> dict[str, tuple[str, ...]]:
     """Sets every layer's `choice` (layers given with the most rows a step gives each); returns
-    the choice by shape. Layers of one shape share one measurement. `graph`: the decode graph
-    may run this model (else its kernels are not favoured at one row)."""
+    the choice by shape. Layers of one shape share one measurement. `graph_rows`: the most rows
+    of a decode-only step the decode graph may run (0: it never runs this model, and its kernels
+    are not favoured)."""
     by_shape: dict[str, list[Layer]] = {}
     rows_of: dict[str, int] = {}
     for layer, rows in layers:
@@ -218,16 +232,17 @@ def choose(layers: Iterable[tuple[Layer, int]], cache_dir: Path | None,
             key = shape_key(layer)
             by_shape.setdefault(key, []).append(layer)
             rows_of[key] = max(rows_of.get(key, 0), rows)
-    path = _cache_path(cache_dir, rows_of, graph)
+    path = _cache_path(cache_dir, rows_of, graph_rows)
     chosen = _read(path) or (_unsaved.get(path) if path is not None else None)
     if chosen is None or set(chosen) != set(by_shape) or any(
             not set(chosen[key]) <= set(group[0].kernels()) for key, group in by_shape.items()):
         load = machine_load()
         timings = {key: measure(group[0], rows_of[key], timer) for key, group in by_shape.items()}
         chosen = {key: fastest(t) for key, t in timings.items()}
-        if graph:
+        if graph_rows > 0:
             chosen = keep_graph_kernels(chosen, timings,
-                                        {key: len(group) for key, group in by_shape.items()})
+                                        {key: len(group) for key, group in by_shape.items()},
+                                        graph_rows)
         noisy = {key: [BUCKETS[b] for b in buckets] for key, t in timings.items()
                  if (buckets := undecided(t))}
         if noisy or load > BUSY_LOAD:  # one file holds every shape: none is kept
@@ -248,22 +263,25 @@ _unsaved: dict[Path, dict[str, tuple[str, ...]]] = {}
 
 
 def _cache_path(cache_dir: Path | None, rows_of: Mapping[str, int],
-                graph: bool) -> Path | None:
+                graph_rows: int) -> Path | None:
     if cache_dir is None:
         return None
-    status = native.status()
-    parts = [nb.cpu_model(), " ".join(sorted(nb.cpu_flags())), str(torch.get_num_threads()),
-             torch.__version__, str(status.level), nb.source_hash(),
-             json.dumps(sorted(rows_of.items())), str(BUCKETS)] + ([] if graph else ["no graph"])
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    key = machine_key(json.dumps(sorted(rows_of.items())), str(BUCKETS),
+                      f"graph kept at {bucket(graph_rows) + 1 if graph_rows else 0} buckets")
     return cache_dir / f"kernels-{key}.json"
 
 
+def machine_key(*parts: str) -> str:
+    """A cache key of what a timing on this machine depends on (CPU, flags, threads, torch, the
+    native level and its source) and of `parts`."""
+    status = native.status()
+    machine = [nb.cpu_model(), " ".join(sorted(nb.cpu_flags())), str(torch.get_num_threads()),
+               torch.__version__, str(status.level), nb.source_hash()]
+    return hashlib.sha256("\0".join([*machine, *parts]).encode()).hexdigest()[:16]
+
+
 def _read(path: Path | None) -> dict[str, tuple[str, ...]] | None:
-    try:
-        data = json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        return None
+    data = read_cached(path) if path is not None else None
     if not isinstance(data, dict):
         return None
     return {k: tuple(v) for k, v in data.items()
@@ -271,15 +289,26 @@ def _read(path: Path | None) -> dict[str, tuple[str, ...]] | None:
 
 
 def _write(path: Path | None, chosen: Mapping[str, tuple[str, ...]]) -> None:
-    if path is None:
-        return
+    if path is not None:
+        write_cached(path, {k: list(v) for k, v in chosen.items()})
+
+
+def read_cached(path: Path) -> object:
+    """A cached measurement's JSON (None where absent or unreadable)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached(path: Path, data: object) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}")  # renamed: readers see all or none
-        partial.write_text(json.dumps({k: list(v) for k, v in chosen.items()}, indent=1) + "\n")
+        partial.write_text(json.dumps(data, indent=1) + "\n")
         os.replace(partial, path)
     except OSError as exc:  # a read-only home: measured again at the next start
-        log.warning("kernel_choice_not_cached", path=str(path), reason=str(exc))
+        log.warning("measurement_not_cached", path=str(path), reason=str(exc))
 
 
 def describe(chosen: Mapping[str, tuple[str, ...]]) -> dict[str, str]:

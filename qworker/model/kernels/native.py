@@ -124,7 +124,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
         getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P,
                                        ctypes.POINTER(DecodeProj), _P, _I, _P,
-                                       *[_P] * 6, _I, ctypes.POINTER(DecodeDims), _D, _D]
+                                       *[_P] * 8, _I, ctypes.POINTER(DecodeDims), _D, _D]
         getattr(lib, name).restype = ctypes.c_int
 
 
@@ -351,25 +351,34 @@ def decode_step(
     x: torch.Tensor, layers: ctypes.Array[DecodeLayer], norm: torch.Tensor, lm_head: DecodeProj,
     vocab: int, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
     slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, dims: DecodeDims,
-    eps: float, scale: float,
+    eps: float, scale: float, float_logits: bool = False,
+    window_slots: torch.Tensor | None = None, window_tables: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Runs every decoder layer of a decode-only step, then the final norm and the LM head of the
-    given rows (csrc/decoder.cpp): logits [len(rows), vocab] in x's dtype. x [m, hidden] is
+    given rows (csrc/decoder.cpp): logits [len(rows), vocab] in x's dtype (float32 where
+    `float_logits`: the LM head is quantized, whose kernels compute in float32). x [m, hidden] is
     updated in place. layers: one DecodeLayer per decoder layer; lm_head: the LM head's weight
     (a `gemm_pack` or quantized segments), of vocab rows; dims: the model's and the cache's sizes
     (max_blocks and vocab are set here). None, computing nothing, where the build does not serve
-    these shapes (quantized projections: float32 only)."""
+    these shapes (quantized projections: float32 only). window_slots / window_tables: the
+    windowed KV group's, for the layers of kv_group 1 (the pool's size in dims)."""
     assert x.dtype in GEMM_DTYPES and x.is_contiguous() and norm.is_contiguous()
     assert tables.dtype == lens.dtype == rows.dtype == torch.int64
     assert tables.is_contiguous() and lens.is_contiguous() and rows.is_contiguous()
     assert cos.is_contiguous() and sin.is_contiguous()
-    logits = torch.empty((rows.shape[0], vocab), dtype=x.dtype)
+    logits = torch.empty((rows.shape[0], vocab), dtype=torch.float32 if float_logits else x.dtype)
     dims.max_blocks, dims.vocab = tables.shape[1], vocab
+    if window_tables is not None:
+        assert window_slots is not None and window_tables.shape == tables.shape
+        assert window_tables.dtype == window_slots.dtype == torch.int64
+        assert window_tables.is_contiguous() and window_slots.is_contiguous()
     done = _kernel("qw_decode_step", x.dtype)(
         x.data_ptr(), layers, len(layers), norm.data_ptr(), ctypes.byref(lm_head),
         rows.data_ptr(), rows.shape[0], logits.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), x.shape[0],
-        dims, eps, scale)
+        positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        None if window_slots is None else window_slots.data_ptr(),
+        None if window_tables is None else window_tables.data_ptr(), x.shape[0], dims, eps,
+        scale)
     return logits if done else None
 
 

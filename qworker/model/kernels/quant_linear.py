@@ -40,6 +40,7 @@ X8_TWINS = {"int16": "int16x8", "dequant": "dequantx8"}  # file layout kind -> i
 class QuantLinear(nn.Module):
     choice: tuple[str, ...] | None = None
     released = False  # nothing to release: the blocks are the only copy
+    float_out = False  # the results in float32, as computed, whatever x's dtype (an LM head's)
     _trial: QuantWeight | None = None  # an x8 copy, only while the kernels are measured
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
@@ -77,7 +78,7 @@ class QuantLinear(nn.Module):
                 row += seg.rows
         if self.bias is not None:
             out += self.bias.float()
-        return out.to(dtype)
+        return out if self.float_out else out.to(dtype)
 
     def kind_for(self, rows: int) -> str:
         if self.choice is not None:

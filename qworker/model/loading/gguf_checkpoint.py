@@ -121,7 +121,7 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> tuple[ModelConfig, di
         if (experts := _expert_names(t)) is not None:
             tensors.update(zip(experts, _gguf_experts(t, keep_quantized), strict=True))
         else:
-            tensors[names[t.name]] = _gguf_tensor(t, keep_quantized)
+            tensors[names[t.name]] = gguf_tensor(t, keep_quantized)
     if config.arch.gguf_permuted_qk:
         _unpermute_qk(tensors, config)
     if config.arch.norm_offset:  # llama.cpp's converter added it; HF's names hold w alone
@@ -299,7 +299,7 @@ def _hf_name(gguf_name: str, arch: Architecture, path: Path) -> str:
     raise LoaderError(f"{path}: unknown GGUF tensor {gguf_name!r}")
 
 
-def _gguf_tensor(tensor: GGUFTensor, keep_quantized: bool) -> Weight:
+def gguf_tensor(tensor: GGUFTensor, keep_quantized: bool) -> Weight:
     import gguf
 
     kind = tensor.tensor_type
@@ -341,7 +341,7 @@ def _gguf_experts(tensor: GGUFTensor, keep_quantized: bool) -> list[Weight]:
         return [QuantWeight.of(kind.name, raw[j * rows : (j + 1) * rows], cols)
                 for j in range(count)]
     whole = (_native_dequantize(tensor) if kind.name in TYPE_IDS and native_loaded()
-             else _gguf_tensor(tensor, keep_quantized=False))
+             else gguf_tensor(tensor, keep_quantized=False))
     assert isinstance(whole, torch.Tensor)
     return list(whole.reshape(count, rows, cols).unbind(0))
 
@@ -422,14 +422,3 @@ def available_memory() -> int:
     except OSError:
         pass
     return available
-
-
-def keep_quantized_by_default(path: str | Path, itemsize: int) -> bool:
-    """`--weights auto`: a quantized GGUF stays in its blocks only where its expanded weights
-    (with the packs made from them at load, up to twice as much) would not fit comfortably in
-    memory. Where they fit, the dense kernels are the faster ones (SmolLM2 Q4_1 on an AVX2 Zen 1:
-    workload v1 at 101 tok/s expanded to float32 against 67 kept in its blocks) and exact."""
-    file = quantized_gguf(path)
-    if file is None:
-        return False
-    return 2 * expanded_bytes(file, itemsize) > 0.5 * available_memory()

@@ -14,6 +14,7 @@ from json.encoder import encode_basestring
 from qworker_client.gateway.chat import logprobs, shaping
 from qworker_client.gateway.chat.shaping import Shape
 from qworker_client.gateway.streams.sse import frame
+from qworker_client.gateway.streams.tokens import Text
 from qworker_client.protocol import TokenLogprob
 
 _MARK = "\x00text\x00"
@@ -56,6 +57,18 @@ class ChoiceFrames:
         self._offset += logprobs.text_length(entries)
         first = i == 0 and self.shape.kind == "chat"
         return frame(shaping.text_chunk(self.shape, self.index, text, first, choice_lp),
+                     self.event_id(entry_id))
+
+    def rich(self, entry_id: str, token: Text) -> str:
+        """The frame of a token with thinking or call deltas (as OpenAI and vLLM stream them:
+        `reasoning_content`, `tool_calls`)."""
+        choice_lp = (shaping.choice_logprobs(self.shape, token.logprobs, self._offset)
+                     if token.logprobs is not None else None)
+        if token.logprobs is not None:
+            self._offset += logprobs.text_length(token.logprobs)
+        first = token.i == 0 and self._chat
+        return frame(shaping.rich_chunk(self.shape, self.index, token.text, first, choice_lp,
+                                        token.reasoning, token.tool_calls),
                      self.event_id(entry_id))
 
     def finish(self, entry_id: str, finish_reason: str) -> str:

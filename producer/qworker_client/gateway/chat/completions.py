@@ -46,7 +46,7 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     timing = Timing(gateway.metrics, ROUTES[kind], req.model, started)  # a model of the catalog
     await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
     shape = Shape(kind, req.response_id, req.model, int(time.time()), req.logprobs)
-    queued = await gateway.submit(req, shape, owners.caller(request), tenant)
+    queued = await gateway.submit(req, shape, owners.caller(request), tenant=tenant)
     job_ids = [c.job_id for c in req.choices]
     headers = {JOB_ID_HEADER: ",".join(job_ids)}
 

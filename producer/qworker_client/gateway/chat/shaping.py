@@ -60,11 +60,39 @@ def _final_choice(shape: Shape, index: int, done: DoneEvent,
                   choice_lp: dict[str, Any] | None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index}
     if shape.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": done.text}
+        choice["message"] = message(done)
     else:
         choice["text"] = done.text
     choice.update(logprobs=choice_lp, finish_reason=done.finish_reason)
     return choice
+
+
+def message(done: DoneEvent) -> dict[str, Any]:
+    """The assistant message of a finished chat choice: with calls, its content is null where it
+    said nothing else (as OpenAI's); a thinking model's thinking as `reasoning_content` (vLLM's,
+    DeepSeek's name)."""
+    calls = [c.model_dump() for c in done.tool_calls or ()]
+    content = None if calls and not done.text.strip() else done.text
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    if done.reasoning is not None:
+        out["reasoning_content"] = done.reasoning
+    return out
+
+
+def rich_chunk(shape: Shape, index: int, text: str, first: bool,
+               choice_lp: dict[str, Any] | None, reasoning: str | None,
+               tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A chunk with thinking or call deltas beside (or instead of) new text."""
+    chunk = _chunk(shape, index, text or None, None, first, choice_lp)
+    if shape.kind == "chat":
+        delta = chunk["choices"][0]["delta"]
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+    return chunk
 
 
 def text_chunk(shape: Shape, index: int, text: str, first: bool,
@@ -87,7 +115,7 @@ def _chunk(shape: Shape, index: int, text: str | None, finish_reason: str | None
            first: bool, choice_lp: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index}
     if shape.kind == "chat":
-        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
         choice["delta"] = delta

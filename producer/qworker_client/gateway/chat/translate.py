@@ -21,6 +21,7 @@ _PLAIN_FIELDS = (
     "temperature", "top_p", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "cache_salt",  # vLLM's: only requests of the same salt share cached prefix blocks
+    "speculate",  # qworker's: false opts out of speculative decoding (same tokens either way)
 )
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -92,7 +93,36 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request("`seed` must be a non-negative integer", param="seed")
     params["seed"] = seed
     params["structured_outputs"] = structured_outputs(body)
+    params |= _tools(body)
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in ("low", "medium", "high"):
+        raise bad_request("`reasoning_effort` must be low, medium or high",
+                          param="reasoning_effort")
+    params["reasoning_effort"] = effort
+    params["max_reasoning_tokens"] = body.get("max_reasoning_tokens")  # vLLM-style extra
     return params
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """`tools`, `tool_choice`, `parallel_tool_calls` as the job's fields (the protocol checks
+    their values; here the shape: only function tools). Without tools, `tool_choice` none or
+    auto is what it would be anyway, as OpenAI takes it."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("`tool_choice` needs `tools`", param="tool_choice")
+        return {}
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" for t in tools):
+        raise bad_request("`tools` must be a list of function tools", param="tools")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise bad_request("`tool_choice` must be none, auto, required or a named function",
+                          param="tool_choice")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("`parallel_tool_calls` must be a boolean", param="parallel_tool_calls")
+    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
 
 
 def _with_logprobs(params: dict[str, Any], k: int | None) -> dict[str, Any]:
@@ -116,7 +146,7 @@ def _logprobs(kind: Kind, body: dict[str, Any]) -> int | None:
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name in ("tools", "functions", "logit_bias", "suffix"):
+    for name in ("functions", "logit_bias", "suffix"):
         if body.get(name):
             raise bad_request(f"`{name}` is not supported", param=name)
     if body.get("echo"):
@@ -141,13 +171,32 @@ def _chat_prompt(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"messages": [_message(m, i) for i, m in enumerate(messages)]}]
 
 
-def _message(message: Any, i: int) -> dict[str, str]:
+def _message(message: Any, i: int) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request("a message must be an object with a `role`", param=param)
     given: str = message["role"]
     role = _ROLES.get(given, given)
-    return {"role": role, "content": _content(message.get("content"), f"{param}.content")}
+    calls = message.get("tool_calls") if role == "assistant" else None
+    content = message.get("content")
+    out: dict[str, Any] = {"role": role, "content": (
+        None if content is None and calls else _content(content, f"{param}.content"))}
+    if calls:
+        if not isinstance(calls, list):
+            raise bad_request("`tool_calls` must be a list", param=f"{param}.tool_calls")
+        out["tool_calls"] = [_call(c, f"{param}.tool_calls[{k}]") for k, c in enumerate(calls)]
+    if role == "tool":
+        out["tool_call_id"] = message.get("tool_call_id")
+    return out
+
+
+def _call(call: Any, param: str) -> dict[str, Any]:
+    """An earlier call as the history sends it back: id, type, function name and arguments."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise bad_request("a tool call needs a `function` object", param=param)
+    return {"id": call.get("id"), "type": call.get("type", "function"),
+            "function": {"name": function.get("name"), "arguments": function.get("arguments")}}
 
 
 def _content(content: Any, param: str) -> str:

@@ -67,7 +67,8 @@ class Framer:
         choice = self.choices[batch[0][0]]
         _, last_entry, last_event = batch[-1]
         self.last = choice, last_entry
-        if len(batch) == 1 and type(last_event) is Text and last_event.logprobs is None:
+        if (len(batch) == 1 and type(last_event) is Text and last_event.logprobs is None
+                and not last_event.rich):
             self.metrics.count_tokens(1)  # what most reads bring a stream: one token
             part = choice.text(last_entry, last_event.i, last_event.text)
             if part is not None:
@@ -98,7 +99,8 @@ def _frames_of(batch: Batch, choice: ChoiceFrames, usage: _Usage, follow: Follow
     (its error frame is the last)."""
     for job_id, entry_id, event in batch:
         if isinstance(event, Text):
-            part = (choice.text(entry_id, event.i, event.text) if event.logprobs is None
+            part = (choice.rich(entry_id, event) if event.rich
+                    else choice.text(entry_id, event.i, event.text) if event.logprobs is None
                     else choice.logprob_text(entry_id, event.i, event.text, event.logprobs))
             if part is not None:
                 parts.append(part)
@@ -139,8 +141,10 @@ def _joined(run: list[Text], last: tuple[str, str, Event]) -> tuple[str, str, Ev
     if len(run) == 1:
         return last
     entries = [entry for event in run for entry in event.logprobs or ()]
+    reasoning = "".join(event.reasoning or "" for event in run)
+    calls = [d for event in run for d in event.tool_calls or ()]
     return last[0], last[1], Text(run[0].i, "".join([event.text for event in run]),
-                                  entries or None)
+                                  entries or None, reasoning or None, calls or None)
 
 
 async def body(reader: OutputReader, follow: Follow) -> dict[str, Any]:

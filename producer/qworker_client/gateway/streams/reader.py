@@ -106,7 +106,8 @@ def _other(state: OutputState, entry_id: str, listed: Sequence[str]) -> Event | 
     event = _apply(state, entry_id, dict(zip(listed[::2], listed[1::2], strict=True)))
     if isinstance(event, TokenEvent):
         entry = token_logprob(event)
-        return Text(event.i, event.text, None if entry is None else [entry])
+        return Text(event.i, event.text, None if entry is None else [entry], event.reasoning,
+                    event.tool_calls)
     return event
 
 

@@ -9,6 +9,7 @@ extra field, a number pydantic would have to judge) returns None and goes throug
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from qworker_client.protocol import TokenLogprob
 
@@ -20,19 +21,30 @@ class Text:
     entries of a job that asked for them (a plain class: a NamedTuple or a dataclass takes twice
     as long to make)."""
 
-    __slots__ = ("i", "logprobs", "text")
+    __slots__ = ("i", "logprobs", "reasoning", "text", "tool_calls")
 
-    def __init__(self, i: int, text: str, logprobs: list[TokenLogprob] | None = None) -> None:
+    def __init__(self, i: int, text: str, logprobs: list[TokenLogprob] | None = None,
+                 reasoning: str | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> None:
         self.i = i
         self.text = text
         self.logprobs = logprobs
+        self.reasoning = reasoning  # a thinking model's new thinking
+        self.tool_calls = tool_calls  # delta.tool_calls, as OpenAI streams them
+
+    @property
+    def rich(self) -> bool:
+        """It carries more than text: thinking or call deltas (its own chunk shape)."""
+        return self.reasoning is not None or self.tool_calls is not None
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Text) and (self.i, self.text, self.logprobs) == (
-            other.i, other.text, other.logprobs)
+        return isinstance(other, Text) and (
+            self.i, self.text, self.logprobs, self.reasoning, self.tool_calls) == (
+            other.i, other.text, other.logprobs, other.reasoning, other.tool_calls)
 
     def __repr__(self) -> str:
-        return f"Text({self.i!r}, {self.text!r}, {self.logprobs!r})"
+        return (f"Text({self.i!r}, {self.text!r}, {self.logprobs!r}, {self.reasoning!r}, "
+                f"{self.tool_calls!r})")
 
 
 def plain_token(fields: Mapping[str, str]) -> Text | None:

@@ -68,10 +68,12 @@ struct Layer {
   const void* sin;
   int64_t activation;  // kSilu or kGeluTanh
   int64_t window;      // the layer's sliding window, or 0
+  int64_t kv_group;    // 0, or 1: its blocks are the windowed group's (window_slots/_tables)
 };
 
 struct Dims {
   int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, max_blocks, vocab;
+  int64_t window_num_blocks;  // the windowed KV group's pool (kv_group 1), or 0
 };
 
 // the model's last steps: final norm and LM head, for the rows that sample
@@ -153,19 +155,45 @@ void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_
   }
 }
 
+// The LM head's logits [num_rows, vocab] of h: a quantized head's in float32 whatever T (its
+// kernels compute them so; rounded to bf16 they tie tokens ~0.1 apart at ~25), a dense head's in T
+template <typename T>
+void head_logits(const Head& head, const T* h, int64_t hidden, qw::quant::ActBlock* shared,
+                 const Staging& stage) {
+  const Proj& p = *head.lm_head;
+  const T* none = nullptr;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (p.pack == nullptr) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < head.num_rows * hidden; ++i) stage.x[i] = qw::load(h[i]);
+      quant_project(p, stage.x, none, static_cast<float*>(head.logits), head.num_rows,
+                    head.vocab, hidden, shared);
+      return;
+    }
+  }
+  project(p, h, none, static_cast<T*>(head.logits), head.num_rows, head.vocab, hidden, shared,
+          stage);
+}
+
 // x [m, hidden]: the residual stream in, updated in place; then the logits of head.rows
 template <typename T>
 void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head, const T* cos,
                  const T* sin, const int64_t* positions, const int64_t* slots,
-                 const int64_t* tables, const int64_t* lens, int64_t m, const Dims& d,
-                 double eps, double scale) {
+                 const int64_t* tables, const int64_t* lens, const int64_t* window_slots,
+                 const int64_t* window_tables, int64_t m, const Dims& d, double eps,
+                 double scale) {
   const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
   std::vector<T> h(m * d.hidden), qkv(m * qkv_width), attn(m * q_width);
   std::vector<T> gate_up(m * 2 * d.inter), act(m * d.inter), delta(m * d.hidden);
   std::vector<T> unnormed(m * d.hidden);  // an output before its post norm
   std::vector<T> picked(head.num_rows * d.hidden), picked_delta(head.num_rows * d.hidden);
-  const qw::Shape shape{m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.num_blocks,
-                        d.block_size, qkv_width};
+  // each KV group's: block tables (both of max_blocks columns), slots and pool
+  const qw::Shape shapes[2] = {
+      {m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.num_blocks, d.block_size, qkv_width},
+      {m, d.max_blocks, d.heads, d.kv_heads, d.head_dim, d.window_num_blocks, d.block_size,
+       qkv_width}};
+  const int64_t* group_slots[2] = {slots, window_slots};
+  const int64_t* group_tables[2] = {tables, window_tables};
   const int64_t widest = std::max({d.hidden, q_width, d.inter});
   std::vector<qw::quant::ActBlock> q8(m > qw::quant::kPrivateRows ? m * (widest / 32) : 0);
   auto cast = [](const void* p) { return static_cast<const T*>(p); };
@@ -185,6 +213,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   {
     for (int64_t l = 0; l < num_layers; ++l) {  // every `omp for` inside ends on a barrier
       const Layer& w = layers[l];
+      const int64_t g = w.kv_group;
       T* k_cache = static_cast<T*>(w.k_cache);
       T* v_cache = static_cast<T*>(w.v_cache);
       qw::add_rms_norm(x, l == 0 ? nullptr : delta.data(), cast(w.input_norm), h.data(), m,
@@ -195,10 +224,11 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
         qw::rms_norm_heads(qkv.data(), qkv_width, cast(w.q_norm), cast(w.k_norm), m, d.heads,
                            d.kv_heads, d.head_dim, eps);
       qw::rope_store(qkv.data(), qkv_width, w.cos != nullptr ? cast(w.cos) : cos,
-                     w.sin != nullptr ? cast(w.sin) : sin, positions, slots, k_cache, v_cache, m,
-                     d.heads, d.kv_heads, d.head_dim, d.num_blocks * d.block_size);
-      qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), tables, lens, attn.data(),
-                           shape, scale, w.window);
+                     w.sin != nullptr ? cast(w.sin) : sin, positions, group_slots[g], k_cache,
+                     v_cache, m, d.heads, d.kv_heads, d.head_dim,
+                     shapes[g].num_blocks * d.block_size);
+      qw::decode_attention(qkv.data(), cast(k_cache), cast(v_cache), group_tables[g], lens,
+                           attn.data(), shapes[g], scale, w.window);
       if (w.attn_out_norm != nullptr) {
         project(w.o, attn.data(), none, unnormed.data(), m, d.hidden, q_width, shared, stage);
         qw::add_rms_norm(unnormed.data(), none, cast(w.attn_out_norm), delta.data(), m, d.hidden,
@@ -230,22 +260,23 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
     }
     qw::add_rms_norm(picked.data(), picked_delta.data(), cast(head.norm), h.data(), head.num_rows,
                      d.hidden, eps);
-    if (head.num_rows > 0)
-      project(*head.lm_head, h.data(), none, static_cast<T*>(head.logits), head.num_rows,
-              head.vocab, d.hidden, shared, stage);
+    if (head.num_rows > 0) head_logits(head, h.data(), d.hidden, shared, stage);
   }
 }
 
 template <typename T>
 int run(void* x, const Layer* layers, int64_t num_layers, const Head& head, const void* cos,
         const void* sin, const int64_t* positions, const int64_t* slots, const int64_t* tables,
-        const int64_t* lens, int64_t m, const Dims& d, double eps, double scale) {
+        const int64_t* lens, const int64_t* window_slots, const int64_t* window_tables,
+        int64_t m, const Dims& d, double eps, double scale) {
   const int64_t q_width = d.heads * d.head_dim, qkv_width = q_width + 2 * d.kv_heads * d.head_dim;
   bool served = head.num_rows <= m && (head.num_rows == 0 ||
                 proj_serves<T>(*head.lm_head, head.num_rows, head.vocab, d.hidden));
   for (int64_t l = 0; l < num_layers && served; ++l) {
     const Layer& w = layers[l];
-    served = proj_serves<T>(w.qkv, m, qkv_width, d.hidden) &&
+    served = (w.kv_group == 0 || (w.kv_group == 1 && window_slots && window_tables &&
+                                  d.window_num_blocks > 0)) &&
+             proj_serves<T>(w.qkv, m, qkv_width, d.hidden) &&
              proj_serves<T>(w.o, m, d.hidden, q_width) &&
              proj_serves<T>(w.gate_up, m, 2 * d.inter, d.hidden) &&
              proj_serves<T>(w.down, m, d.hidden, d.inter);
@@ -253,7 +284,7 @@ int run(void* x, const Layer* layers, int64_t num_layers, const Head& head, cons
   if (!served) return 0;
   decode_step(static_cast<T*>(x), layers, num_layers, head,
               static_cast<const T*>(cos), static_cast<const T*>(sin), positions, slots, tables,
-              lens, m, d, eps, scale);
+              lens, window_slots, window_tables, m, d, eps, scale);
   return 1;
 }
 
@@ -275,10 +306,11 @@ const AbiEntry kAbi[] = {
     QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
     QW_FIELD(Layer, v_cache), QW_FIELD(Layer, attn_out_norm), QW_FIELD(Layer, mlp_out_norm),
     QW_FIELD(Layer, cos), QW_FIELD(Layer, sin), QW_FIELD(Layer, activation),
-    QW_FIELD(Layer, window),
+    QW_FIELD(Layer, window), QW_FIELD(Layer, kv_group),
     QW_SIZE(Dims), QW_FIELD(Dims, hidden), QW_FIELD(Dims, heads), QW_FIELD(Dims, kv_heads),
     QW_FIELD(Dims, head_dim), QW_FIELD(Dims, inter), QW_FIELD(Dims, num_blocks),
     QW_FIELD(Dims, block_size), QW_FIELD(Dims, max_blocks), QW_FIELD(Dims, vocab),
+    QW_FIELD(Dims, window_num_blocks),
 };
 
 }  // namespace
@@ -298,10 +330,11 @@ extern "C" int64_t qw_decode_abi(const char* name) {
       void* x, const Layer* layers, int64_t num_layers, const void* norm, const Proj* lm_head, \
       const int64_t* rows, int64_t num_rows, void* logits, const void* cos, const void* sin,   \
       const int64_t* positions, const int64_t* slots, const int64_t* tables,                   \
-      const int64_t* lens, int64_t m, const Dims* dims, double eps, double scale) {            \
+      const int64_t* lens, const int64_t* window_slots, const int64_t* window_tables,          \
+      int64_t m, const Dims* dims, double eps, double scale) {                                 \
     const Head head{norm, lm_head, rows, num_rows, dims->vocab, logits};                       \
-    return run<T>(x, layers, num_layers, head, cos, sin, positions, slots, tables, lens, m,    \
-                  *dims, eps, scale);                                                          \
+    return run<T>(x, layers, num_layers, head, cos, sin, positions, slots, tables, lens,       \
+                  window_slots, window_tables, m, *dims, eps, scale);                          \
   }
 
 QW_EXPORT_DECODE(f32, float)

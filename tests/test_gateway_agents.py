@@ -1,0 +1,55 @@
+"""The OpenAI Agents SDK (`openai-agents`) runs an agent with two function tools to completion
+through the gateway's chat completions, over a real worker (the simulated engine: its byte model
+writes whatever the call grammar allows) and a real redis-server. Tool choice is forced on the
+first turn; the SDK resets it to auto after a call, as it does for every model. The tools take
+enums: the byte model's free strings would run to max_tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI
+
+from tests.gateway_harness import gateway, live_worker
+
+
+def test_an_agent_with_two_tools_runs_to_completion(redis_url: str) -> None:
+    called: list[tuple[str, str]] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather of a city."""
+        called.append(("get_weather", city))
+        return f"sunny in {city}"
+
+    @function_tool
+    def get_time(timezone: Literal["UTC", "CET"]) -> str:
+        """The time in a timezone."""
+        called.append(("get_time", timezone))
+        return "12:00"
+
+    async def run(url: str) -> object:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        agent = Agent(name="helper", instructions="Use the tools.",
+                      model=OpenAIChatCompletionsModel(model="sim", openai_client=client),
+                      tools=[get_weather, get_time],
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=300,
+                                                   parallel_tool_calls=False))
+        result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        await client.close()
+        return result.final_output
+
+    set_tracing_disabled(True)  # no network here: the SDK would export its traces
+    with live_worker(redis_url, "gw-agents"), gateway(redis_url) as url:
+        final = asyncio.run(run(url))
+    assert called and called[0][0] in ("get_weather", "get_time")  # the SDK ran the tool
+    assert isinstance(final, str)  # and the agent finished with an answer
