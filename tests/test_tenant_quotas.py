@@ -40,8 +40,12 @@ def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Pat
 
         def ask(url: str) -> None:
             for _ in range(8):
-                reply = httpx2.post(f"{url}/v1/chat/completions", json=BODY, timeout=60,
-                                    headers={"authorization": "Bearer sk-capped"})
+                try:
+                    reply = httpx2.post(f"{url}/v1/chat/completions", json=BODY, timeout=5,
+                                        headers={"authorization": "Bearer sk-capped"})
+                except httpx2.TimeoutException:  # admitted by the gateway, then held by the
+                    statuses.append(0)  # fair read until the next minute: it waits queued
+                    continue
                 statuses.append(reply.status_code)
                 if reply.status_code == 429:
                     retry_after.append(reply.headers.get("retry-after", ""))
@@ -82,7 +86,7 @@ def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Pat
     assert all(n <= QUOTA + one_job for n in counted.values()), counted
     assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses
     assert all(value.isdigit() and 1 <= int(value) <= 60 for value in retry_after)
-    assert set(statuses) <= {200, 429}
+    assert set(statuses) <= {200, 429, 0}
     held = [r for r in rows.values() if r.job_id.startswith("direct")]
     assert any(r.status == "queued" and r.detail.startswith("held: quota") for r in held), held
     assert client.xlen(KEYS.dead) == 0  # nothing failed
