@@ -133,6 +133,25 @@ def test_redis_cli_cancel_ends_a_running_job(worker: str) -> None:
     assert result.returncode == 0 and "finish_reason=cancelled" in result.stderr.decode()
 
 
+def test_redis_cli_tenants_from_the_protocol_doc(worker: str) -> None:
+    """The redis-cli lines of protocol.md's "Tenants and fair share", as they are written there:
+    weights set, a job of each tenant queued and run, each ended as its tenant's."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    block = text.split("### Tenants and fair share", 1)[1].split("```", 2)[1]
+    lines = [line for line in block.splitlines() if line.startswith("redis-cli ")]
+    assert len(lines) == 4 and any(" tenant acme " in line for line in lines)
+    for line in lines:
+        result = run(["bash", "-c", line.replace("redis-cli ", 'redis-cli -u "$REDIS_URL" ', 1)],
+                     worker)
+        assert result.returncode == 0, result.stderr.decode()
+    client = redis.Redis.from_url(worker, decode_responses=True)
+    wait_for(lambda: client.xlen("qw:recent") == 2, 30, what="both jobs to end")
+    ended = {f["id"]: (f["tenant"], f["status"]) for _, f in client.xrange("qw:recent")}
+    assert ended == {"acme-1": ("acme", "done"), "globex-1": ("globex", "done")}
+    assert client.hget("qw:tenants", "acme") == "3 0 0"
+    client.close()
+
+
 # ---------------------------------------------------------------------- Node.js
 
 

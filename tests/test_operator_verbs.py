@@ -104,7 +104,8 @@ def test_jobs_lists_running_waiting_and_ended_jobs(
     assert (rows["short"]["status"], rows["short"]["tokens"]) == ("done", 3)
     assert rows["short"]["detail"] == "length lister"
     assert (rows["broken"]["status"], rows["broken"]["detail"]) == ("dead", "invalid_request")
-    assert text.splitlines()[0].split() == ["ID", "STATUS", "MODEL", "TOKENS", "AGE", "DETAIL"]
+    assert text.splitlines()[0].split() == ["ID", "STATUS", "TENANT", "MODEL", "TOKENS", "AGE",
+                                            "DETAIL"]
     assert [row["id"] for row in limited] == ["runs", "waits"]
     assert [row["id"] for row in only] == ["broken"]
     recent = client.xrange(KEYS.recent)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from qworker.service.lua_fair import PARKED_CONSUMER
 from qworker_client.protocol import DoneEvent, ErrorEvent
 from tests.service_harness import (
     KEYS,
@@ -69,6 +70,8 @@ class PendingWatch:
                 rows = self.client.xpending_range(KEYS.jobs, "workers", "-", "+", 10_000)
             except redis.ResponseError:  # NOGROUP: no worker has started yet
                 rows = []
+            # entries parked by the fair read wait their turn in Redis: delivered to no worker
+            rows = [row for row in rows if row["consumer"].decode() != PARKED_CONSUMER]
             for row in rows:
                 entry = row["message_id"].decode()
                 self.deliveries[entry] = max(self.deliveries[entry], row["times_delivered"])
@@ -95,9 +98,22 @@ class DeliveryWatch(PendingWatch):
         return [e for e, n in self.deliveries.items() if n > 1 or len(self.consumers[e]) > 1]
 
 
+TENANTS = ("acme", "globex", "default")  # the last one's jobs name no tenant: it is the default
+
+
 def _submit(client: redis.Redis, jobs: dict[str, dict[str, object]]) -> None:
-    for job_id, fields in jobs.items():
-        client.xadd(KEYS.jobs, {"id": job_id, **{k: str(v) for k, v in fields.items()}})
+    """Plain XADDs, of three tenants in turn."""
+    for k, (job_id, fields) in enumerate(jobs.items()):
+        tenant = TENANTS[k % len(TENANTS)]
+        named = {"tenant": tenant} if tenant != "default" else {}
+        client.xadd(KEYS.jobs, {"id": job_id, **named, **{k: str(v) for k, v in fields.items()}})
+
+
+def _check_tenants(client: redis.Redis, jobs: dict[str, dict[str, object]]) -> None:
+    """Each job ended as its tenant's (the recent-jobs stream, written with its end)."""
+    ended = {f[b"id"].decode(): f[b"tenant"].decode() for _, f in client.xrange(KEYS.recent)}
+    assert {j: ended.get(j) for j in jobs} == {
+        j: TENANTS[k % len(TENANTS)] for k, j in enumerate(jobs)}
 
 
 def test_steps_longer_than_claim_idle_with_cancels_keep_every_job_with_its_worker(
@@ -176,6 +192,7 @@ def test_a_killed_worker_s_jobs_are_finished_by_another_each_index_once(
     for job_id in jobs:
         assert (check_stream(client, job_id).text, "length") == want[job_id], job_id
     assert group_pending(client) == 0
+    _check_tenants(client, jobs)
     print(f"FIGURES sigkill: entries={len(jobs)} lost=0 reclaimed={len(jobs)}")
 
 

@@ -33,8 +33,9 @@ RECREATED = "consumer group missing, recreated"
 
 
 def _blocked(client: redis.Redis, name: str) -> bool:
-    """The worker `name` waits in its blocking XREADGROUP now."""
-    return any(c.get("name") == f"qworker:{name}" and c.get("cmd") == "xreadgroup"
+    """The worker `name` waits in its blocking read now (XREAD with fair share: it takes
+    nothing, XREADGROUP without)."""
+    return any(c.get("name") == f"qworker:{name}" and c.get("cmd") in ("xread", "xreadgroup")
                and "b" in c.get("flags", "") for c in client.client_list())
 
 

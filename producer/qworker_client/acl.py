@@ -55,6 +55,9 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     batch, gateway, worker = k.batch("*"), k.gateway_job("*"), k.worker_pattern
     response = k.response("*")  # the gateway's Responses API records
     delayed = (k.delayed_of(None), k.delayed_pattern)  # the delayed sets and their hashes
+    fair = tuple(key for key in (k.ready_of(k.jobs), k.vtime_of(k.jobs), k.held_of(k.jobs))
+                 for key in (key, key + ":*"))  # the fair share's ready and held sets, vtimes
+    counts = (k.tpm(0).removesuffix("0") + "*", k.usage("*"))  # tokens a minute, usage a day
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
                  sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
@@ -75,7 +78,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
                                           "time"), (
             Grant(("xreadgroup", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
                    "xclaim", "xack", "xdel", "xpending", "xinfo|consumers", "xinfo|groups",
-                   "xrange", "xlen", "exists"), work),
+                   "xrange", "xlen", "exists", "xread"), work),
             # requeues, events, dead letters, recent jobs; delayed jobs queued again (promoter)
             Grant(("xadd",), (*work, out, k.dead, k.recent)),
             Grant(("zadd", "zrangebyscore", "zrange", "zrem", "hexists", "hset", "hget", "hdel"),
@@ -84,13 +87,24 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
             Grant(("exists", "mget"), (cancel,), read_only=True),
+            Grant(("zadd", "zpopmin", "zcard", "zrange", "zrem", "hmget", "hset"), fair),
+            Grant(("hmget", "hget", "hexists"), (k.tenants,), read_only=True),
+            Grant(("hincrby", "hmget", "expire"), counts),
+            Grant(("zadd", "zlexcount", "zrem", "zrangebylex"), (k.running,)),
             Grant(("hincrby", "expire"), (k.throughput("*"),)),  # the dashboard's throughput
-            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed)),
+            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
+                                        k.tenants, counts[0], k.running)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
-        "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan"), producer(
+        "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",
+                                            "exec"), producer(
             reads=(gateway, response, worker), read_commands=("mget", "xlen"),
-            sets=(gateway, response)) + (Grant(("del",), (response,)),)),
+            sets=(gateway, response)) + (
+            Grant(("del",), (response,)),
+            Grant(("del", "hset"), (k.tenants,)),  # the keys file's tenants, published
+            Grant(("hget",), (k.tpm(0).removesuffix("0") + "*",), read_only=True),  # quotas
+            Grant(("zlexcount",), (k.running,), read_only=True),
+        )),
         "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
             Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),
                   (*work, k.dead, worker), read_only=True),
@@ -100,7 +114,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
         # dashboard (`qworker dashboard`: the consumers, workers' TTLs, throughput counters)
         "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
                          producer(reads=(k.dead, k.recent, worker, *delayed,
-                                         k.throughput("*"), cancel),
+                                         k.throughput("*"), cancel, k.tenants, *counts),
                                   read_commands=("hmget", "mget", "xlen", "xinfo|groups",
                                                  "zrange", "xinfo|consumers", "xpending",
                                                  "pttl", "hgetall"),

@@ -41,6 +41,7 @@ CLIENT_COMMANDS = (
     "qworker_client.commands.batch",
     "qworker_client.commands.status",
     "qworker_client.commands.cancel",
+    "qworker_client.commands.usage",
     "qworker_client.commands.jobs",
     "qworker_client.commands.dead",
     "qworker_client.commands.gateway",

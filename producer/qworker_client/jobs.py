@@ -12,7 +12,14 @@ import redis
 from pydantic import ValidationError
 
 from qworker_client.found_keys import FoundKeys, delayed_keys
-from qworker_client.protocol import Keys, RecentJob, TokenEvent, entry_ms, parse_event
+from qworker_client.protocol import (
+    DEFAULT_TENANT,
+    Keys,
+    RecentJob,
+    TokenEvent,
+    entry_ms,
+    parse_event,
+)
 from qworker_client.stats import model_streams
 
 MAX_LIMIT = 1_000
@@ -28,6 +35,7 @@ class JobRow:
     tokens: int | None  # generated so far (None: not known)
     since_ms: int  # queued (running, queued); due (delayed); ended (done, error, dead)
     detail: str = ""  # the finish reason or error code; the worker; the stream
+    tenant: str = DEFAULT_TENANT
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.job_id, **{k: v for k, v in asdict(self).items() if k != "job_id"}}
@@ -70,15 +78,38 @@ def queued(client: redis.Redis, keys: Keys, limit: int,
         pipe.hmget(keys.owner(job_id), ["worker", "t0"])
         pipe.xrevrange(keys.out(job_id), count=1)
     replies = pipe.execute()
+    over = over_quota(client, keys, {fields.get("tenant") or DEFAULT_TENANT
+                                     for _, _, fields in entries})
     rows = []
     for k, (stream, entry_id, fields) in enumerate(entries):
         (token, t0), last = map(_text, replies[2 * k]), _entries(replies[2 * k + 1])
         worker = token.rpartition("/")[0] or token  # a fencing token is `<name>/<run>`
+        tenant = fields.get("tenant") or DEFAULT_TENANT
+        held = "held: quota " if not worker and tenant in over else ""
         rows.append(JobRow(
             fields.get("id") or entry_id, "running" if worker else "queued",
             keys.stream_model(stream) or fields.get("model", ""), _tokens(last),
-            int(t0 or 0) or entry_ms(entry_id) or 0, f"{worker} {stream}".strip()))
+            int(t0 or 0) or entry_ms(entry_id) or 0, f"{held}{worker} {stream}".strip(),
+            tenant))
     return rows
+
+
+def over_quota(client: redis.Redis, keys: Keys, tenants: set[str]) -> set[str]:
+    """Those of `tenants` whose tokens of this minute have reached their quota: their queued
+    jobs are held by the workers' fair read until the next minute."""
+    if not tenants:
+        return set()
+    names = sorted(tenants)
+    minute = server_ms(client) // 60_000
+    limits = client.hmget(keys.tenants, names)
+    used = client.hmget(keys.tpm(minute), names)
+    over = set()
+    for name, published, counted in zip(names, limits, used, strict=True):
+        parts = _text(published).split()
+        quota = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        if quota and int(_text(counted) or 0) >= quota:
+            over.add(name)
+    return over
 
 
 def delayed(client: redis.Redis, keys: Keys, limit: int,
@@ -104,7 +135,7 @@ def recent(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
         except ValidationError:
             continue  # not a worker's line
         rows.append(JobRow(job.id, job.status, job.model, job.tokens, entry_ms(entry_id) or 0,
-                           f"{job.reason} {job.worker}".strip()))
+                           f"{job.reason} {job.worker}".strip(), job.tenant))
     return rows
 
 
@@ -114,7 +145,8 @@ def dead(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
         source = fields.get("source", "")
         rows.append(JobRow(fields.get("id") or fields.get("source_id", ""), "dead",
                            keys.stream_model(source) or fields.get("model", ""), None,
-                           entry_ms(entry_id) or 0, fields.get("code", "")))
+                           entry_ms(entry_id) or 0, fields.get("code", ""),
+                           fields.get("tenant") or DEFAULT_TENANT))
     return rows
 
 

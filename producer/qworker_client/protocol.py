@@ -33,6 +33,14 @@ _ID_RE = re.compile(ID_PATTERN)
 # characters, no spaces; room for Hugging Face names, paths and the simulated engine's options.
 MODEL_PATTERN = r"^[A-Za-z0-9._:/@+=,-]{1,256}$"
 _MODEL_RE = re.compile(MODEL_PATTERN)
+# A tenant names whose share of the fleet a job is (docs/protocol.md, "Tenants"); it becomes part
+# of Redis hash fields and sorted-set members: a bounded, safe charset, no spaces.
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+_TENANT_RE = re.compile(TENANT_PATTERN)
+DEFAULT_TENANT = "default"
+# the consumer the fair read parks new entries as (pending in the group, delivered to no worker)
+PARKED_CONSUMER = "~ready"
+QUOTAS_FIELD = ":quotas"  # in `<prefix>:tenants`: some tenant has a tokens-per-minute quota
 
 # Input bounds: every job is bounded before it reaches the engine.
 MAX_PROMPT_CHARS = 1_000_000  # `prompt`, and the sum of all `messages` contents
@@ -104,6 +112,10 @@ def is_valid_id(value: str) -> bool:
 
 def is_valid_model(value: str) -> bool:
     return bool(_MODEL_RE.fullmatch(value))
+
+
+def is_valid_tenant(value: str) -> bool:
+    return bool(_TENANT_RE.fullmatch(value))
 
 
 # ----------------------------------------------------------------------------- job
@@ -250,6 +262,9 @@ class Job(BaseModel):
     id: Annotated[str | None, Field(pattern=ID_PATTERN, description="default: the entry id")] = None
     model: Annotated[str | None, Field(pattern=MODEL_PATTERN, description=(
         "the model to run it; its stream is `<prefix>:jobs:{<model>}`"))] = None
+    tenant: Annotated[str | None, Field(pattern=TENANT_PATTERN, description=(
+        "whose share of the fleet it runs in (fair share, quotas, usage); unset: `default`"))
+    ] = None
     prompt: Annotated[str | None, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] = None
     messages: Annotated[
         list[ChatMessage] | None,
@@ -357,6 +372,10 @@ class Job(BaseModel):
                 raise ValueError(f"{name} must be finite")
         return self
 
+    @property
+    def tenant_or_default(self) -> str:
+        return self.tenant or DEFAULT_TENANT
+
     def to_fields(self) -> dict[str, str]:
         """The XADD fields of this job: only fields that were set, each encoded as a string."""
         out: dict[str, str] = {}
@@ -373,7 +392,8 @@ class Job(BaseModel):
 # Wire kind of each job field: how its string is decoded before validation.
 _JOB_WIRE_KINDS: dict[str, str] = {
     "cache_salt": "str",
-    "id": "str", "model": "str", "prompt": "str", "messages": "json", "prompt_token_ids": "json",
+    "id": "str", "model": "str", "tenant": "str", "prompt": "str", "messages": "json",
+    "prompt_token_ids": "json",
     "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",
     "ignore_eos": "bool", "min_tokens": "int", "repetition_penalty": "float",
@@ -662,6 +682,28 @@ class Keys:
         """The jobs workers ended lately, newest last (`RecentJob`; capped, see `qworker jobs`)."""
         return f"{self.prefix}:recent"
 
+    @property
+    def tenants(self) -> str:
+        """The tenants' weights and quotas, a hash: tenant -> `weight tokens_per_minute
+        concurrent_jobs` (0: no limit); absent: weight 1, no limits (written by the gateway from
+        its keys file, or by hand)."""
+        return f"{self.prefix}:tenants"
+
+    def tpm(self, minute: int) -> str:
+        """Tokens (prompt + completion) each tenant's jobs made in one minute (unix time // 60),
+        a hash: tenant -> tokens; counted by the workers as the tokens are written, kept 2 min."""
+        return f"{self.prefix}:tpm:{minute}"
+
+    @property
+    def running(self) -> str:
+        """The jobs the fair read handed out under quotas and not yet ended, a sorted set of
+        members `<tenant>\\0<stream>\\0<entry id>` (score 0): a tenant's concurrent jobs."""
+        return f"{self.prefix}:running"
+
+    def usage(self, day: str) -> str:
+        """One UTC day's usage (`YYYY-MM-DD`), a hash: `<tenant>|<model>|<counter>` -> count
+        (counters: jobs, prompt_tokens, completion_tokens, errors; model `-`: none)."""
+        return f"{self.prefix}:usage:{day}"
     def throughput(self, minute: int | str) -> str:
         """One minute's counters (unix minute): tokens and jobs ended per model and per worker,
         written by the workers with each ended job, kept `THROUGHPUT_TTL_S` (the dashboard)."""
@@ -734,6 +776,27 @@ class Keys:
         (in the high or low band `<prefix>:requeue:high`, `<prefix>:requeue:high:{<model>}`)."""
         return _work_stream(self.requeue, model, band)
 
+    def ready_of(self, stream: str) -> str:
+        """A job stream's new entries in fair order (a sorted set: `<entry id> <tenant>` -> start
+        tag), `<prefix>:ready` + the stream's suffix (`<prefix>:ready:high:{<model>}`): in its
+        model's hash slot."""
+        return self._fair_key(stream, "ready")
+
+    def vtime_of(self, stream: str) -> str:
+        """A job stream's virtual times (a hash: tenant -> its finish tag, `:v` -> the stream's),
+        `<prefix>:vtime` + the stream's suffix."""
+        return self._fair_key(stream, "vtime")
+
+    def held_of(self, stream: str) -> str:
+        """A job stream's entries held over their tenant's quota (a sorted set like the ready
+        one), `<prefix>:held` + the stream's suffix."""
+        return self._fair_key(stream, "held")
+
+    def _fair_key(self, stream: str, name: str) -> str:
+        if stream != self.jobs and not stream.startswith(self.jobs + ":"):
+            raise ValueError(f"{stream!r} is not a job stream")
+        return f"{self.prefix}:{name}{stream[len(self.jobs):]}"
+
     def stream_model(self, stream: str) -> str | None:
         """The model of a work stream (None: a model-less one)."""
         for base in (self.jobs, self.requeue):
@@ -787,6 +850,7 @@ class RecentJob(BaseModel):
 
     id: str
     model: Annotated[str, Field(description="the stream's model; empty: a model-less job")] = ""
+    tenant: Annotated[str, Field(description="the job's tenant")] = DEFAULT_TENANT
     status: Literal["done", "error"]
     reason: Annotated[str, Field(description="the finish reason (done) or the error code")]
     tokens: Annotated[int, Field(ge=0, description="tokens generated")] = 0
@@ -867,7 +931,8 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 
 
 __all__ = [
-    "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "EXPIRED", "ID_PATTERN", "INTERNAL",
+    "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "DEFAULT_TENANT", "EXPIRED",
+    "ID_PATTERN", "INTERNAL", "PARKED_CONSUMER", "TENANT_PATTERN",
     "INVALID_REQUEST", "LOST_STATE", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG",
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
     "DoneEvent", "ErrorEvent", "FunctionCall", "FunctionTool", "NamedToolChoice", "Tool",
@@ -875,6 +940,7 @@ __all__ = [
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
     "RecentJob",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
-    "event_to_fields", "is_valid_id", "is_valid_model", "json_schemas", "parse_entry_id",
+    "event_to_fields", "is_valid_id", "is_valid_model", "is_valid_tenant", "json_schemas",
+    "parse_entry_id",
     "parse_event", "parse_job_fields",
 ]

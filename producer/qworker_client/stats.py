@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis
@@ -13,7 +13,7 @@ import redis.asyncio
 from pydantic import ValidationError
 
 from qworker_client.found_keys import SCAN_COUNT, model_stream_keys, worker_keys
-from qworker_client.protocol import BANDS, DEFAULT_GROUP, Keys, WorkerInfo
+from qworker_client.protocol import BANDS, DEFAULT_GROUP, PARKED_CONSUMER, Keys, WorkerInfo
 
 
 @dataclass(frozen=True)
@@ -24,16 +24,20 @@ class StreamStats:
     length: int = 0
     group_exists: bool = False
     consumers: int = 0
-    pending: int = 0  # delivered to a worker, not yet acked: in flight
+    pending: int = 0  # delivered to a worker, not yet acked: in flight (parked ones aside)
     lag: int | None = 0  # entries not yet delivered to any worker; None when Redis cannot tell
     last_delivered_id: str | None = None
+    parked: int = 0  # of `pending`, those the fair read parked (`~ready`): waiting their turn
 
     @property
     def waiting(self) -> int:
-        """Entries not yet delivered to any worker. Where Redis reports no lag (the last
-        delivered entry was deleted while older ones are pending: the normal state under load),
-        `length - pending`, exact since workers delete the entries they acknowledge."""
-        return self.lag if self.lag is not None else max(self.length - self.pending, 0)
+        """Entries not yet delivered to any worker, parked ones included. Where Redis reports no
+        lag (the last delivered entry was deleted while older ones are pending: the normal state
+        under load), `length - pending`, exact since workers delete the entries they
+        acknowledge."""
+        in_group = self.pending + self.parked
+        undelivered = self.lag if self.lag is not None else max(self.length - in_group, 0)
+        return undelivered + self.parked
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,11 @@ async def collect_stats_async(
     async def stream(key: str) -> StreamStats:
         length = int(await client.xlen(key))
         exists = length > 0 or bool(await client.exists(key))
-        return _stream_stats(key, length, await client.xinfo_groups(key) if exists else None,
-                             group)
+        stats = _stream_stats(key, length, await client.xinfo_groups(key) if exists else None,
+                              group)
+        if not stats.pending:
+            return stats
+        return with_parked(stats, await client.xpending(key, group))
 
     names = sorted([n async for n in client.scan_iter(match=keys.worker_pattern,
                                                       count=SCAN_COUNT)])
@@ -123,7 +130,17 @@ async def collect_stats_async(
 def stream_stats(client: redis.Redis, key: str, group: str) -> StreamStats:
     length = int(client.xlen(key))
     exists = length > 0 or bool(client.exists(key))
-    return _stream_stats(key, length, client.xinfo_groups(key) if exists else None, group)
+    stats = _stream_stats(key, length, client.xinfo_groups(key) if exists else None, group)
+    return with_parked(stats, client.xpending(key, group)) if stats.pending else stats
+
+
+def with_parked(stats: StreamStats, summary: Any) -> StreamStats:
+    """The stream's parked entries (XPENDING's count for the consumer `~ready`) moved from in
+    flight to waiting."""
+    parked = sum(int(c["pending"]) for c in (summary or {}).get("consumers") or ()
+                 if (c["name"].decode() if isinstance(c["name"], bytes) else c["name"])
+                 == PARKED_CONSUMER)
+    return replace(stats, pending=stats.pending - parked, parked=parked)
 
 
 def live_workers(client: redis.Redis, keys: Keys,

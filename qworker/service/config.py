@@ -43,6 +43,10 @@ class ServiceConfig:
         "the model's name for clients: the worker takes the jobs for it (<prefix>:jobs:{name}) "
         "and those without a model; in the liveness key, the OpenAI gateway's model id "
         "(default: --model)"))
+    fair_share: bool = field(default=True, metadata=_flag(
+        "serve the tenants of each band in proportion to their weights, decided in Redis "
+        "(docs/protocol.md, \"Tenants and fair share\"); off: each band first come, first "
+        "served"))
     claim_idle_ms: int = field(default=30_000, metadata=_flag(
         "reclaim entries idle this long (their worker died or stalled); a thread re-claims a "
         "live worker's entries every claim-idle/4 s (at most 10 s), whatever its steps"))

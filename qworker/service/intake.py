@@ -17,10 +17,12 @@ from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_
 from qworker.service.dead_letters import DeadLetters
 from qworker.service.dead_letters import dead_fields as dead_fields
 from qworker.service.errors import job_error
+from qworker.service.fair_share import mark_charged, stale_running
 from qworker.service.job import Entry, Readback, now_ms
 from qworker.service.job import Reject as Reject  # where intake's callers find them
 from qworker.service.job import Taken as Taken
 from qworker.service.logs import get_logger
+from qworker.service.lua_fair import PARKED_CONSUMER
 from qworker.service.scripts import Scripts
 from qworker.service.verdicts import expired, poisoned
 from qworker_client.protocol import (
@@ -46,10 +48,13 @@ def _s(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def capped_entries(reply: Any) -> list[Entry]:
-    """The entries of a READ script's reply (`Scripts.read`), stream by stream in its order."""
-    return [Entry(_s(stream), _s(eid), _pairs(flat))
-            for stream, items in reply or () for eid, flat in items]
+def capped_entries(reply: Any, keys: Keys) -> list[Entry]:
+    """The entries of a READ script's reply (`Scripts.read`), stream by stream in its order
+    (those the fair read charged marked so)."""
+    entries = [Entry(_s(stream), _s(eid), _pairs(flat))
+               for stream, items in reply or () for eid, flat in items]
+    mark_charged(reply, entries, keys)
+    return entries
 
 
 def _entries(stream: str, items: Iterable[tuple[Any, Any]] | None) -> list[Entry]:
@@ -73,6 +78,8 @@ class Intake:
         self._cursors = dict.fromkeys(self.streams, "-")  # reclaim scan: where the next begins
         self.log = get_logger(worker=config.name)
         self.dead_letters = DeadLetters(client, keys, config, scripts)
+        self.fair = keys if config.fair_share else None  # the fair read's keys
+        self._running_cursor = "-"  # the quotas' running set: where the next repair looks
 
     @property
     def consumer(self) -> str:
@@ -95,6 +102,11 @@ class Intake:
         caps = self.caps(rooms)
         entries = self._read_capped(caps)
         count = max(cap for _, cap in caps)
+        if not entries and block_ms and count > 0 and self.fair is not None:
+            # wait for news without taking any: what arrives is taken by the fair read (an entry
+            # added between the two round trips waits at most block_ms)
+            self.client.xread(dict.fromkeys(self.streams, "$"), count=1, block=block_ms)
+            return self._read_capped(caps)
         if not entries and block_ms and count > 0:
             streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
             reply = self.client.xreadgroup(self.config.group, self.consumer, streams, count=1,
@@ -109,12 +121,12 @@ class Intake:
             return []
         try:
             reply = self.scripts.read(self.client, group=self.config.group,
-                                      consumer=self.consumer, caps=caps)
+                                      consumer=self.consumer, caps=caps, fair=self.fair)
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
             Scripts.load(self.client)
             reply = self.scripts.read(self.client, group=self.config.group,
-                                      consumer=self.consumer, caps=caps)
-        return capped_entries(reply)
+                                      consumer=self.consumer, caps=caps, fair=self.fair)
+        return capped_entries(reply, self.keys)
 
     @staticmethod
     def _parse_read(reply: Any) -> list[Entry]:
@@ -136,13 +148,25 @@ class Intake:
             entries += self._reclaim_stream(stream, want, skip_entry_ids)
         for entry in entries:
             entry.reclaimed = True
+        if self.fair is not None:
+            self._drop_stale_running()
         return entries
+
+    def _drop_stale_running(self) -> None:
+        """Repairs the quotas' running set: a job whose end was not counted (its worker died
+        between its terminal event and the count) stops counting once seen not pending."""
+        stale, self._running_cursor = stale_running(self.client, self.keys, self.config.group,
+                                                    self._running_cursor)
+        if stale:
+            self.client.zrem(self.keys.running, *stale)
 
     def _reclaim_stream(self, stream: str, want: int, skip: set[str]) -> list[Entry]:
         rows = self.client.xpending_range(stream, self.config.group, min=self._cursors[stream],
                                           max="+", count=RECLAIM_SCAN,
                                           idle=self.config.claim_idle_ms)
-        found = [r for r in rows if _s(r["message_id"]) not in skip]
+        # parked entries (the fair read's, waiting their turn) are no dead worker's
+        found = [r for r in rows if _s(r["message_id"]) not in skip
+                 and _s(r["consumer"]) != PARKED_CONSUMER]
         chosen = found[:want]
         if len(found) > want:  # full: the next call starts after the last one taken
             self._cursors[stream] = "(" + _s(chosen[-1]["message_id"])

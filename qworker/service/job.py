@@ -38,6 +38,7 @@ class Entry:
     fields: RawFields
     deliveries: int = 1
     reclaimed: bool = False
+    charged: bool = False  # its estimated tokens were added to this minute's when handed out
 
 
 @dataclass

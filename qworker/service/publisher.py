@@ -24,6 +24,7 @@ from qworker.service.outcome import FENCED, LOST_STATE, OK, REQUEUED, TERMINAL, 
 from qworker.service.outcome import GAP as GAP
 from qworker.service.recent import Recent
 from qworker.service.scripts import JobAppend, Scripts, decode_status
+from qworker.service.usage import Usage
 from qworker_client.protocol import Keys, band_of
 
 # the requeue script's replies (a retry finds the job released: requeued before)
@@ -38,6 +39,7 @@ class Publisher:
         self.scripts = scripts
         self.token = token
         self.recent = Recent(client, keys, config)
+        self.usage = Usage(client, keys, config)
 
     def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
               read_caps: Sequence[tuple[str, int]] = (),
@@ -54,6 +56,7 @@ class Publisher:
             result = self._flush(jobs, cancel_check, read_caps)
         on_read(result.entries)
         self.recent.add(jobs, result.status)
+        self.usage.add(jobs, result.status)
         return result
 
     def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
@@ -69,7 +72,7 @@ class Publisher:
             pipe.mget([self.keys.cancel(job_id) for job_id in cancel_check])
         if read_caps:
             self.scripts.read(pipe, group=self.config.group, consumer=self.config.name,
-                              caps=read_caps)
+                              caps=read_caps, fair=self.keys if self.config.fair_share else None)
         result = FlushResult()
         if not appending and not requeueing and not cancel_check and not read_caps:
             return result
@@ -81,7 +84,7 @@ class Publisher:
             if isinstance(read, Exception):
                 result.error = read  # the worker's own phase: not one job's
             else:
-                result.entries = capped_entries(read)
+                result.entries = capped_entries(read, self.keys)
         try:
             self._statuses(appending, requeueing, cancel_check, iter(replies), result)
         except redis.exceptions.NoScriptError:

@@ -58,11 +58,13 @@ class Recent:
         last = job.outbox[-1] if job.outbox else None
         model = self.keys.stream_model(job.entry.stream) or job.job.model or ""
         if isinstance(last, DoneEvent):
-            record = RecentJob(id=job.job_id, model=model, status="done",
+            record = RecentJob(id=job.job_id, model=model, tenant=job.job.tenant_or_default,
+                               status="done",
                                reason=last.finish_reason, tokens=last.completion_tokens,
                                worker=self.config.name)
         elif isinstance(last, ErrorEvent):
-            record = RecentJob(id=job.job_id, model=model, status="error", reason=last.code,
+            record = RecentJob(id=job.job_id, model=model, tenant=job.job.tenant_or_default,
+                               status="error", reason=last.code,
                                tokens=job.next_index, worker=self.config.name)
         else:
             return None

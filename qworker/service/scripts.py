@@ -22,7 +22,12 @@ from qworker.service.lua import (
     TAKE_OWNER,
 )
 from qworker.service.lua_delayed import DEFER, PROMOTE
+from qworker.service.lua_fair import FAIR_READ, PARKED_CONSUMER
+from qworker.service.usage import minute_now
 from qworker_client.protocol import LOST_STATE, ErrorEvent, Keys, WireFields, event_to_fields
+
+# new entries parked per job stream per fair read (their order is decided once parked)
+PARK_BATCH = 256
 
 
 def alone_key(prefix: str, token: str) -> str:
@@ -71,21 +76,34 @@ class Scripts:
     take_owner_sha: str = _sha(TAKE_OWNER)
     drop_consumer_sha: str = _sha(DROP_CONSUMER)
     read_sha: str = _sha(READ)
+    fair_read_sha: str = _sha(FAIR_READ)
     defer_sha: str = _sha(DEFER)
     promote_sha: str = _sha(PROMOTE)
 
     @staticmethod
     def load(client: redis.Redis) -> None:
         for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER, READ, DEFER,
-                     PROMOTE):
+                     PROMOTE, FAIR_READ):
             client.script_load(text)
 
     def read(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
-             caps: Sequence[tuple[str, int]]) -> Any:
-        """New entries of the (stream, cap) pairs in order, within the caps (READ); on a pipeline
-        the reply comes with the pipeline's (`intake.capped_entries` reads it)."""
-        return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group, consumer,
-                              *(cap for _, cap in caps))
+             caps: Sequence[tuple[str, int]], fair: Keys | None = None) -> Any:
+        """New entries of the (stream, cap) pairs in order, within the caps (READ; with `fair`,
+        the keys of the fair share, FAIR_READ: each job stream's tenants in proportion to their
+        weights, within their tokens per minute when some have a quota); on a pipeline the reply
+        comes with the pipeline's (`intake.capped_entries` reads it)."""
+        if fair is None:
+            return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group,
+                                  consumer, *(cap for _, cap in caps))
+        k = fair
+        keys: list[str] = [k.tenants, k.tpm(minute_now()), k.running]
+        args: list[str | int] = [group, consumer, PARKED_CONSUMER, PARK_BATCH,
+                                 k.ready_of(k.jobs)]
+        for stream, cap in caps:
+            keys += ([stream] if k.is_requeue(stream) else
+                     [stream, k.ready_of(stream), k.vtime_of(stream), k.held_of(stream)])
+            args.append(cap)
+        return client.evalsha(self.fair_read_sha, len(keys), *keys, *args)
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, group: str,
                jobs: Sequence[JobAppend]) -> None:

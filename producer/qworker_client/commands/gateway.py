@@ -87,6 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--admin-key", action="append", default=None,
                         help="a key that opens the dashboard as admin: retry, cancel, purge "
                              "(repeatable; env QWORKER_ADMIN_KEY, comma-separated)")
+    parser.add_argument("--keys-file", default=_env("KEYS_FILE"), metavar="PATH",
+                        help="API keys of tenants, JSON (docs/gateway.md, \"Tenants\"); reread "
+                             "when it changes or on SIGHUP")
     parser.add_argument("--result-ttl", type=lenient(int, DEFAULT_RESULT_TTL_S),
                         default=_env_default("RESULT_TTL", DEFAULT_RESULT_TTL_S),
                         help="the workers' --result-ttl, in seconds (default: 3600)")
@@ -118,12 +121,14 @@ def run(args: argparse.Namespace) -> int:
         from qworker_client.gateway.app import create_app
         from qworker_client.gateway.gc_tuning import tune_gc
         from qworker_client.gateway.server import AnnouncingServer, uvicorn_config
+        from qworker_client.gateway.tenants import KeysFileError
     except ModuleNotFoundError as exc:
         report_error(f"`gateway` needs its extra ({exc.name} is missing): {INSTALL_HINT}")
         return EXIT_USAGE
     config = GatewayConfig(
         redis_url=args.redis_url or redis_url_from_env(), prefix=args.prefix, host=args.host,
         port=args.port, max_queued=args.max_queued, api_keys=api_keys(args.api_key),
+        keys_file=args.keys_file,
         admin_keys=_listed(args.admin_key, "ADMIN_KEY"),
         result_ttl_s=args.result_ttl, files_dir=args.files_dir,
         stream_interval_ms=args.stream_interval, max_prompts=args.max_prompts,
@@ -132,7 +137,13 @@ def run(args: argparse.Namespace) -> int:
         keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
         models=_listed(args.models, "MODEL"),
     )
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except KeysFileError as exc:
+        report_error(str(exc))
+        return EXIT_USAGE
+    if app.state.gateway.keys_file is not None:
+        app.state.gateway.keys_file.listen_for_hangup()
     tune_gc()  # what the imports and the app made is frozen
     try:
         AnnouncingServer(uvicorn_config(app, config, args.log_level)).run()

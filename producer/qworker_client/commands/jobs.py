@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(rows: list[JobRow], now_ms: int) -> str:
-    lines = [("ID", "STATUS", "MODEL", "TOKENS", "AGE", "DETAIL")]
-    lines += [(row.job_id, row.status, row.model or "-",
+    lines = [("ID", "STATUS", "TENANT", "MODEL", "TOKENS", "AGE", "DETAIL")]
+    lines += [(row.job_id, row.status, row.tenant, row.model or "-",
                "-" if row.tokens is None else str(row.tokens),
                f"in {age(row.since_ms - now_ms)}" if row.status == "delayed"
                else age(now_ms - row.since_ms), row.detail) for row in rows]

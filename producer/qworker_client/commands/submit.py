@@ -43,6 +43,7 @@ _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--prompt-logprobs", "prompt_logprobs", int),  # 0..20: the prompt tokens' logprobs
     ("--model", "model", str),  # to <prefix>:jobs:{<model>}, for the workers serving it
     ("--cache-salt", "cache_salt", str),  # only jobs of the same salt share cached prefixes
+    ("--tenant", "tenant", str),  # whose share of the fleet it runs in (default: default)
 )
 
 

@@ -29,6 +29,7 @@ from qworker_client.gateway.responses import routes as responses
 from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.streams import jobs
 from qworker_client.gateway.streams.disconnect import RAW_SEND
+from qworker_client.gateway.usage_route import export_tenant_usage, usage_route
 
 log = logging.getLogger("qworker.gateway")
 Handler = Callable[[Gateway, Request], Awaitable[Any]]
@@ -53,6 +54,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         if gateway.batches is not None:
             gateway.batches.resume_unfinished()
+        await gateway.publish_tenants()
         yield
         await gateway.close()
 
@@ -74,6 +76,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         route("/v1/batches", batch_routes.create_batch, "POST"),
         route("/v1/batches/{batch_id}", batch_routes.get_batch),
         route("/v1/batches/{batch_id}/cancel", batch_routes.cancel_batch, "POST"),
+        route("/v1/admin/usage", usage_route),
         route("/health", _health),
         route("/metrics", _metrics),
         Mount(OWN_AUTH, create_dashboard(config.redis_url, config.prefix, config.api_keys,
@@ -82,7 +85,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     app = GatewayApp(
         routes=routes, lifespan=lifespan,
         middleware=[Middleware(CountResponses, metrics=gateway.metrics, routes=routes),
-                    Middleware(RequireKey, keys=config.api_keys),
+                    Middleware(RequireKey, keys=config.api_keys, keys_file=gateway.keys_file),
                     Middleware(LimitBody, max_bytes=config.max_body_bytes)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error,
                             redis.RedisError: _redis_error, Exception: _server_error},
@@ -112,6 +115,7 @@ async def _health(gateway: Gateway, _: Request) -> JSONResponse:
 async def _metrics(gateway: Gateway, _: Request) -> Response:
     models = [None, *await gateway.catalog.models()]  # model-less, and each live model's
     gateway.metrics.queue_depth.set(await gateway.gate.unfinished(models))
+    await export_tenant_usage(gateway)
     content, media_type = gateway.metrics.exposition()
     return Response(content, media_type=media_type)
 

@@ -19,6 +19,7 @@ class GatewayConfig:
     max_queued: int | None = 1024
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = ()  # empty: no auth
+    keys_file: str | None = None  # API keys of tenants (gateway/tenants.py), besides api_keys
     # keys that open the dashboard (`/dashboard`) as admin: retry, cancel, purge; the API keys
     # open it read-only (docs/dashboard.md)
     admin_keys: tuple[str, ...] = ()

@@ -44,6 +44,10 @@ class Metrics:
                                  "unfinished jobs when last looked at", registry=self.registry)
         self.tokens = Counter("qworker_gateway_streamed_tokens", "token events passed on",
                               registry=self.registry)
+        # labelled only with the keys file's tenants: bounded
+        self.tenant_usage = Gauge("qworker_tenant_usage_today",
+                                  "a tenant's usage today (UTC), all models, as the workers "
+                                  "counted it", ["tenant", "counter"], registry=self.registry)
         self.first_chunk = Histogram(
             "qworker_gateway_first_chunk_seconds", "a streamed completion: from its request's "
             "arrival to its first chunk of events, by model", ["model"],

@@ -4,18 +4,24 @@ keys (an open gateway) there are no owners and everything is seen, as before key
 
 An owner is one string, stored beside what it owns: a fingerprint of its key (never the key
 itself), so that Redis and the files directory hold nothing a client could authenticate with. A
-tenant (a later issue maps keys to tenants) replaces the fingerprint and nothing else.
+key of the keys file acts for its tenant instead: `tenant:<name>`, so all of a tenant's keys see
+what any of them made.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.types import Scope
 
+if TYPE_CHECKING:
+    from qworker_client.gateway.tenants import Tenant
+
 Owner = str | None  # None: the open gateway's requests (and the gateway's own work): see all
 SCOPE_KEY = "qworker.owner"
+TENANT_KEY = "qworker.tenant"
 
 
 def fingerprint(api_key: bytes) -> str:
@@ -23,8 +29,21 @@ def fingerprint(api_key: bytes) -> str:
     return "key-" + hashlib.sha256(b"qworker owner\0" + api_key).hexdigest()[:32]
 
 
+def tenant_owner(name: str) -> str:
+    return f"tenant:{name}"
+
+
 def set_caller(scope: Scope, owner: str) -> None:
     scope[SCOPE_KEY] = owner
+
+
+def set_tenant(scope: Scope, tenant: Tenant) -> None:
+    scope[TENANT_KEY] = tenant
+
+
+def caller_tenant(request: Request) -> Tenant | None:
+    """The keys file's tenant a request acts for (None: a plain key, or an open gateway)."""
+    return request.scope.get(TENANT_KEY)
 
 
 def caller(request: Request) -> Owner:

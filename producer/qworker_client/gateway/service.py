@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
+
+from redis.typing import EncodableT, FieldT
 
 from qworker_client.aio import AsyncProducer
 from qworker_client.connect import ClientOptions
@@ -18,14 +21,15 @@ from qworker_client.gateway.chat.shaping import Shape
 from qworker_client.gateway.chat.translate import GatewayRequest
 from qworker_client.gateway.config import GatewayConfig
 from qworker_client.gateway.connection import gateway_client
-from qworker_client.gateway.errors import bad_request
+from qworker_client.gateway.errors import APIError, bad_request
 from qworker_client.gateway.metrics import Metrics
 from qworker_client.gateway.owners import Owner
 from qworker_client.gateway.round_trip import Command, round_trip
 from qworker_client.gateway.streams.hub import Hub
 from qworker_client.gateway.streams.meta import JobMeta, meta_key
 from qworker_client.gateway.streams.vanished import Queued
-from qworker_client.protocol import JobValidationError, Keys
+from qworker_client.gateway.tenants import KeysFile, Tenant
+from qworker_client.protocol import QUOTAS_FIELD, JobValidationError, Keys
 from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call, submitted
 
 _PARAM_RE = re.compile(r"^([a-z_]+)\b")
@@ -45,18 +49,64 @@ class Gateway:
         self.metrics = Metrics()
         self._submit_sha = self.redis.register_script(SUBMIT_SCRIPT).sha
         self.hub = Hub(self.redis, self.keys, interval_s=config.stream_interval_ms / 1000)
+        self.keys_file = None if config.keys_file is None else KeysFile(config.keys_file)
+        self._published = -1  # the keys file's version last written to Redis
         self.batches = None if config.files_dir is None else Batches(
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
 
+    async def publish_tenants(self) -> None:
+        """The keys file's tenants (weight, quotas) into `<prefix>:tenants`, where the workers'
+        fair share reads them; again whenever the file changed."""
+        if self.keys_file is None or self._published == self.keys_file.version:
+            return
+        version = self.keys_file.version
+        tenants = self.keys_file.tenants
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.tenants)
+        published: dict[FieldT, EncodableT] = {n: t.published() for n, t in tenants.items()}
+        if any(t.tokens_per_minute or t.concurrent_jobs for t in tenants.values()):
+            published[QUOTAS_FIELD] = "1"  # the workers' fair read then looks at quotas
+        if published:
+            pipe.hset(self.keys.tenants, mapping=published)
+        await pipe.execute()
+        self._published = version
+
+    async def check_quota(self, tenant: Tenant) -> None:
+        """429 with `Retry-After` while the tenant is at a quota, as counted in Redis by every
+        worker's fair read: its tokens of this minute (retry when the minute ends), or its jobs
+        running (retry in a second)."""
+        now = time.time()
+        if tenant.tokens_per_minute is not None:
+            used = await self.redis.hget(self.keys.tpm(int(now) // 60), tenant.name)
+            if used is not None and int(used) >= tenant.tokens_per_minute:
+                raise self._at_quota(tenant, f"its {tenant.tokens_per_minute} tokens of this "
+                                     "minute", "tokens_per_minute", 60 - int(now) % 60)
+        if tenant.concurrent_jobs is not None:
+            running = await self.redis.zlexcount(self.keys.running, f"[{tenant.name}\0",
+                                                 f"({tenant.name}\1")
+            if int(running) >= tenant.concurrent_jobs:
+                raise self._at_quota(tenant, f"its {tenant.concurrent_jobs} concurrent jobs",
+                                     "concurrent_jobs", 1)
+
+    @staticmethod
+    def _at_quota(tenant: Tenant, what: str, code: str, retry_s: int) -> APIError:
+        return APIError(429, f"tenant {tenant.name!r} has used {what}", type="rate_limit_error",
+                        code=code, headers={"retry-after": str(max(1, retry_s))})
+
     async def submit(self, request: GatewayRequest, shape: Shape, owner: Owner,
-                     records: dict[str, str] | None = None) -> dict[str, Queued]:
+                     records: dict[str, str] | None = None, tenant: Tenant | None = None
+                     ) -> dict[str, Queued]:
         """Validate every job (400 on what a worker would refuse), remember how to shape their
         streams and whose they are (and set `records`, key -> value, beside: a response's),
-        then queue them all at once. Returns where each job was queued (for the hub to tell one
+        then queue them all at once (as the keys file's `tenant`'s jobs, when the key has one).
+        Returns where each job was queued (for the hub to tell one
         that vanished)."""
         try:
             prepared = [job_fields(choice.spec) for choice in request.choices]
+            if tenant is not None:
+                for _, fields in prepared:
+                    fields["tenant"] = tenant.name
         except JobValidationError as exc:
             match = _PARAM_RE.match(exc.message)
             raise bad_request(exc.message, param=match.group(1) if match else None) from None
