@@ -61,9 +61,18 @@ def test_a_keys_jobs_are_its_tenants(base_url: str, redis_url: str, keys_file: P
     denied = post(base_url, "sk-tiny", CHAT)
     assert denied.status_code == 403 and "may not use model 'sim'" in denied.text
     assert post(base_url, "sk-nobody", CHAT).status_code == 401
+    answer = httpx2.post(f"{base_url}/v1/responses", timeout=30,  # the Responses API's too
+                         json={"model": "sim", "input": "hi", "max_output_tokens": 3},
+                         headers={"authorization": "Bearer sk-acme-2"})
+    assert answer.status_code == 200, answer.text
+    refused = httpx2.post(f"{base_url}/v1/responses", timeout=30,
+                          json={"model": "sim", "input": "hi", "max_output_tokens": 3},
+                          headers={"authorization": "Bearer sk-tiny"})
+    assert refused.status_code == 403 and "may not use model 'sim'" in refused.text
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     rows = {row.job_id: row for row in list_jobs(client, KEYS, 50)}
     assert rows[job_id].tenant == "acme"
+    assert rows[answer.headers["x-qworker-job-id"]].tenant == "acme"
     assert client.hgetall(KEYS.tenants) == {"acme": "3 5000 0", "tiny": "1 0 0",
                                                ":quotas": "1"}
 

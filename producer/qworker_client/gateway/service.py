@@ -28,7 +28,7 @@ from qworker_client.gateway.round_trip import Command, round_trip
 from qworker_client.gateway.streams.hub import Hub
 from qworker_client.gateway.streams.meta import JobMeta, meta_key
 from qworker_client.gateway.streams.vanished import Queued
-from qworker_client.gateway.tenants import KeysFile, Tenant
+from qworker_client.gateway.tenants import KeysFile, Tenant, refusal
 from qworker_client.protocol import QUOTAS_FIELD, JobValidationError, Keys
 from qworker_client.scripts import SUBMIT_SCRIPT, by_stream, submit_call, submitted
 
@@ -71,6 +71,17 @@ class Gateway:
             pipe.hset(self.keys.tenants, mapping=published)
         await pipe.execute()
         self._published = version
+
+    async def admit_tenant(self, tenant: Tenant | None, model: str,
+                           priorities: list[int]) -> Tenant | None:
+        """The caller's tenant (None: no keys file names it), once its keys file allows the model
+        and bands (403) and its quotas have room (429); the tenants published for the workers."""
+        if tenant is not None:
+            if (why := refusal(tenant, model, priorities)) is not None:
+                raise APIError(403, why, type="permission_error", code="tenant_not_allowed")
+            await self.check_quota(tenant)
+        await self.publish_tenants()
+        return tenant
 
     async def check_quota(self, tenant: Tenant) -> None:
         """429 with `Retry-After` while the tenant is at a quota, as counted in Redis by every

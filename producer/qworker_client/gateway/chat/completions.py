@@ -13,14 +13,12 @@ from qworker_client.gateway import owners
 from qworker_client.gateway.body import parse_json
 from qworker_client.gateway.chat.shaping import Shape
 from qworker_client.gateway.chat.translate import GatewayRequest, Kind, translate
-from qworker_client.gateway.errors import APIError
 from qworker_client.gateway.metrics import Timing
 from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.streams import frames
 from qworker_client.gateway.streams.disconnect import EventStream, until_disconnect
 from qworker_client.gateway.streams.live import LiveStream
 from qworker_client.gateway.streams.reader import OutputReader
-from qworker_client.gateway.tenants import refusal
 from qworker_client.result import START_ID
 
 JOB_ID_HEADER = "x-qworker-job-id"
@@ -36,13 +34,8 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
     req = translate(kind, await read_json(request), config.max_n, config.max_prompts,
                     config.max_jobs)
     await gateway.catalog.check(req.model)
-    tenant = owners.caller_tenant(request)
-    if tenant is not None and (why := refusal(tenant, req.model, [
-            int(c.spec.get("priority", 0)) for c in req.choices])) is not None:
-        raise APIError(403, why, type="permission_error", code="tenant_not_allowed")
-    if tenant is not None:
-        await gateway.check_quota(tenant)
-    await gateway.publish_tenants()
+    tenant = await gateway.admit_tenant(owners.caller_tenant(request), req.model,
+                                        [int(c.spec.get("priority", 0)) for c in req.choices])
     timing = Timing(gateway.metrics, ROUTES[kind], req.model, started)  # a model of the catalog
     await gateway.gate.admit(req.model, len(req.choices))  # /metrics reads the depth itself
     shape = Shape(kind, req.response_id, req.model, int(time.time()), req.logprobs)

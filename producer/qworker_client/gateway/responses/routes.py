@@ -26,6 +26,7 @@ from qworker_client.gateway.service import Gateway
 from qworker_client.gateway.streams.disconnect import until_disconnect
 from qworker_client.gateway.streams.sse import HEADERS, MEDIA_TYPE, encode
 from qworker_client.gateway.streams.vanished import Queued
+from qworker_client.gateway.tenants import Tenant
 
 MAX_INPUT_ITEMS_LISTED = 100
 
@@ -35,9 +36,11 @@ async def create(gateway: Gateway, request: Request) -> Response:
     owner = owners.caller(request)
     history, depth = await _chain(gateway, request, body)
     await gateway.catalog.check(body.model)
+    tenant = await gateway.admit_tenant(owners.caller_tenant(request), body.model,
+                                        [int(body.job.get("priority", 0))])
     await gateway.gate.admit(body.model, 1)
     stored = _new(body, owner, history, depth)
-    queued = await _submit(gateway, stored, body)
+    queued = await _submit(gateway, stored, body, tenant)
     headers = {JOB_ID_HEADER: stored.job_id}
     if body.background and not body.stream:
         return JSONResponse(shape.response_object(stored, "queued", []), headers=headers)
@@ -145,7 +148,8 @@ def _new(body: Create, owner: owners.Owner, history: list[items.Message], depth:
         store=body.store)
 
 
-async def _submit(gateway: Gateway, stored: StoredResponse, body: Create) -> Queued | None:
+async def _submit(gateway: Gateway, stored: StoredResponse, body: Create,
+                  tenant: Tenant | None) -> Queued | None:
     """The response's job queued, its record set beside it (when stored)."""
     spec = {**body.job, "id": stored.job_id, "messages": body.messages(stored.history)}
     job = GatewayRequest(kind="chat", response_id=stored.job_id, model=body.model,
@@ -153,7 +157,7 @@ async def _submit(gateway: Gateway, stored: StoredResponse, body: Create) -> Que
                          include_usage=False, detach=body.background)
     records = {record.key(gateway.keys, stored.id): stored.to_json()} if body.store else {}
     shown = Shape("chat", stored.job_id, body.model, stored.created_at)
-    queued = await gateway.submit(job, shown, stored.owner, records)
+    queued = await gateway.submit(job, shown, stored.owner, records, tenant)
     return queued.get(stored.job_id)
 
 
