@@ -144,16 +144,19 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
     assert load_model(path, weights="float32").kernel_report()["weights"] == "float32"
 
 
-def test_auto_keeps_the_blocks_where_they_decode_as_fast_or_expanded_would_not_fit(
+def test_auto_keeps_the_blocks_where_every_batch_runs_as_fast_or_expanded_would_not_fit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_K, others={"ffn_down": Q.Q6_K})
     sample = weights_auto.sample_tensor(path)
     assert (sample.tensor_type.name, tuple(sample.shape)) == ("Q4_K", (256, 256))  # most bytes
-    kept, expanded = weights_auto.decode_seconds(sample, torch.float32)
-    assert kept > 0 and expanded > 0
+    kept, expanded = weights_auto.bucket_seconds(sample, torch.float32)
+    assert len(kept) == len(expanded) == 5 and min(kept + expanded) > 0
     monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.5)
-    for times, keeps in (((1.0, 2.0), True), ((2.0, 1.0), False), ((1.0, 1.0), True)):
-        monkeypatch.setattr(weights_auto, "decode_seconds", lambda f, d, t=times: t)
+    faster_one_row = ([1.0, 1.0, 1.0, 2.0, 2.0], [2.0, 1.0, 1.0, 1.0, 1.0])  # a full batch loses
+    cases = [(([1.0] * 5, [2.0] * 5), True), (([2.0] * 5, [1.0] * 5), False),
+             (([1.04] * 5, [1.0] * 5), True), (faster_one_row, False)]
+    for times, keeps in cases:
+        monkeypatch.setattr(weights_auto, "bucket_seconds", lambda f, d, t=times: t)
         assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear) == keeps
     monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # too busy to time: fits
     assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
@@ -168,8 +171,8 @@ def test_auto_times_once_and_a_restart_reads_the_timing(
     path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_K, others={"ffn_down": Q.Q6_K})
     cache = tmp_path / "kernels"
     timed: list[Path] = []
-    monkeypatch.setattr(weights_auto, "decode_seconds",
-                        lambda f, d: timed.append(f) or (1.0, 2.0))
+    monkeypatch.setattr(weights_auto, "bucket_seconds",
+                        lambda f, d: timed.append(f) or ([1.0] * 5, [2.0] * 5))
     monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # busy, nothing cached
     assert not isinstance(load_model(path, weights="auto", cache_dir=cache).lm_head, QuantLinear)
     assert not timed and not cache.exists()  # nothing timed, nothing written

@@ -1,16 +1,20 @@
 """`--weights auto`: whether a quantized GGUF stays in its blocks, by measurement on this CPU.
 
 Decode is bound by the bytes of weights each step reads, and a block-quantized matrix is a
-quarter to a half of its bf16 bytes, but its kernels also unpack it: which wins depends on the
-CPU. So the file's most common kind of layer matrix (the (type, shape) holding the most bytes,
-such as a Q4_K_M file's Q4_K gate/up projections) is timed both ways at the row counts of decode
-steps, with the same measurement as the kernel choice (`kernel_choice.measure`: every kernel
-each way, the least time of many rounds): kept in its blocks, and expanded to the model's dtype.
-The blocks stay if they are at least as fast per decoded token. Where the expanded weights would
-not fit comfortably in memory the blocks stay whatever the timing. The timing is cached beside
-the kernel choice (by machine and sample matrix), so a restart does not time again; on a machine
-too busy to time anything (the kernel choice's load guard) with nothing cached, a file whose
-expanded weights fit is expanded, and a later, quieter start times it.
+quarter to a half of its bf16 bytes, but its kernels also unpack it, and many rows at once (a
+full batch, a prefill chunk) are bound by arithmetic, where the dense GEMM is faster: which wins
+depends on the CPU and the row count. So the file's most common kind of layer matrix (the (type,
+shape) holding the most bytes, such as a Q4_K_M file's Q4_K gate/up projections) is timed both
+ways at every row count a step takes (the kernel choice's buckets, 1 to 512 rows, with its own
+measurement, `kernel_choice.measure`: every kernel each way, the least time of many rounds): kept
+in its blocks, and expanded to the model's dtype. The blocks stay only where they are as fast at
+every bucket (within `TIE`), so that no batch size loses: a worker fed by a queue runs full
+batches whenever work waits. Where the expanded weights would not fit comfortably in memory the
+blocks stay whatever the timing. The timing is cached beside the kernel choice (by machine and
+sample matrix), so a restart does not time again; on a machine too busy to time anything (the
+kernel choice's load guard) with nothing cached, a file whose expanded weights fit is expanded,
+and a later, quieter start times it. `--weights quantized` keeps the blocks regardless (a single
+stream at a time: 1-row steps, where the blocks win most).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
     from qworker.model.loading.gguf_file import GGUFTensor
 
 log = structlog.get_logger()
-DECODE_ROWS = 32  # decode steps: the kernel choice's buckets of 1, 8 and 32 rows
+TIE = 1.05  # kept this much slower than expanded at a bucket still counts as as fast (noise)
 
 
 def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None = None) -> bool:
@@ -64,13 +68,14 @@ def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None 
             log.info("weights_auto", chose=_name(dtype), load=round(load, 2),
                      why="too busy to measure: expanded, as the weights fit")
             return False
-        kept, expanded = decode_seconds(tensor, dtype)
-        timed = {"kept_us_per_row": round(kept * 1e6, 2),
-                 "expanded_us_per_row": round(expanded * 1e6, 2)}
+        kept, expanded = bucket_seconds(tensor, dtype)
+        timed = {"kept_us_per_row": [round(t * 1e6, 3) for t in kept],
+                 "expanded_us_per_row": [round(t * 1e6, 3) for t in expanded]}
         if cached is not None:
             write_cached(cached, timed)
     assert isinstance(timed, dict)
-    keep = bool(timed["kept_us_per_row"] <= timed["expanded_us_per_row"])
+    keep = all(k <= TIE * e for k, e in zip(timed["kept_us_per_row"],
+                                            timed["expanded_us_per_row"], strict=True))
     log.info("weights_auto", chose="quantized" if keep else _name(dtype), sample=sample,
              cached=cached is not None and cached.exists(), **timed)
     return keep
@@ -85,9 +90,9 @@ def sample_tensor(file: Path) -> GGUFTensor:
     return max(groups.values(), key=lambda g: len(g) * g[0].n_bytes)[0]
 
 
-def decode_seconds(tensor: GGUFTensor, dtype: torch.dtype) -> tuple[float, float]:
-    """Seconds per row, summed over the decode buckets, of this matrix kept in its blocks and
-    expanded to `dtype` (each its fastest kernel at each bucket)."""
+def bucket_seconds(tensor: GGUFTensor, dtype: torch.dtype) -> tuple[list[float], list[float]]:
+    """Seconds per row at each of the kernel choice's buckets of this matrix kept in its blocks
+    and expanded to `dtype` (each its fastest kernel at each bucket)."""
     weight, blocks = (gguf_tensor(tensor, keep_quantized=keep) for keep in (False, True))
     assert isinstance(weight, torch.Tensor) and isinstance(blocks, QuantWeight)
     dense = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -98,25 +103,23 @@ def decode_seconds(tensor: GGUFTensor, dtype: torch.dtype) -> tuple[float, float
 def _cache_path(cache_dir: Path | None, sample: str, dtype: torch.dtype) -> Path | None:
     if cache_dir is None:
         return None
-    key = kernel_choice.machine_key(sample, _name(dtype), str(kernel_choice.BUCKETS[:3]))
+    key = kernel_choice.machine_key(sample, _name(dtype), str(kernel_choice.BUCKETS))
     return cache_dir / f"weights-{key}.json"
 
 
 def _is_timing(data: object) -> bool:
     return isinstance(data, dict) and all(
-        isinstance(data.get(k), float | int) for k in ("kept_us_per_row", "expanded_us_per_row"))
+        isinstance(v := data.get(k), list) and len(v) == len(kernel_choice.BUCKETS)
+        and all(isinstance(t, float | int) for t in v)
+        for k in ("kept_us_per_row", "expanded_us_per_row"))
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def per_row(layer: Linear | QuantLinear) -> float:
-    """The layer's fastest kernel at each decode bucket, its seconds per row, summed."""
-    timings = kernel_choice.measure(layer, DECODE_ROWS)
-    total = 0.0
-    for b, rows in enumerate(kernel_choice.BUCKETS):
-        best = [t[b] for t in timings.values() if t[b] is not None]
-        if best:
-            total += min(best) / rows  # type: ignore[type-var, operator]
-    return total
+def per_row(layer: Linear | QuantLinear) -> list[float]:
+    """The layer's fastest kernel at each bucket, its seconds per row."""
+    timings = kernel_choice.measure(layer, kernel_choice.BUCKETS[-1])
+    return [min(x for t in timings.values() if (x := t[b]) is not None) / rows
+            for b, rows in enumerate(kernel_choice.BUCKETS)]
