@@ -1,10 +1,11 @@
 """The OpenAI Agents SDK (`openai-agents`) runs an agent with two function tools to completion
-through the gateway, once through its chat completions model and once through its Responses
-model (`/v1/responses`), over a real worker (the simulated engine: its byte model writes whatever
-the call grammar allows) and a real redis-server. Tool choice is forced on the first turn; the
-SDK resets it to auto after a call, as it does for every model. The tools take enums: the byte
-model's free strings would run to max_tokens; and its free answer ends (`eos_every`), since the
-Responses model takes a response cut at max_output_tokens (`incomplete`) for a failure."""
+through the gateway, over a real worker (the simulated engine: its byte model writes whatever the
+call grammar allows) and a real redis-server: once through its chat completions model and once
+through its Responses model (`/v1/responses`). Tool
+choice is forced on the first turn; the SDK resets it to auto after a call, as it does for every
+model. The tools take enums: the byte model's free strings would run to max_tokens; and its free
+answer ends (`eos_every`), since the Responses model takes a response cut at max_output_tokens
+(`incomplete`) for a failure."""
 
 from __future__ import annotations
 
@@ -68,3 +69,4 @@ def test_an_agent_with_two_tools_runs_to_completion(redis_url: str, api: str) ->
     assert called and called[0][0] in ("get_weather", "get_time")  # the SDK ran the tool
     assert called[0][1] in ("Paris", "Rome", "UTC", "CET")
     assert isinstance(final, str) and final  # and the agent finished with an answer
+
