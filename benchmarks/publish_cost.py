@@ -5,7 +5,8 @@ flags of every running job, and a read of new entries) against a redis-server of
     .venv/bin/python -m benchmarks.publish_cost [--jobs 64] [--steps 300]
 
 Prints one JSON line: medians per step of the worker thread's CPU and wall time, redis-server's CPU
-per step, and the append script's microseconds per call (Redis' own count).
+per step, Redis commands per token (those run inside scripts included: INFO stats), the tokens a
+second one Redis core carries at that cost, and the append script's microseconds per call.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def redis_cpu_s(client: redis.Redis) -> float:
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
+def commands_processed(client: redis.Redis) -> int:
+    """Commands Redis has run, those inside scripts included (INFO stats)."""
+    return int(client.info("stats")["total_commands_processed"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=64)
@@ -63,6 +69,7 @@ def main() -> None:
         cpu, wall = [], []
         client.config_resetstat()
         redis_before = redis_cpu_s(client)
+        commands_before = commands_processed(client)
         for step in range(args.steps):
             for job in jobs:
                 job.outbox = [TokenEvent(i=step, token_id=1000 + step, text=" word")]
@@ -72,11 +79,14 @@ def main() -> None:
             wall.append(time.perf_counter() - started)
             assert set(result.status.values()) == {pub.OK}, result.status
         redis_per_step = (redis_cpu_s(client) - redis_before) / args.steps
+        commands_per_step = (commands_processed(client) - commands_before) / args.steps
         evalsha = client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
     print(json.dumps({"jobs": args.jobs, "steps": args.steps,
                       "worker_cpu_ms_per_step": round(statistics.median(cpu) * 1e3, 3),
                       "worker_wall_ms_per_step": round(statistics.median(wall) * 1e3, 3),
                       "redis_cpu_ms_per_step": round(redis_per_step * 1e3, 3),
+                      "redis_commands_per_token": round(commands_per_step / args.jobs, 2),
+                      "tokens_per_s_per_redis_core": round(args.jobs / redis_per_step),
                       "scripts_usec_per_call": evalsha,  # the append and the read, averaged
                       **machine_info()}), flush=True)
 

@@ -86,6 +86,8 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("xrange", "xrevrange", "expire"), (out,)),
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
+            Grant(("set", "mget"), (k.lease("*"), k.takeovers)),  # the append's lease
+            Grant(("incr",), (k.takeovers,)),
             Grant(("exists", "mget"), (cancel,), read_only=True),
             Grant(("zadd", "zpopmin", "zcard", "zrange", "zrem", "hmget", "hset"), fair),
             Grant(("hmget", "hget", "hexists"), (k.tenants,), read_only=True),
@@ -93,7 +95,8 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("zadd", "zlexcount", "zrem", "zrangebylex"), (k.running,)),
             Grant(("hincrby", "expire"), (k.throughput("*"),)),  # the dashboard's throughput
             Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
-                                        k.tenants, counts[0], k.running)),
+                                        k.tenants, counts[0], k.running, k.lease("*"),
+                                        k.takeovers)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",

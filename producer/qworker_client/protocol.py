@@ -737,6 +737,18 @@ class Keys:
         docs/operating.md, "Poison jobs"; the worker's `scripts.alone_key`)."""
         return f"{self.prefix}:alone:{token}"
 
+    def lease(self, token: str) -> str:
+        """The append lease of the worker with fencing token `token` (a string with a TTL): the
+        value the worker's last append set, so its next append knows that nothing it wrote was
+        lost or rolled back since (see docs/protocol.md, "Fencing once a step")."""
+        return f"{self.prefix}:lease:{token}"
+
+    @property
+    def takeovers(self) -> str:
+        """How many times a job was taken from another worker (an integer): any take makes
+        every worker check its jobs' owners on its next append."""
+        return f"{self.prefix}:takeovers"
+
     def batch(self, batch_id: str) -> str:
         """The batch runner's hash of the jobs one batch submitted (job id -> entry id)."""
         return f"{self.prefix}:batch:{batch_id}"

@@ -5,8 +5,10 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
 - `append`: appends each job's events (all jobs of a step in one call, so a reader wakes once a
   step) only while this worker owns the job (`<prefix>:owner:<id>` field `worker` equals our
   fencing token) and only token `i` after token `i - 1`: a zombie worker cannot write, and a
-  retried call (reply lost on a dropped connection) skips what is already there.
-  A terminal event also acks the job's entry and drops the owner hash, in the same atomic step.
+  retried call (reply lost on a dropped connection) skips what is already there. Those checks
+  are made once a step, not once a job, while the worker's lease holds (see the comment above
+  the script). A terminal event also acks the job's entry and drops the owner hash, in the same
+  atomic step.
 - `requeue`: XADD to the job's requeue stream (`<prefix>:requeue`, or `<prefix>:requeue:{<model>}`
   for a job of a model) + XACK of the entry, only while we own the job; then releases ownership
   (field `worker` empty), so a retry after a lost reply cannot requeue twice. The XADD does not
@@ -30,7 +32,8 @@ A script runs atomically, like MULTI/EXEC, and can also check a condition first,
   previous owner's death, if it died (or stalled) with the job: its key `<prefix>:alone:<its
   token>` names the job it was running alone at the time (see `scripts.alone_key`). This job:
   one more of its `crashes`. Another job: the death was that one's, and this job's `excused`
-  goes up by one.
+  goes up by one. A job taken from another worker bumps `<prefix>:takeovers`: every worker
+  checks its jobs one by one on its next append.
 - `beat`: the heartbeat's round trip: re-claims (XCLAIM JUSTID: idle time reset, no delivery
   counted) each in-flight entry that is still pending to this consumer, renews the owner hashes
   this worker still holds, and sets the worker's liveness key. An entry whose stream or group is
@@ -81,18 +84,30 @@ end
 """
 
 # One call appends the events of every job a step touched, so readers wake once per step.
-# KEYS: per job out, owner, source stream. ARGV: token, group, then one JSON array with per job
-# [entry id, [event, ...], ttl_s], each event a flat array field, value, ... (`type` and, for
-# tokens, `i` among the fields): one argument, decoded in C (cjson), not a thousand for the client
-# to pack; `ttl_s`: how long the output lives after its last event. ARGV[4]: the lost_state error
-# event, a JSON flat array.
+# KEYS: per job out, owner, source stream; then the worker's lease and the takeovers counter.
+# ARGV: token, group, then one JSON array with per job [entry id, [event, ...], ttl_s, trusted
+# (1: checked under the present lease), refresh (0: leave the TTL, else the output's new TTL while
+# it goes on)], each event a flat array field, value, ... (`type` first and, for tokens, `i` among
+# the fields): one argument, decoded in C (cjson), not a thousand for the client to pack; `ttl_s`:
+# how long the output lives after its terminal event. ARGV[4]: the lost_state error event, a JSON
+# flat array. ARGV[5]: the lease value the worker set last ('' none), ARGV[6]: the takeovers it
+# saw then, ARGV[7]: the lease's next value (never used before by this worker), ARGV[8]: its TTL
+# in ms.
+# Fencing once a step: when the lease holds what the worker set last (no reply of its was lost,
+# Redis kept every write since: no restart to an older copy, no failover that dropped writes, not
+# flushed, not expired) and no job was taken from any worker since (`takeovers`, bumped by
+# `take_owner`), a job the worker checked under that lease is still its own and its next index is
+# what the worker knows: its events are appended with no owner or index check (`append_trusted`).
+# Any other job, or every job when the lease does not hold, is checked one by one
+# (`append_job`).
 # A prompt_logprobs event goes in only before any token.
-# Returns per job {status, last index}: status ok | done (terminal event written) | terminal
-# (already finished, entry acked) | fenced (another worker owns it) | lost_state (the owner hash
-# is gone: the lost_state event written, entry acked) | gap (token i > last + 1).
+# Returns {per job {status, last index}, takeovers, 1 if trusted}: status ok | done (terminal
+# event written) | terminal (already finished, entry acked) | fenced (another worker owns it) |
+# lost_state (the owner hash is gone: the lost_state event written, entry acked) | gap (token i >
+# last + 1). A trusted job's last index is -1 (not read).
 APPEND = _LAST_STATE + _UNOWNED + """
 local function append_job(out, owner, src, token, group, job, lost_event)
-  local entry, events, ttl = job[1], job[2], tonumber(job[3])
+  local entry, events, ttl, refresh = job[1], job[2], job[3], job[5]
   local last, terminal = last_state(out)
   if terminal then
     if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
@@ -113,7 +128,7 @@ local function append_job(out, owner, src, token, group, job, lost_event)
     if typ == 'token' then
       local i = tonumber(idx)
       if i > last + 1 then
-        if appended > 0 then redis.call('EXPIRE', out, ttl) end
+        if appended > 0 and refresh > 0 then redis.call('EXPIRE', out, refresh) end
         return {'gap', last}
       end
       if i == last + 1 then
@@ -135,18 +150,45 @@ local function append_job(out, owner, src, token, group, job, lost_event)
       return {'done', last}
     end
   end
-  if appended > 0 then redis.call('EXPIRE', out, ttl) end
+  if appended > 0 and refresh > 0 then redis.call('EXPIRE', out, refresh) end
   return {'ok', last}
 end
 
+-- A job trusted by the lease: its owner and next index were checked since, and nothing that could
+-- change them happened (see the comment above the script). `refresh`: 0, or its output's new TTL.
+local function append_trusted(out, owner, src, group, job)
+  local entry, events, ttl, refresh = job[1], job[2], job[3], job[5]
+  for _, fields in ipairs(events) do
+    redis.call('XADD', out, '*', unpack(fields))
+    local typ = fields[2]  -- `type` is every event's first field
+    if typ ~= 'token' and typ ~= 'prompt_logprobs' then
+      redis.call('EXPIRE', out, ttl)
+      if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
+      redis.call('DEL', owner)
+      return {'done', -1}
+    end
+  end
+  if refresh > 0 then redis.call('EXPIRE', out, refresh) end
+  return {'ok', -1}
+end
+
+local n = #KEYS
 local token, group = ARGV[1], ARGV[2]
 local jobs, lost_event = cjson.decode(ARGV[3]), cjson.decode(ARGV[4])
+local now = redis.call('MGET', KEYS[n - 1], KEYS[n])
+local takeovers = now[2] or '0'
+local trusted = ARGV[5] ~= '' and now[1] == ARGV[5] and takeovers == ARGV[6]
 local results = {}
 for j, job in ipairs(jobs) do
   local k = 3 * j - 2
-  results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, group, job, lost_event)
+  if trusted and job[4] == 1 then
+    results[j] = append_trusted(KEYS[k], KEYS[k + 1], KEYS[k + 2], group, job)
+  else
+    results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, group, job, lost_event)
+  end
 end
-return results
+redis.call('SET', KEYS[n - 1], ARGV[7], 'PX', ARGV[8])
+return {results, takeovers, trusted and 1 or 0}
 """
 
 # KEYS: owner, source stream, requeue stream, out. ARGV: token, group, entry id, ttl_s, the
@@ -166,16 +208,17 @@ if holder then return 'fenced' end
 return unowned(KEYS[4], KEYS[2], ARGV[2], ARGV[3], tonumber(ARGV[4]), cjson.decode(ARGV[5]))
 """
 
-# KEYS: owner, the entry's stream. ARGV: token, job id, the prefix of alone keys
-# (`<prefix>:alone:`), group, consumer, entry id, the entry's time (ms), now (ms), the owner
-# hash's ttl_s. The previous owner's alone key is named by the hash, so it is not in KEYS: fine on
-# one Redis (no Cluster). HGET/HSET, not HINCRBY: the worker's ACL rules stay as they are.
+# KEYS: owner, the entry's stream, the takeovers counter. ARGV: token, job id, the prefix of
+# alone keys (`<prefix>:alone:`), group, consumer, entry id, the entry's time (ms), now (ms), the
+# owner hash's ttl_s. The previous owner's alone key is named by the hash, so it is not in KEYS:
+# fine on one Redis (no Cluster). HGET/HSET, not HINCRBY: the worker's ACL rules stay as they are.
 # Replies nil when the entry is pending to another consumer, else {crashes, excused, t0, started,
 # 1 if nobody started it before}. An entry pending to nobody (trimmed, or its stream wiped since
 # it was read) is taken: the worker holds the job's fields, and nobody else does.
 TAKE_OWNER = """
 local pel = redis.pcall('XPENDING', KEYS[2], ARGV[4], ARGV[6], ARGV[6], 1)
 if type(pel) == 'table' and pel[1] and pel[1][2] ~= ARGV[5] then return false end
+local redelivered = type(pel) == 'table' and pel[1] and pel[1][4] > 1
 local function bump(field)
   local n = tonumber(redis.call('HGET', KEYS[1], field) or '0') + 1
   redis.call('HSET', KEYS[1], field, n)
@@ -185,6 +228,11 @@ if prev and prev ~= '' and prev ~= ARGV[1] then
   local alone = redis.pcall('GET', ARGV[3] .. prev)
   if type(alone) ~= 'string' then alone = nil end  -- none, or a foreign key: nobody to blame
   if alone == ARGV[2] then bump('crashes') elseif alone then bump('excused') end
+end
+-- taken from another worker (or from one whose owner hash expired): every worker's next append
+-- checks its jobs' owners (see `append`)
+if prev ~= ARGV[1] and ((prev and prev ~= '') or redelivered) then
+  redis.call('INCR', KEYS[3])
 end
 redis.call('HSET', KEYS[1], 'worker', ARGV[1])
 redis.call('HSETNX', KEYS[1], 't0', ARGV[7])

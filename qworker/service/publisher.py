@@ -18,14 +18,15 @@ from qworker.service.errors import CannotWork, job_error
 from qworker.service.event_fields import event_fields
 from qworker.service.intake import capped_entries
 from qworker.service.job import ActiveJob, Entry
+from qworker.service.lease import AppendLease
 from qworker.service.outcome import DONE as DONE  # the statuses of a flush, where tests look
 from qworker.service.outcome import FAILED as FAILED
 from qworker.service.outcome import FENCED, LOST_STATE, OK, REQUEUED, TERMINAL, FlushResult
 from qworker.service.outcome import GAP as GAP
 from qworker.service.recent import Recent
-from qworker.service.scripts import JobAppend, Scripts, decode_status
+from qworker.service.scripts import JobAppend, Lease, Scripts, decode_status
 from qworker.service.usage import Usage
-from qworker_client.protocol import Keys, band_of
+from qworker_client.protocol import Keys, TokenEvent, band_of
 
 # the requeue script's replies (a retry finds the job released: requeued before)
 REQUEUE_STATUS = {"ok": REQUEUED, "fenced": FENCED, "terminal": TERMINAL, "lost_state": LOST_STATE}
@@ -40,6 +41,7 @@ class Publisher:
         self.token = token
         self.recent = Recent(client, keys, config)
         self.usage = Usage(client, keys, config)
+        self.lease = AppendLease(keys, token, config.liveness_ttl_ms)
 
     def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
               read_caps: Sequence[tuple[str, int]] = (),
@@ -55,6 +57,7 @@ class Publisher:
             Scripts.load(self.client)  # Redis restarted (or flushed its script cache)
             result = self._flush(jobs, cancel_check, read_caps)
         on_read(result.entries)
+        self.lease.keep_only([*(job.job_id for job in jobs if job.in_engine), *cancel_check])
         self.recent.add(jobs, result.status)
         self.usage.add(jobs, result.status)
         return result
@@ -64,8 +67,9 @@ class Publisher:
         pipe = self.client.pipeline(transaction=False)
         appending = [job for job in jobs if job.outbox]
         requeueing = [job for job in jobs if job.requeue]
+        lease = self.lease.next_call()
         if appending:
-            self._append(pipe, appending)
+            self._append(pipe, appending, lease)
         for job in requeueing:
             self._requeue(pipe, job)
         if cancel_check:
@@ -86,7 +90,7 @@ class Publisher:
             else:
                 result.entries = capped_entries(read, self.keys)
         try:
-            self._statuses(appending, requeueing, cancel_check, iter(replies), result)
+            self._statuses(appending, requeueing, cancel_check, iter(replies), result, lease)
         except redis.exceptions.NoScriptError:
             raise
         except (redis.RedisError, CannotWork) as exc:
@@ -94,10 +98,10 @@ class Publisher:
         return result
 
     def _statuses(self, appending: Sequence[ActiveJob], requeueing: Sequence[ActiveJob],
-                  cancel_check: Sequence[str], replies: Iterator[Any], result: FlushResult
-                  ) -> None:
+                  cancel_check: Sequence[str], replies: Iterator[Any], result: FlushResult,
+                  lease: Lease) -> None:
         if appending:
-            self._append_statuses(appending, next(replies), result)
+            self._append_statuses(appending, next(replies), result, lease)
         for job in requeueing:
             reply = next(replies)
             error = job_error(reply)
@@ -115,32 +119,43 @@ class Publisher:
             result.cancelled = {job_id for job_id, flag in pairs if flag is not None}
 
     def _append_statuses(self, jobs: Sequence[ActiveJob], reply: list[Any] | Exception,
-                         result: FlushResult) -> None:
+                         result: FlushResult, lease: Lease) -> None:
         error = job_error(reply)  # raises what is not these jobs' error
         if not isinstance(reply, Exception):
-            for job, status in zip(jobs, reply, strict=True):
-                result.status[job.job_id] = decode_status(status)
+            statuses, takeovers, trusted = reply
+            status = {job.job_id: decode_status(one)
+                      for job, one in zip(jobs, statuses, strict=True)}
+            result.status.update(status)
+            self.lease.answered(lease, _str(takeovers), bool(trusted), status,
+                                {job.job_id: _next_index(job) for job in jobs})
             return
+        self.lease.unknown()
         if len(jobs) == 1:
             result.fail(jobs[0].job_id, str(error))
             return
         pipe = self.client.pipeline(transaction=False)
         for job in jobs:
-            self._append(pipe, [job])
+            self._append(pipe, [job], self.lease.next_call())
         for job, one in zip(jobs, pipe.execute(raise_on_error=False), strict=True):
             error = job_error(one)
             if error is not None:
                 result.fail(job.job_id, error)
             else:
-                result.status[job.job_id] = decode_status(one[0])
+                result.status[job.job_id] = decode_status(one[0][0])
+        self.lease.unknown()  # each call set its own value: the next one checks every job
 
-    def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob]) -> None:
-        self.scripts.append(pipe, token=self.token, group=self.config.group,
-                            jobs=[JobAppend(self.keys.out(job.job_id), self.keys.owner(job.job_id),
-                                            job.entry.stream, job.entry.entry_id,
-                                            [event_fields(e) for e in job.outbox],
-                                            self.config.result_ttl_of(job.job))
-                                  for job in jobs])
+    def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob],
+                lease: Lease) -> None:
+        appends = []
+        for job in jobs:
+            ttl_s = self.config.result_ttl_of(job.job)
+            appends.append(JobAppend(
+                self.keys.out(job.job_id), self.keys.owner(job.job_id), job.entry.stream,
+                job.entry.entry_id, [event_fields(e) for e in job.outbox], ttl_s,
+                trusted=self.lease.trusted(job.job_id, _first_index(job)),
+                refresh_s=self.lease.refresh_s(job.job_id, ttl_s)))
+        self.scripts.append(pipe, token=self.token, group=self.config.group, jobs=appends,
+                            lease=lease)
 
     def _requeue(self, pipe: redis.client.Pipeline, job: ActiveJob) -> None:
         fields = dict(job.entry.fields)
@@ -154,3 +169,17 @@ class Publisher:
                              requeue=requeue, out=self.keys.out(job.job_id), token=self.token,
                              group=self.config.group, entry_id=job.entry.entry_id,
                              ttl_s=self.config.result_ttl_of(job.job), fields=fields)
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _first_index(job: ActiveJob) -> int | None:
+    return next((e.i for e in job.outbox if isinstance(e, TokenEvent)), None)
+
+
+def _next_index(job: ActiveJob) -> int:
+    """The index after the last token of `job`'s outbox (its next index when it has none)."""
+    last = next((e.i for e in reversed(job.outbox) if isinstance(e, TokenEvent)), None)
+    return job.next_index if last is None else last + 1

@@ -54,8 +54,9 @@ LOST_STATE_EVENT = json.dumps(_flat(event_to_fields(ErrorEvent(code=LOST_STATE,
 
 @dataclass(frozen=True)
 class JobAppend:
-    """One job's share of an `append` call: its keys, its entry, its new events, and how long
-    its output lives after them."""
+    """One job's share of an `append` call: its keys, its entry, its new events, how long its
+    output lives after its terminal event, whether it was checked under the present lease, and
+    the TTL its output gets now while it goes on (0: leave it)."""
 
     out: str
     owner: str
@@ -63,6 +64,21 @@ class JobAppend:
     entry_id: str
     events: Sequence[Mapping[str, str]]
     ttl_s: int
+    trusted: bool = False
+    refresh_s: int = 0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What an `append` call tells of the worker's lease: the value it set last ('' none), the
+    takeovers it saw then, the next value (never used before) and its TTL."""
+
+    key: str
+    takeovers_key: str
+    held: str
+    takeovers: str
+    next: str
+    ttl_ms: int
 
 
 @dataclass(frozen=True)
@@ -106,14 +122,16 @@ class Scripts:
         return client.evalsha(self.fair_read_sha, len(keys), *keys, *args)
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, group: str,
-               jobs: Sequence[JobAppend]) -> None:
-        """One EVALSHA appending the events of all `jobs`; its reply has one status per job."""
+               jobs: Sequence[JobAppend], lease: Lease) -> None:
+        """One EVALSHA appending the events of all `jobs`; its reply: [one status per job, the
+        takeovers counter, 1 if the lease held]."""
         keys = [key for job in jobs for key in (job.out, job.owner, job.source)]
-        payload = [[job.entry_id, [_flat(fields) for fields in job.events], job.ttl_s]
-                   for job in jobs]
+        keys += [lease.key, lease.takeovers_key]
+        payload = [[job.entry_id, [_flat(fields) for fields in job.events], job.ttl_s,
+                    int(job.trusted), job.refresh_s] for job in jobs]
         pipe.evalsha(self.append_sha, len(keys), *keys, token, group,
                      json.dumps(payload, ensure_ascii=False, separators=(",", ":")),
-                     LOST_STATE_EVENT)
+                     LOST_STATE_EVENT, lease.held, lease.takeovers, lease.next, lease.ttl_ms)
 
     def requeue(self, pipe: redis.client.Pipeline, *, owner: str, source: str, requeue: str,
                 out: str, token: str, group: str, entry_id: str, ttl_s: int,
@@ -142,8 +160,9 @@ class Scripts:
                    t0_ms: int, now_ms: int, ttl_s: int) -> None:
         """Reply: [crashes, excused, t0, started, 1 if first started now] of the job, the
         previous owner's death counted; None when another consumer holds the entry."""
-        pipe.evalsha(self.take_owner_sha, 2, owner, stream, token, job_id, alone_key(prefix, ""),
-                     group, consumer, entry_id, t0_ms, now_ms, ttl_s)
+        pipe.evalsha(self.take_owner_sha, 3, owner, stream, Keys(prefix).takeovers, token,
+                     job_id, alone_key(prefix, ""), group, consumer, entry_id, t0_ms, now_ms,
+                     ttl_s)
 
     def beat(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
              token: str, owner_ttl_s: int, worker_key: str, info: str, liveness_ms: int,
