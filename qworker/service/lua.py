@@ -85,14 +85,15 @@ end
 
 # One call appends the events of every job a step touched, so readers wake once per step.
 # KEYS: per job out, owner, source stream; then the worker's lease and the takeovers counter.
-# ARGV: token, group, then one JSON array with per job [entry id, [event, ...], ttl_s, trusted
-# (1: checked under the present lease), refresh (0: leave the TTL, else the output's new TTL while
-# it goes on)], each event a flat array field, value, ... (`type` first and, for tokens, `i` among
-# the fields): one argument, decoded in C (cjson), not a thousand for the client to pack; `ttl_s`:
-# how long the output lives after its terminal event. ARGV[4]: the lost_state error event, a JSON
-# flat array. ARGV[5]: the lease value the worker set last ('' none), ARGV[6]: the takeovers it
-# saw then, ARGV[7]: the lease's next value (never used before by this worker), ARGV[8]: its TTL
-# in ms.
+# ARGV: token, group, then one flat JSON array with per job: entry id, ttl_s, trusted (1: checked
+# under the present lease), refresh (0: leave the TTL, else the output's new TTL while it goes
+# on), the number of events, then each event as its number of fields followed by the fields
+# (field, value, ...; `type` first and, for tokens, `i` among them). One argument decoded in C
+# (cjson), not a thousand for the client to pack; flat, because cjson's cost is the tables it
+# makes. `ttl_s`: how long the output lives after its terminal event. ARGV[4]: the lost_state
+# error event, a JSON flat array. ARGV[5]: the lease value the worker set last ('' none), ARGV[6]:
+# the takeovers it saw then, ARGV[7]: the lease's next value (never used before by this worker),
+# ARGV[8]: its TTL in ms.
 # Fencing once a step: when the lease holds what the worker set last (no reply of its was lost,
 # Redis kept every write since: no restart to an older copy, no failover that dropped writes, not
 # flushed, not expired) and no job was taken from any worker since (`takeovers`, bumped by
@@ -106,8 +107,26 @@ end
 # lost_state (the owner hash is gone: the lost_state event written, entry acked) | gap (token i >
 # last + 1). A trusted job's last index is -1 (not read).
 APPEND = _LAST_STATE + _UNOWNED + """
+local A = cjson.decode(ARGV[3])
+
+-- the event at A[at]: its first field's and last field's positions, its type and `i`
+local function event_at(at)
+  local first, last = at + 1, at + A[at]
+  local idx = nil
+  for f = first, last, 2 do
+    if A[f] == 'i' then idx = A[f + 1] end
+  end
+  return first, last, A[first + 1], idx
+end
+
+local function finish(out, owner, src, group, entry, ttl)
+  redis.call('EXPIRE', out, ttl)
+  if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
+  redis.call('DEL', owner)
+end
+
 local function append_job(out, owner, src, token, group, job, lost_event)
-  local entry, events, ttl, refresh = job[1], job[2], job[3], job[5]
+  local entry, ttl, refresh, count, at = A[job], A[job + 1], A[job + 3], A[job + 4], job + 5
   local last, terminal = last_state(out)
   if terminal then
     if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
@@ -119,12 +138,9 @@ local function append_job(out, owner, src, token, group, job, lost_event)
     return {unowned(out, src, group, entry, ttl, lost_event), last}
   end
   local appended = 0
-  for _, fields in ipairs(events) do
-    local typ, idx = nil, nil
-    for j = 1, #fields, 2 do
-      if fields[j] == 'type' then typ = fields[j + 1] end
-      if fields[j] == 'i' then idx = fields[j + 1] end
-    end
+  for _ = 1, count do
+    local first, final, typ, idx = event_at(at)
+    at = final + 1
     if typ == 'token' then
       local i = tonumber(idx)
       if i > last + 1 then
@@ -132,21 +148,19 @@ local function append_job(out, owner, src, token, group, job, lost_event)
         return {'gap', last}
       end
       if i == last + 1 then
-        redis.call('XADD', out, '*', unpack(fields))
+        redis.call('XADD', out, '*', unpack(A, first, final))
         last = i
         appended = appended + 1
       end
     elseif typ == 'prompt_logprobs' then
       -- written with token 0 in one call: a retry finds token 0 there and skips both
       if last == -1 then
-        redis.call('XADD', out, '*', unpack(fields))
+        redis.call('XADD', out, '*', unpack(A, first, final))
         appended = appended + 1
       end
     else
-      redis.call('XADD', out, '*', unpack(fields))
-      redis.call('EXPIRE', out, ttl)
-      if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
-      redis.call('DEL', owner)
+      redis.call('XADD', out, '*', unpack(A, first, final))
+      finish(out, owner, src, group, entry, ttl)
       return {'done', last}
     end
   end
@@ -157,14 +171,14 @@ end
 -- A job trusted by the lease: its owner and next index were checked since, and nothing that could
 -- change them happened (see the comment above the script). `refresh`: 0, or its output's new TTL.
 local function append_trusted(out, owner, src, group, job)
-  local entry, events, ttl, refresh = job[1], job[2], job[3], job[5]
-  for _, fields in ipairs(events) do
-    redis.call('XADD', out, '*', unpack(fields))
-    local typ = fields[2]  -- `type` is every event's first field
+  local entry, ttl, refresh, count, at = A[job], A[job + 1], A[job + 3], A[job + 4], job + 5
+  for _ = 1, count do
+    local first, final = at + 1, at + A[at]
+    at = final + 1
+    redis.call('XADD', out, '*', unpack(A, first, final))
+    local typ = A[first + 1]  -- `type` is every event's first field
     if typ ~= 'token' and typ ~= 'prompt_logprobs' then
-      redis.call('EXPIRE', out, ttl)
-      if redis.call('XACK', src, group, entry) == 1 then redis.call('XDEL', src, entry) end
-      redis.call('DEL', owner)
+      finish(out, owner, src, group, entry, ttl)
       return {'done', -1}
     end
   end
@@ -173,19 +187,22 @@ local function append_trusted(out, owner, src, group, job)
 end
 
 local n = #KEYS
-local token, group = ARGV[1], ARGV[2]
-local jobs, lost_event = cjson.decode(ARGV[3]), cjson.decode(ARGV[4])
+local token, group, lost_event = ARGV[1], ARGV[2], cjson.decode(ARGV[4])
 local now = redis.call('MGET', KEYS[n - 1], KEYS[n])
 local takeovers = now[2] or '0'
 local trusted = ARGV[5] ~= '' and now[1] == ARGV[5] and takeovers == ARGV[6]
-local results = {}
-for j, job in ipairs(jobs) do
+local results, job, j = {}, 1, 0
+while job <= #A do
+  j = j + 1
   local k = 3 * j - 2
-  if trusted and job[4] == 1 then
+  if trusted and A[job + 2] == 1 then
     results[j] = append_trusted(KEYS[k], KEYS[k + 1], KEYS[k + 2], group, job)
   else
     results[j] = append_job(KEYS[k], KEYS[k + 1], KEYS[k + 2], token, group, job, lost_event)
   end
+  local at = job + 5
+  for _ = 1, A[job + 4] do at = at + A[at] + 1 end
+  job = at
 end
 redis.call('SET', KEYS[n - 1], ARGV[7], 'PX', ARGV[8])
 return {results, takeovers, trusted and 1 or 0}

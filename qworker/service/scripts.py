@@ -127,8 +127,13 @@ class Scripts:
         takeovers counter, 1 if the lease held]."""
         keys = [key for job in jobs for key in (job.out, job.owner, job.source)]
         keys += [lease.key, lease.takeovers_key]
-        payload = [[job.entry_id, [_flat(fields) for fields in job.events], job.ttl_s,
-                    int(job.trusted), job.refresh_s] for job in jobs]
+        payload: list[object] = []
+        for job in jobs:
+            payload += [job.entry_id, job.ttl_s, int(job.trusted), job.refresh_s, len(job.events)]
+            for fields in job.events:
+                flat = _flat(fields)
+                payload.append(len(flat))
+                payload += flat
         pipe.evalsha(self.append_sha, len(keys), *keys, token, group,
                      json.dumps(payload, ensure_ascii=False, separators=(",", ":")),
                      LOST_STATE_EVENT, lease.held, lease.takeovers, lease.next, lease.ttl_ms)
