@@ -286,14 +286,16 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._ready)
 
-    def record_kv_events(self, limit: int = 65_536) -> None:
+    def record_kv_events(self, limit: int | None = 65_536) -> None:
         """From now on the block managers record KV events (kv_events.py), at most `limit` blocks
-        between two `take_kv_events`. The first is `AllBlocksCleared`: a consumer starts this
-        engine from nothing (a cache that held blocks is dropped, so that it is true)."""
-        self.kv_events = KVEventLog(limit)
+        between two `take_kv_events` (None: no more events). The first is `AllBlocksCleared`: a
+        consumer starts this engine from nothing (a cache that held blocks is dropped, so that
+        it is true)."""
+        self.kv_events = KVEventLog(limit) if limit is not None else None
         self.blocks.record_events(self.kv_events)
-        self.blocks.drop_cache()
-        self.kv_events.cleared()
+        if self.kv_events is not None:
+            self.blocks.drop_cache()
+            self.kv_events.cleared()
 
     def take_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call, in order ([] when not recording)."""
