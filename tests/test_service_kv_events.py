@@ -1,7 +1,8 @@
 """KV events, service side, on a real Redis: workers with `--kv-events` run jobs that share
 prefixes in small pools (blocks evicted, jobs preempted); a consumer that reads
 `<prefix>:kv_events` alone (XRANGE) rebuilds each worker's cached blocks, equal to what its
-block manager caches; a clean exit says the cache is gone; without the flag nothing is written."""
+block manager caches; a clean exit says the cache is gone; without the flag nothing is written;
+entries lost to a Redis down are written again in order; a refused key ends the events only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import random
 
 import redis
 
+from qworker.engine.request import Request, SamplingParams
 from qworker.engine.simulated import SimulatedEngine
+from qworker.service.config import ServiceConfig
+from qworker.service.kv_events import KVEventPublisher
+from qworker.service.logs import get_logger
 from qworker_client.kv_events import Block, CachedBlocks, KVEventEntry, block_hashes
 from tests.service_harness import KEYS, sim_engine, submit, thread_worker, wait_for, wait_terminal
 
@@ -100,3 +105,56 @@ def test_without_the_flag_no_event_is_written(redis_url: str) -> None:
         submit(client, "j", prompt="y" * 30, max_tokens=3)
         wait_terminal(client, ["j"])
     assert not client.exists(KEYS.kv_events) and engine.kv_events is None
+
+
+class FlakyRedis:
+    """XADD that fails `down` times (connection lost) before it writes."""
+
+    def __init__(self, down: int) -> None:
+        self.down = down
+        self.entries: list[dict[str, str]] = []
+
+    def xadd(self, key: str, fields: dict[str, str], **_: object) -> str:
+        if self.down > 0:
+            self.down -= 1
+            raise redis.exceptions.ConnectionError("down")
+        self.entries.append(dict(fields))
+        return "0-1"
+
+
+def publisher(client: object, engine: SimulatedEngine) -> KVEventPublisher:
+    config = ServiceConfig(name="w", model="sim", kv_events=True, backoff_min_s=0.001,
+                           backoff_max_s=0.002)
+    return KVEventPublisher(client, KEYS, config, engine,  # type: ignore[arg-type]
+                            "w/tok", get_logger())
+
+
+def test_entries_lost_to_a_redis_down_are_written_again_in_order() -> None:
+    engine, client = sim_engine(MODEL), FlakyRedis(down=5)
+    events = publisher(client, engine)
+    for k, prompt in enumerate(["abcdefghij", "abcdefgh12", "zzzzzzzzzz"]):
+        engine.add(Request(f"r{k}", list(prompt.encode()), SamplingParams(max_tokens=3)))
+    while engine.has_unfinished() or events._unsent is not None or events._flight is not None:
+        if engine.has_unfinished():
+            engine.step()
+        events.turn()
+    seqs = [int(e["seq"]) for e in client.entries]
+    assert seqs == list(range(len(seqs))) and client.down == 0
+    view = CachedBlocks()
+    for entry in client.entries:
+        view.apply_entry(entry)
+    assert view.blocks_of("w/tok") == cached(engine) != set()
+
+
+def test_a_refused_key_ends_the_events_not_the_worker(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.set(KEYS.kv_events, "not a stream")
+    engine = sim_engine(MODEL)
+    with thread_worker(redis_url, "w", engine, kv_events=True) as w:
+        submit(client, "j", prompt="z" * 30, max_tokens=3)
+        assert wait_terminal(client, ["j"])["j"].type == "done"
+        wait_for(lambda: w.worker.kv_events is not None and w.worker.kv_events.stopped,
+                 timeout=10, what="the events to stop")
+        assert engine.kv_events is None
+        assert w.stop() == 0
+    assert client.get(KEYS.kv_events) == b"not a stream"
