@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from qworker.engine.hash_runner import HashRunner
 from qworker.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from qworker.engine.prefix_cache import block_hash
 from qworker.engine.request import Request, SamplingParams
+from qworker.engine.simulated import SimulatedEngine
 from qworker_client.kv_events import Block, apply, block_hashes
 
 
@@ -161,3 +164,19 @@ def test_off_by_default_and_nothing_recorded() -> None:
         engine.step()
     assert engine.kv_events is None and engine.take_kv_events() == []
     assert all(pool.events is None for pool in engine.blocks.managers)
+
+
+def test_protocol_mds_example_batch_is_what_the_engine_records() -> None:
+    """docs/protocol.md, "KV events": its XREAD example's batch, but for `ts`, is the simulated
+    engine's after the prompt `Hello, world` in blocks of 4."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    shown = re.search(r'^\s+10\) "(\{\\"ts\\".*)"$', doc, re.MULTILINE)
+    assert shown is not None
+    batch = json.loads(shown.group(1).replace('\\"', '"'))
+    engine = SimulatedEngine.from_config(EngineConfig(model="sim:step_ms=0,block_size=4"))
+    engine.record_kv_events()
+    engine.add(Request("a", list(b"Hello, world"), SamplingParams(max_tokens=1)))
+    while engine.has_unfinished():
+        engine.step()
+    assert batch["events"] == wire(engine, engine.take_kv_events())
+    assert batch["events"][1]["block_hashes"] == block_hashes(list(b"Hello, world"), 4)
