@@ -58,6 +58,7 @@ def test_a_consumer_rebuilds_each_workers_cached_blocks_from_the_stream(redis_ur
                      timeout=10, what=f"worker {name}'s events to match its cache")
         view = rebuilt(client)
         assert all(view.workers[w.token].gaps == 0 for w in workers.values())
+        assert sum(e.num_preemptions for e in engines.values()) > 0  # jobs requeued, resumed
         entries = [KVEventEntry.parse(f) for _, f in client.xrange(KEYS.kv_events)]
         kinds = {e["type"] for entry in entries for e in entry.events}
         assert kinds == {"AllBlocksCleared", "BlockStored", "BlockRemoved"}, kinds

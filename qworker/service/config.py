@@ -82,7 +82,7 @@ class ServiceConfig:
     kv_events: bool = field(default=False, metadata=_flag(
         "publish KV events (blocks cached and evicted, vLLM's schema) on <prefix>:kv_events, so "
         "that a router outside can route on this worker's prefix cache (docs/protocol.md)"))
-    kv_events_maxlen: int = field(default=100_000, metadata=_flag(
+    kv_events_maxlen: int = field(default=10_000, metadata=_flag(
         "the KV events stream is trimmed to about this many entries (all workers together)"))
     # no finished loop turn for this long: the loop is stuck, so the heartbeat stops and peers
     # reclaim the jobs
