@@ -21,7 +21,7 @@ from qworker.engine.block_groups import KVGroup, make_blocks
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.chat import render_chat
 from qworker.engine.config import EngineConfig
-from qworker.engine.kv_events import KVEvent, KVEventLog
+from qworker.engine.kv_events import DEFAULT_LIMIT, KVEvent, KVEventLog
 from qworker.engine.output import Arm, OutputParser, Pieces
 from qworker.engine.pacer import PrefillPacer
 from qworker.engine.reasoning import THINK_CLOSE, prompt_opens_thinking, thinks
@@ -286,7 +286,7 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._ready)
 
-    def record_kv_events(self, limit: int | None = 65_536) -> None:
+    def record_kv_events(self, limit: int | None = DEFAULT_LIMIT) -> None:
         """From now on the block managers record KV events (kv_events.py), at most `limit` blocks
         between two `take_kv_events` (None: no more events). The first is `AllBlocksCleared`: a
         consumer starts this engine from nothing (a cache that held blocks is dropped, so that

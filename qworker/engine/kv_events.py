@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_LIMIT = 65_536  # blocks' events a log holds between two takes
 FULL_ATTENTION = "full_attention"  # vLLM's KVCacheSpecKind values
 SLIDING_WINDOW = "sliding_window"
 
@@ -85,7 +86,7 @@ def _hex(h: bytes | None) -> str | None:
 class KVEventLog:
     """The events since the last `take`, adjacent ones of a kind merged; at most `limit` blocks."""
 
-    def __init__(self, limit: int = 65_536) -> None:
+    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         assert limit >= 1
         self.limit = limit
         self.overflowed = False  # the engine must drop its cache (then `cleared` resets this)
@@ -118,9 +119,6 @@ class KVEventLog:
     def take(self) -> list[KVEvent]:
         events, self._events, self._blocks = self._events, [], 0
         return events
-
-    def __len__(self) -> int:
-        return len(self._events)
 
     def _add(self, event: KVEvent) -> None:
         if not self.overflowed:
