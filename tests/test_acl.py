@@ -98,7 +98,7 @@ def test_worker_and_producer_run_jobs_as_their_acl_users(acl_redis: AclRedis,
     acl_redis.admin.xgroup_createconsumer(KEYS.jobs, "workers", "ghost")  # a long-dead worker
     _died_with_a_job(acl_redis.admin, "orphan")  # to reclaim
     with thread_worker(acl_redis.url("worker"), "acl-1", claim_idle_ms=300,
-                       drain_timeout=0.0) as worker, \
+                       drain_timeout=0.0, kv_events=True) as worker, \
             Producer(acl_redis.url("producer")) as prod:
         assert prod.job("orphan").result(timeout=30).usage.completion_tokens == 3
         result = prod.submit("hello acl", id="acl-job", max_tokens=8).result(timeout=30)
@@ -127,6 +127,7 @@ def test_worker_and_producer_run_jobs_as_their_acl_users(acl_redis: AclRedis,
         wait_for(lambda: acl_redis.admin.xlen(KEYS.out(kept.id)) >= 2, what="tokens")
         assert worker.stop() == 0
     assert acl_redis.admin.xlen(KEYS.requeue) == 1, "drained: its running job was requeued"
+    assert acl_redis.admin.xlen(KEYS.kv_events) >= 2  # its first events and its exit's
     stats = Producer(acl_redis.url("keda")).stats()
     assert stats.requeue.length == 1 and stats.dead_letters == 1
     assert KEYS.jobs_of("sim", "high") in [s.key for s in stats.models]

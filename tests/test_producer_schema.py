@@ -99,7 +99,8 @@ def test_doc_names_every_key_dead_letter_field_and_error_code() -> None:
     text = DEFAULT_DOC.read_text()
     keys = Keys("qw")
     for key in (keys.jobs, keys.requeue, keys.dead, keys.out("<id>"), keys.cancel("<id>"),
-                keys.submitted("<id>"), keys.worker("<name>"), keys.owner("<id>")):
+                keys.submitted("<id>"), keys.worker("<name>"), keys.owner("<id>"),
+                keys.kv_events):
         assert f"`{key}`" in text, key
     for field in DEAD_META_FIELDS:
         assert f"| `{field}` |" in text

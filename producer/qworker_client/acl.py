@@ -79,8 +79,9 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("xreadgroup", "xgroup|create", "xgroup|createconsumer", "xgroup|delconsumer",
                    "xclaim", "xack", "xdel", "xpending", "xinfo|consumers", "xinfo|groups",
                    "xrange", "xlen", "exists", "xread"), work),
-            # requeues, events, dead letters, recent jobs; delayed jobs queued again (promoter)
-            Grant(("xadd",), (*work, out, k.dead, k.recent)),
+            # requeues, events, dead letters, recent jobs; delayed jobs queued again (promoter);
+            # KV events (--kv-events)
+            Grant(("xadd",), (*work, out, k.dead, k.recent, k.kv_events)),
             Grant(("zadd", "zrangebyscore", "zrange", "zrem", "hexists", "hset", "hget", "hdel"),
                   delayed),
             Grant(("xrange", "xrevrange", "expire"), (out,)),

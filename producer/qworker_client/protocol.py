@@ -683,6 +683,13 @@ class Keys:
         return f"{self.prefix}:recent"
 
     @property
+    def kv_events(self) -> str:
+        """The workers' KV events, a stream trimmed to about `--kv-events-maxlen` entries: one
+        entry per batch of one worker's cache changes (docs/protocol.md, "KV events";
+        qworker_client/kv_events.py reads it)."""
+        return f"{self.prefix}:kv_events"
+
+    @property
     def tenants(self) -> str:
         """The tenants' weights and quotas, a hash: tenant -> `weight tokens_per_minute
         concurrent_jobs` (0: no limit); absent: weight 1, no limits (written by the gateway from

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from qworker.engine.block_manager import BlockManager
+from qworker.engine.kv_events import KVEventLog
 from qworker.engine.prefix_cache import PrefixCache
 from qworker.engine.sequence import Sequence
 
@@ -89,6 +90,13 @@ class BlockGroups:
     def drop_cache(self) -> None:
         self.full.drop_cache()
         self.windowed.drop_cache()
+
+    @property
+    def managers(self) -> tuple[BlockManager, ...]:
+        return self.full, self.windowed
+
+    def record_events(self, log: KVEventLog | None) -> None:
+        self.full.events = self.windowed.events = log
 
     def check(self, live: Iterable[Sequence]) -> None:
         live = list(live)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 
+from qworker.engine.kv_events import KVEventLog, KVGroupSpec
 from qworker.engine.prefix_cache import PrefixCache, block_hash
 from qworker.engine.sequence import Sequence
 
@@ -40,6 +41,8 @@ class BlockManager:
         self._free: deque[int] = deque(range(first, num_blocks))  # plain free blocks
         self._refs = [0] * num_blocks  # live sequences holding each block
         self.cache = PrefixCache() if prefix_caching else None
+        self.events: KVEventLog | None = None  # KV events recorded here (kv_events.py), if set
+        self.group = KVGroupSpec(1 if second else 0, window)
         # a windowed sequence holds at most these blocks at once: its window and a chunk
         self._peak = self.blocks_for((window or 0) + max_chunk) + 1
 
@@ -161,8 +164,9 @@ class BlockManager:
         hashes = self._hashes(seq, full)
         table, registered = self.table(seq), self._registered(seq)
         for i in range(registered, full):
-            if table[i] != NULL_BLOCK or self.window is None:
-                self.cache.register(table[i], hashes[i])
+            if ((table[i] != NULL_BLOCK or self.window is None)
+                    and self.cache.register(table[i], hashes[i]) and self.events is not None):
+                self._stored(seq, hashes, i)
         self._set_table(seq, table, max(registered, full))
 
     def release(self, seq: Sequence) -> None:
@@ -177,6 +181,17 @@ class BlockManager:
         """Forgets every cached block (before anything writes blocks outside the tables)."""
         if self.cache:
             self._free.extend(self.cache.clear())  # the owned ones become plain blocks too
+            if self.events is not None:
+                self.events.cleared()
+
+    @property
+    def managers(self) -> tuple[BlockManager, ...]:
+        """The pools of the model's KV groups: this one (BlockGroups has two)."""
+        return (self,)
+
+    def record_events(self, log: KVEventLog | None) -> None:
+        """KV events of this pool go to `log` from now on (None: none)."""
+        self.events = log
 
     def _first_kept(self, position: int) -> int:
         """The first block a query at `position` (or after) sees through the window."""
@@ -223,7 +238,17 @@ class BlockManager:
 
     def _evict(self) -> int:
         assert self.cache is not None and self.cache.free_lru, "no free block"
-        return self.cache.evict()
+        block, h = self.cache.evict()
+        if self.events is not None:
+            self.events.removed(self.group, h)
+        return block
+
+    def _stored(self, seq: Sequence, hashes: list[bytes], i: int) -> None:
+        """Block `i` of `seq` (hash `hashes[i]`) was newly cached: a KV event."""
+        assert self.events is not None
+        size = self.block_size
+        self.events.stored(self.group, hashes[i], hashes[i - 1] if i else None,
+                           seq.token_ids[i * size:(i + 1) * size])
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of the first `num_blocks` full blocks of `seq` (computed once)."""

@@ -21,6 +21,7 @@ from qworker.engine.block_groups import KVGroup, make_blocks
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.chat import render_chat
 from qworker.engine.config import EngineConfig
+from qworker.engine.kv_events import DEFAULT_LIMIT, KVEvent, KVEventLog
 from qworker.engine.output import Arm, OutputParser, Pieces
 from qworker.engine.pacer import PrefillPacer
 from qworker.engine.reasoning import THINK_CLOSE, prompt_opens_thinking, thinks
@@ -123,6 +124,9 @@ class EngineCore:
         self.num_preemptions = 0
         self.num_steps = 0
         self.last_schedule = ScheduledStep()
+        self.kv_events: KVEventLog | None = None  # off until `record_kv_events`
+        # where the cache lives, in vLLM's `medium` words
+        self.kv_medium = "GPU" if config.device == "cuda" else "CPU"
 
     def warm_up(self) -> None:
         """Runs one tiny forward, so that no request pays for first-call costs."""
@@ -282,6 +286,21 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self._seqs) or bool(self._ready)
 
+    def record_kv_events(self, limit: int | None = DEFAULT_LIMIT) -> None:
+        """From now on the block managers record KV events (kv_events.py), at most `limit` blocks
+        between two `take_kv_events` (None: no more events). The first is `AllBlocksCleared`: a
+        consumer starts this engine from nothing (a cache that held blocks is dropped, so that
+        it is true)."""
+        self.kv_events = KVEventLog(limit) if limit is not None else None
+        self.blocks.record_events(self.kv_events)
+        if self.kv_events is not None:
+            self.blocks.drop_cache()
+            self.kv_events.cleared()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call, in order ([] when not recording)."""
+        return self.kv_events.take() if self.kv_events is not None else []
+
     def solo_next(self) -> str | None:
         """The request that the next step runs alone (an isolated one), if any: the service
         records it before the step, so that a crash in it is charged to that request."""
@@ -318,6 +337,8 @@ class EngineCore:
             outputs += [self._take(seq, token) for seq, token in sampled.items()]
             for seq, _ in step.work:
                 seq.draft, seq.num_accepted = [], 0
+        if self.kv_events is not None and self.kv_events.overflowed:
+            self.blocks.drop_cache()  # nobody took them: the cache goes, and says so (cleared)
         return outputs
 
     def _take(self, seq: Sequence, token: int) -> StepOutput:

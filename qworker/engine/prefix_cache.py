@@ -42,12 +42,15 @@ class PrefixCache:
         self.queries = 0  # prompt tokens of admitted sequences
         self.hits = 0  # of those, tokens found in the cache
 
-    def register(self, block: int, h: BlockHash) -> None:
-        """`block` (owned, complete) holds the K/V of hash `h`, unless an equal block is cached
-        already (two sequences computed the same prefix at once): then it stays a plain block."""
-        if h not in self.block_of and block not in self.hash_of:
-            self.block_of[h] = block
-            self.hash_of[block] = h
+    def register(self, block: int, h: BlockHash) -> bool:
+        """`block` (owned, complete) holds the K/V of hash `h` (True), unless an equal block is
+        cached already (two sequences computed the same prefix at once): then it stays a plain
+        block (False)."""
+        if h in self.block_of or block in self.hash_of:
+            return False
+        self.block_of[h] = block
+        self.hash_of[block] = h
+        return True
 
     def lookup(self, hashes: Tokens[BlockHash]) -> list[int]:
         """The cached blocks of the longest run of `hashes` from the first."""
@@ -70,11 +73,12 @@ class PrefixCache:
         """A parked block taken again by a sequence that shares it."""
         del self.free_lru[block]
 
-    def evict(self) -> int:
-        """The least recently parked block, forgotten, for the pool to hand out."""
+    def evict(self) -> tuple[int, BlockHash]:
+        """The least recently parked block, forgotten, for the pool to hand out, and its hash."""
         block, _ = self.free_lru.popitem(last=False)
-        del self.block_of[self.hash_of.pop(block)]
-        return block
+        h = self.hash_of.pop(block)
+        del self.block_of[h]
+        return block, h
 
     def clear(self) -> list[int]:
         """Forgets every cached block; returns the parked ones (now plain free)."""

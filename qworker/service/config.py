@@ -79,6 +79,11 @@ class ServiceConfig:
         "the dead-letter stream is trimmed to about this many entries"))
     recent_maxlen: int = field(default=1_000, metadata=_flag(
         "the recent-jobs stream (`qworker jobs`) is trimmed to about this many entries"))
+    kv_events: bool = field(default=False, metadata=_flag(
+        "publish KV events (blocks cached and evicted, vLLM's schema) on <prefix>:kv_events, so "
+        "that a router outside can route on this worker's prefix cache (docs/protocol.md)"))
+    kv_events_maxlen: int = field(default=10_000, metadata=_flag(
+        "the KV events stream is trimmed to about this many entries (all workers together)"))
     # no finished loop turn for this long: the loop is stuck, so the heartbeat stops and peers
     # reclaim the jobs
     stall_timeout_s: float = field(default=60.0, metadata=_flag(
@@ -96,6 +101,8 @@ class ServiceConfig:
             raise ValueError("max_result_ttl and delayed_poll_ms must be >= 1")
         if self.dead_maxlen < 1 or self.recent_maxlen < 1 or self.stall_timeout_s <= 0:
             raise ValueError("dead_maxlen and recent_maxlen must be >= 1, stall_timeout_s > 0")
+        if self.kv_events_maxlen < 1:
+            raise ValueError("kv_events_maxlen must be >= 1")
         if self.served_model is not None and not is_valid_model(self.served_model):
             raise ValueError(f"the served model name {self.served_model!r} cannot name a job "
                              f"stream (want {MODEL_PATTERN}): give --served-model-name")

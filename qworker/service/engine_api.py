@@ -1,10 +1,12 @@
 """What the service needs of an engine: both engines (the real one and the simulated one) have
-it; the service imports nothing else of the engine but `engine/request.py`."""
+it; the service imports nothing else of the engine but `engine/request.py` and
+`engine/kv_events.py` (plain data, no torch)."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from qworker.engine.kv_events import KVEvent
 from qworker.engine.request import Prompt, Request, StepOutput
 
 
@@ -13,6 +15,7 @@ class EngineLike(Protocol):
 
     max_model_len: int
     sampling_defaults: dict[str, float | int]
+    kv_medium: str  # where its KV cache lives, as KV events say it ("GPU", "CPU")
 
     @property
     def has_chat_template(self) -> bool: ...
@@ -27,3 +30,5 @@ class EngineLike(Protocol):
     def has_unfinished(self) -> bool: ...
     def solo_next(self) -> str | None: ...
     def stats(self) -> dict[str, int]: ...
+    def record_kv_events(self, limit: int | None = ...) -> None: ...
+    def take_kv_events(self) -> list[KVEvent]: ...

@@ -49,6 +49,7 @@ from qworker.service.heartbeat import Heartbeat, Held
 from qworker.service.info import report_kernels, say_ready, worker_info
 from qworker.service.intake import Intake
 from qworker.service.job import ActiveJob, Entry, now_ms
+from qworker.service.kv_events import KVEventPublisher
 from qworker.service.logs import get_logger
 from qworker.service.metrics import Metrics, engine_stats
 from qworker.service.on_done import OnDone
@@ -99,6 +100,8 @@ class Worker:
                                    prompt_ids=lambda job: self._prompt_ids(job),
                                    track=self._track)
         self.trip = RoundTrip(self.publisher, self.heartbeat.hold, config.name)
+        self.kv_events = (KVEventPublisher(self.client, self.keys, config, engine, self.token,
+                                           self.log) if config.kv_events else None)
         self._ready = False  # group created and scripts loaded
         self._said_ready = False  # the "ready" line, once: at the first setup
         self._last_info = float("-inf")
@@ -161,6 +164,8 @@ class Worker:
 
     def _leave(self) -> None:
         self.trip.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
         try:
             self.alone.move(None)  # a job left pending is not charged for a clean exit
         except redis.RedisError as exc:  # it expires by itself
@@ -194,6 +199,8 @@ class Worker:
             self.drain.requeued()
         self._abort(self.core.time_out(now_ms()))
         stepped = self.engine.has_unfinished() and self._step()
+        if self.kv_events is not None:
+            self.kv_events.turn()  # its own thread and retries: nothing here waits on Redis
         now = time.monotonic()
         if not self.backoff.ready(now):
             if not stepped:
