@@ -1,6 +1,7 @@
 """Scale-out: K simulated-engine workers on one Redis against one worker's tokens/s.
 
     .venv/bin/python -m benchmarks.scale_out [--workers 1 2 4 8] [--step-ms 50] [--quick]
+        [--stream-interval-ms MS]
 
 For each K: a fresh DB on one throwaway redis-server of the benchmark's own, K `qworker serve
 --model sim:step_ms=S` processes (fixed step time, no model; `--max-num-seqs` 64 each), then
@@ -59,6 +60,7 @@ class Settings:
     prompt_tokens: int
     max_tokens: int
     timeout_s: float
+    stream_interval_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def start_workers(url: str, k: int, settings: Settings, logdir: Path) -> list[su
     for i in range(k):
         cmd = [sys.executable, "-m", "qworker.cli", "serve", "--redis-url", url,
                "--model", f"sim:step_ms={settings.step_ms:g}", "--name", f"w{i}",
-               "--max-num-seqs", str(settings.max_num_seqs), "--claim-idle-ms", "600000"]
+               "--max-num-seqs", str(settings.max_num_seqs), "--claim-idle-ms", "600000",
+               "--stream-interval-ms", str(settings.stream_interval_ms)]
         log = (logdir / f"w{i}.log").open("wb")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))  # Ctrl-C reaches us, not them
@@ -253,12 +256,14 @@ def main() -> None:
     parser.add_argument("--jobs-per-worker", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per K")
+    parser.add_argument("--stream-interval-ms", type=int, default=0,
+                        help="the workers' --stream-interval-ms")
     parser.add_argument("--quick", action="store_true", help="smoke run: K = 1, 2; 64 jobs each")
     args = parser.parse_args()
     if args.quick:
         args.workers, args.jobs_per_worker = [1, 2], 64
     settings = Settings(args.step_ms, args.max_num_seqs, args.jobs_per_worker, 16,
-                        args.max_tokens, args.timeout)
+                        args.max_tokens, args.timeout, args.stream_interval_ms)
     signal.signal(signal.SIGTERM, on_sigterm)
     base: float | None = None
     with local_redis() as url:
@@ -267,7 +272,8 @@ def main() -> None:
             base = base or float(row["tok_s"]) / k  # type: ignore[arg-type]
             speedup = float(row["tok_s"]) / base  # type: ignore[arg-type]
             ideal = k * settings.max_num_seqs * 1000 / settings.step_ms
-            print(json.dumps({"step_ms": settings.step_ms, **row,
+            print(json.dumps({"step_ms": settings.step_ms,
+                              "stream_interval_ms": settings.stream_interval_ms, **row,
                               "speedup": round(speedup, 2), "efficiency": round(speedup / k, 3),
                               "step_bound_tok_s": round(ideal, 1),
                               "share_of_step_bound": round(float(row["tok_s"]) / ideal, 3),

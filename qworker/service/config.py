@@ -79,6 +79,10 @@ class ServiceConfig:
         "the dead-letter stream is trimmed to about this many entries"))
     recent_maxlen: int = field(default=1_000, metadata=_flag(
         "the recent-jobs stream (`qworker jobs`) is trimmed to about this many entries"))
+    stream_interval_ms: int = field(default=0, metadata=_flag(
+        "send the tokens of the steps within this many ms to Redis in one round trip (each token "
+        "still its own entry; a job's first token and its end go at once): fewer Redis commands "
+        "and less worker CPU per token, up to this much later per token (0: every step)"))
     kv_events: bool = field(default=False, metadata=_flag(
         "publish KV events (blocks cached and evicted, vLLM's schema) on <prefix>:kv_events, so "
         "that a router outside can route on this worker's prefix cache (docs/protocol.md)"))
@@ -101,6 +105,8 @@ class ServiceConfig:
             raise ValueError("max_result_ttl and delayed_poll_ms must be >= 1")
         if self.dead_maxlen < 1 or self.recent_maxlen < 1 or self.stall_timeout_s <= 0:
             raise ValueError("dead_maxlen and recent_maxlen must be >= 1, stall_timeout_s > 0")
+        if self.stream_interval_ms < 0:
+            raise ValueError("stream_interval_ms must be >= 0")
         if self.kv_events_maxlen < 1:
             raise ValueError("kv_events_maxlen must be >= 1")
         if self.served_model is not None and not is_valid_model(self.served_model):

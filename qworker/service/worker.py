@@ -60,6 +60,7 @@ from qworker.service.sampling import JOB_NOT_SAMPLING as JOB_NOT_SAMPLING  # the
 from qworker.service.sampling import default_seed as default_seed
 from qworker.service.sampling import sampling_params as sampling_params
 from qworker.service.scripts import Scripts
+from qworker.service.stream_interval import StreamInterval
 from qworker_client.protocol import Job, Keys, WorkerInfo
 
 
@@ -100,6 +101,7 @@ class Worker:
                                    prompt_ids=lambda job: self._prompt_ids(job),
                                    track=self._track)
         self.trip = RoundTrip(self.publisher, self.heartbeat.hold, config.name)
+        self.interval = StreamInterval(config.stream_interval_ms)
         self.kv_events = (KVEventPublisher(self.client, self.keys, config, engine, self.token,
                                            self.log) if config.kv_events else None)
         self._ready = False  # group created and scripts loaded
@@ -293,7 +295,13 @@ class Worker:
     # ------------------------------------------------------------------ Redis round trip
 
     def _launch(self) -> None:
-        """Start this turn's round trip beside the next engine step."""
+        """Start this turn's round trip beside the next engine step (with --stream-interval-ms,
+        once the interval has passed or a client waits on something)."""
+        now = time.monotonic()
+        busy = self.engine.has_unfinished() and not self.draining
+        if not self.interval.due(now, self.active.values(), busy):
+            return
+        self.interval.launched(now)
         self.trip.launch(self.core.outgoing(), self.core.running(),
                          self.admission.caps(self.draining))
 
