@@ -13,16 +13,19 @@ either complete and exact (every token once, the text of an uninterrupted run) o
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai import OpenAI
 
+from qworker_client.aio import AsyncProducer
 from qworker_client.client import Producer
 from qworker_client.connect import RedisURLError, checked_url, masked
 from qworker_client.protocol import LOST_STATE, ErrorEvent
@@ -173,13 +176,30 @@ def test_the_gateway_and_the_cli_serve_after_a_failover(sentinels: Topology,
             OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
         before = sdk.completions.create(model=SIM, prompt="before", max_tokens=12, seed=1)
         assert before.choices[0].finish_reason == "length"
-        sentinels.kill_master()
-        sentinels.wait_promoted()
+        texts = asyncio.run(async_producer_across(url, sentinels))
         after = sdk.completions.create(model=SIM, prompt="after", max_tokens=12, seed=2)
         by_cli = cli("submit", "from the cli", "--id", "cli-after", "--max-tokens", "5",
                      "--stream", "--redis-url", url)
         assert by_cli.returncode == 0, by_cli.stderr
         with sync_redis(url, socket_timeout=5) as raw:
             assert by_cli.stdout == check_stream(raw, "cli-after").text + "\n"
-    want = expected({"after": {"prompt": "after", "max_tokens": 12, "seed": 2}})
+    want = expected({"after": {"prompt": "after", "max_tokens": 12, "seed": 2}, **ASYNC_JOBS})
     assert (after.choices[0].text, after.choices[0].finish_reason) == want["after"]
+    assert texts == [want["async-before"][0], want["async-after"][0]]
+
+
+ASYNC_JOBS: dict[str, dict[str, Any]] = {
+    "async-before": {"prompt": "asyncio before", "max_tokens": 8, "seed": 3},
+    "async-after": {"prompt": "asyncio after", "max_tokens": 8, "seed": 4}}
+
+
+async def async_producer_across(url: str, sentinels: Topology) -> list[str]:
+    """An AsyncProducer's job before the failover (the master is killed and the replica promoted
+    meanwhile, its connections left open) and one after: their texts."""
+    async with AsyncProducer(url) as producer:
+        before = await producer.submit(id="async-before", **ASYNC_JOBS["async-before"])
+        first = (await before.result(timeout=30)).text
+        await asyncio.to_thread(sentinels.kill_master)
+        await asyncio.to_thread(sentinels.wait_promoted)
+        after = await producer.submit(id="async-after", **ASYNC_JOBS["async-after"])
+        return [first, (await after.result(timeout=30)).text]
