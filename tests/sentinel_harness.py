@@ -71,6 +71,12 @@ class Topology:
         with redis.Redis(port=self.master_port(), socket_timeout=5) as client:
             assert client.wait(1, 3000) == 1, "the replica did not catch up"
 
+    def cut_replication(self) -> None:
+        """Points the replica at a port nobody listens on: from now on what the master takes is
+        not replicated, so a failover loses it for certain (not only the last milliseconds)."""
+        with redis.Redis(port=self.replica.port, socket_timeout=2) as client:
+            client.replicaof("127.0.0.1", free_port())
+
     def kill_master(self) -> None:
         """SIGKILL to the master process we started (by its PID)."""
         proc = self.master.proc

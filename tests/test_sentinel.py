@@ -162,6 +162,41 @@ def test_a_worker_follows_a_failover(sentinels: Topology, tmp_path: Path) -> Non
     assert_no_spin(log_path)
 
 
+def test_what_a_failover_loses_ends_as_documented(sentinels: Topology, tmp_path: Path) -> None:
+    """The replica stops replicating while jobs run; the master takes ten tokens more of each and
+    one more job, then dies: the new master lacks all that. The worker's next write finds the
+    gap, drops the jobs, reclaims them and resumes each from its stream's last token: complete
+    and exact. The job submitted after the cut, already running, has no owner hash left: it
+    ends with `lost_state` (its readers are told, not left waiting)."""
+    url = sentinels.url()
+    jobs = {f"lossy-{k}": {"prompt": f"lossy {k}", "max_tokens": 150, "seed": k} for k in range(3)}
+    with worker(url, "sentinel-l", tmp_path / "worker.log") as proc, Producer(url) as producer:
+        raw = sync_redis(url, socket_timeout=5)
+        for job_id, fields in jobs.items():
+            producer.submit(id=job_id, **fields)
+        sentinels.replicated()
+        wait_for(lambda: len(events(raw, "lossy-0")) >= 10, what="tokens before the cut")
+        sentinels.cut_replication()
+        replicated = len(events(raw, "lossy-0"))
+        producer.submit(id="lossy-late", prompt="after the cut", max_tokens=150)
+        wait_for(lambda: len(events(raw, "lossy-late")) >= 1, what="the late job to run")
+        wait_for(lambda: len(events(raw, "lossy-0")) >= replicated + 10, what="unreplicated tokens")
+        sentinels.kill_master()
+        sentinels.wait_promoted()
+        assert len(events(raw, "lossy-0")) < replicated + 10, "the failover lost nothing"
+        ends = wait_terminal(raw, [*jobs, "lossy-late"], timeout=60)
+        assert proc.poll() is None, "the worker died in the failover"
+        late = ends.pop("lossy-late")
+        assert isinstance(late, ErrorEvent) and late.code == LOST_STATE, late
+        want = expected(jobs)
+        for job_id, end in ends.items():
+            if isinstance(end, ErrorEvent):
+                assert end.code == LOST_STATE, (job_id, end)
+            else:
+                done = check_stream(raw, job_id)
+                assert (done.text, done.finish_reason) == want[job_id], job_id
+
+
 def assert_no_spin(log_path: Path) -> None:
     """The worker backed off while Redis was away: a few dozen error lines, not thousands."""
     lines = log_path.read_text(errors="replace").splitlines()
