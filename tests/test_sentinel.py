@@ -22,14 +22,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from openai import OpenAI
 
 from qworker_client.aio import AsyncProducer
 from qworker_client.client import Producer
-from qworker_client.connect import RedisURLError, checked_url, masked
+from qworker_client.connect import ClientOptions, RedisURLError, checked_url, masked
 from qworker_client.protocol import LOST_STATE, ErrorEvent
 from qworker_client.redis_clients import sync_redis
+from qworker_client.rq import _decoding_twin
+from qworker_client.sentinel_pools import SentinelPool
 from qworker_client.sentinel_url import parse_sentinel_url
 from tests.gateway_harness import gateway
 from tests.sentinel_harness import Topology, elapsed, topology
@@ -108,6 +111,17 @@ def test_sentinel_urls_print_without_their_passwords() -> None:
     url = "redis+sentinel://app:s3cret@h1:1,h2:2/m/0?sentinel_password=other&protocol=3"
     assert masked(url) == "redis+sentinel://app:***@h1:1,h2:2/m/0?sentinel_password=***&protocol=3"
     assert masked("redis+sentinel://:pw@[::1]:1,[::2]:2/m") == "redis+sentinel://:***@[::1]:1,[::2]:2/m"
+
+
+def test_an_rq_workers_sentinel_connection_gets_a_decoding_twin_of_the_same_master() -> None:
+    rq_connection = sync_redis("redis+sentinel://:pw@127.0.0.1:1,127.0.0.1:2/mymaster/4")
+    twin = _decoding_twin(rq_connection, ClientOptions())
+    pool = twin.connection_pool
+    assert isinstance(pool, SentinelPool) and pool.service_name == "mymaster"
+    assert pool.sentinel_manager is rq_connection.connection_pool.sentinel_manager
+    assert {k: pool.connection_kwargs[k] for k in ("db", "password", "decode_responses")} == \
+        {"db": 4, "password": "pw", "decode_responses": True}
+    assert not rq_connection.connection_pool.connection_kwargs.get("decode_responses")
 
 
 def test_the_cli_refuses_a_malformed_sentinel_url_in_one_line() -> None:
@@ -213,6 +227,8 @@ def test_the_gateway_and_the_cli_serve_after_a_failover(sentinels: Topology,
         assert before.choices[0].finish_reason == "length"
         texts = asyncio.run(async_producer_across(url, sentinels))
         after = sdk.completions.create(model=SIM, prompt="after", max_tokens=12, seed=2)
+        board = httpx2.get(f"{base}/dashboard/workers", timeout=30)  # read from the new master
+        assert board.status_code == 200 and "sentinel-g" in board.text, board.text[:300]
         by_cli = cli("submit", "from the cli", "--id", "cli-after", "--max-tokens", "5",
                      "--stream", "--redis-url", url)
         assert by_cli.returncode == 0, by_cli.stderr
