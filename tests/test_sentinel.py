@@ -29,10 +29,15 @@ from openai import OpenAI
 from qworker_client.aio import AsyncProducer
 from qworker_client.client import Producer
 from qworker_client.connect import ClientOptions, RedisURLError, checked_url, masked
+from qworker_client.gateway.connection import gateway_client
 from qworker_client.protocol import LOST_STATE, ErrorEvent
 from qworker_client.redis_clients import sync_redis
 from qworker_client.rq import _decoding_twin
-from qworker_client.sentinel_pools import SentinelPool
+from qworker_client.sentinel_pools import (
+    AsyncBlockingSentinelPool,
+    AsyncSentinelConnection,
+    SentinelPool,
+)
 from qworker_client.sentinel_url import parse_sentinel_url
 from tests.gateway_harness import gateway
 from tests.sentinel_harness import Topology, elapsed, topology
@@ -111,6 +116,15 @@ def test_sentinel_urls_print_without_their_passwords() -> None:
     url = "redis+sentinel://app:s3cret@h1:1,h2:2/m/0?sentinel_password=other&protocol=3"
     assert masked(url) == "redis+sentinel://app:***@h1:1,h2:2/m/0?sentinel_password=***&protocol=3"
     assert masked("redis+sentinel://:pw@[::1]:1,[::2]:2/m") == "redis+sentinel://:***@[::1]:1,[::2]:2/m"
+
+
+def test_the_gateways_sentinel_pool_waits_for_a_free_connection_as_its_plain_one() -> None:
+    client = gateway_client("redis+sentinel://127.0.0.1:1/mymaster", ClientOptions(),
+                            max_connections=7, wait_s=3.0)
+    pool = client.connection_pool
+    assert isinstance(pool, AsyncBlockingSentinelPool) and pool.service_name == "mymaster"
+    assert (pool.max_connections, pool.timeout) == (7, 3.0)
+    assert pool.connection_class is AsyncSentinelConnection
 
 
 def test_an_rq_workers_sentinel_connection_gets_a_decoding_twin_of_the_same_master() -> None:
