@@ -58,7 +58,8 @@ EXIT_INTERRUPTED = 130
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url", default=None,
-        help="redis:// or rediss:// URL, may carry user:password "
+        help="redis://, rediss:// or redis+sentinel://host:port[,...]/service_name URL, may "
+             "carry user:password "
              "(default: $REDIS_URL, $QWORKER_REDIS_URL, else redis://localhost:6379/0)",
     )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix (default: qw)")

@@ -15,6 +15,9 @@ import redis.asyncio
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from qworker_client.redis_clients import async_redis, sync_redis
+from qworker_client.sentinel_url import SENTINEL_SCHEMES, is_sentinel_url, parse_sentinel_url
+
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # The producer never trims `<prefix>:jobs`, but it bounds how long it blocks in one read.
 DEFAULT_BLOCK_MS = 5_000
@@ -22,8 +25,9 @@ DEFAULT_BLOCK_MS = 5_000
 # markers and cancel flags live no longer, so a job id can be used again once its output is gone.
 DEFAULT_RESULT_TTL_S = 3_600
 READ_COUNT = 512  # entries per XREAD: a whole burst of tokens in one round trip
-URL_SCHEMES = ("redis://", "rediss://", "unix://")
+URL_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)
 _USERINFO = re.compile(r"([^/:@]*):[^@/]*@")
+_PASSWORD_OPTION = re.compile(r"([?&](?:sentinel_)?password=)[^&#]*")
 
 
 class RedisURLError(ValueError):
@@ -50,7 +54,8 @@ class ClientOptions:
 
     A blocking read (`XREAD BLOCK block_ms`) needs a socket timeout longer than its BLOCK, or the
     client gives up on a healthy connection; `socket_timeout` is derived from `block_ms`.
-    AUTH, ACL users, TLS (`rediss://`) and the database come from the URL (redis-py `from_url`).
+    AUTH, ACL users, TLS (`rediss://`) and the database come from the URL (redis-py `from_url`;
+    `redis+sentinel://` finds the master through Sentinel, see sentinel_url.py).
     """
 
     block_ms: int = DEFAULT_BLOCK_MS
@@ -93,16 +98,21 @@ class ClientOptions:
 
 
 def sync_client(url: str, options: ClientOptions) -> redis.Redis:
-    return redis.Redis.from_url(url, **options.kwargs())
+    return sync_redis(url, **options.kwargs())
 
 
 def async_client(url: str, options: ClientOptions) -> redis.asyncio.Redis:
-    return redis.asyncio.Redis.from_url(url, **options.kwargs())
+    return async_redis(url, **options.kwargs())
 
 
 def masked(url: str) -> str:
-    """`url` with its password, if any, as `***` (what error and ready lines print)."""
-    parts = urlsplit(url)
+    """`url` with its passwords, if any, as `***` (what error and ready lines print): the one
+    before `@` and those of `?password=` and `?sentinel_password=`."""
+    url = _PASSWORD_OPTION.sub(r"\1***", url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. several bracketed IPv6 sentinels
+        return _USERINFO.sub(r"\1:***@", url, count=1)
     if parts.password is None:  # none, or a URL too broken to parse: any `user:secret@` hidden
         return _USERINFO.sub(r"\1:***@", url, count=1)
     user = parts.username or ""
@@ -116,7 +126,10 @@ def checked_url(url: str) -> str:
         raise RedisURLError(f"invalid Redis URL {masked(url)!r}: it must start with "
                             f"{', '.join(URL_SCHEMES)} (e.g. redis://localhost:6379/0)")
     try:
-        redis.connection.parse_url(url)
+        if is_sentinel_url(url):
+            parse_sentinel_url(url)
+        else:
+            redis.connection.parse_url(url)
     except ValueError as exc:
         raise RedisURLError(f"invalid Redis URL {masked(url)!r}: {exc}") from None
     return url
@@ -127,7 +140,7 @@ def check_reachable(url: str, options: ClientOptions) -> None:
     answer, without retries: a `RedisUnreachable` saying where and why when it fails (before a
     command would sit in a blocking read or a long reconnect loop). A refusal of the password or
     the ACL is raised as is: that is no reachability problem."""
-    client = redis.Redis.from_url(
+    client = sync_redis(
         url, socket_connect_timeout=options.connect_timeout_s,
         socket_timeout=options.connect_timeout_s, retry=Retry(NoBackoff(), 0))
     try:

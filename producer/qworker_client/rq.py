@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.sentinel
 from rq import Queue, get_current_job
 from rq.serializers import JSONSerializer
 
@@ -30,7 +31,9 @@ from qworker_client import batch
 from qworker_client.client import Producer
 from qworker_client.connect import ClientOptions, redis_url_from_env, sync_client
 from qworker_client.protocol import DEFAULT_PREFIX
+from qworker_client.redis_clients import sync_redis
 from qworker_client.result import Result, result_fields
+from qworker_client.sentinel_pools import SentinelPool
 
 SERIALIZER = JSONSerializer
 GENERATE = "qworker_client.rq.generate"
@@ -97,7 +100,7 @@ def enqueue_batch(
         "errors_path": str(errors_path) if errors_path is not None else None,
         "max_in_flight": max_in_flight, "prefix": prefix, "batch_id": batch_id,
     }
-    with redis.Redis.from_url(redis_url) as connection:
+    with sync_redis(redis_url) as connection:
         job = json_queue(queue, connection).enqueue(
             RUN_BATCH, kwargs=kwargs, job_timeout=job_timeout, result_ttl=result_ttl,
             description=f"qworker batch {input_path} -> {output_path}")
@@ -119,6 +122,12 @@ def qworker_client(redis_url: str | None = None) -> redis.Redis:
 def _decoding_twin(connection: redis.Redis, options: ClientOptions) -> redis.Redis:
     """A client to the same server as the RQ worker's (which must not decode responses)."""
     pool = connection.connection_pool
+    if isinstance(pool, redis.sentinel.SentinelConnectionPool):  # the master Sentinel names
+        kwargs = {k: v for k, v in pool.connection_kwargs.items() if k != "connection_pool"}
+        twin: redis.Redis = pool.sentinel_manager.master_for(
+            pool.service_name, connection_pool_class=SentinelPool,
+            **{**kwargs, **options.kwargs()})
+        return twin
     kwargs = {**pool.connection_kwargs, **options.kwargs()}
     return redis.Redis(connection_pool=redis.ConnectionPool(
         connection_class=pool.connection_class, **kwargs))

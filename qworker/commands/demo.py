@@ -31,6 +31,7 @@ from qworker_client.connect import RedisURLError, checked_url
 from qworker_client.local_redis import die_with_parent
 from qworker_client.multiplex import Multiplexer
 from qworker_client.protocol import Keys
+from qworker_client.redis_clients import sync_redis
 from qworker_client.result import OutputEvent
 
 PROMPTS: tuple[tuple[str, str], ...] = (
@@ -104,7 +105,7 @@ def worker_process(url: str, model: str, log_path: Path) -> Iterator[subprocess.
 
 def wait_ready(url: str, name: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
     say(f"starting a worker (pid {proc.pid}, log {log_path}); loading the model ...")
-    client = redis.Redis.from_url(url)
+    client = sync_redis(url)
     started = time.monotonic()
     while not client.exists(Keys(PREFIX).worker(name)):
         if proc.poll() is not None:
@@ -275,7 +276,7 @@ def _run(args: argparse.Namespace) -> int:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="qworker-demo-")))
         url = stack.enter_context(own_redis(workdir / "redis"))
         stack.enter_context(worker_process(url, args.model, workdir / "worker.log"))
-        client = redis.Redis.from_url(url, socket_timeout=10, protocol=2)
+        client = sync_redis(url, socket_timeout=10, protocol=2)
         stack.callback(client.close)
         started = time.monotonic()
         streams = submit_all(client, args.max_tokens, args.stagger)

@@ -31,7 +31,8 @@ class ServiceConfig:
     """The service's settings; each field with a flag is a `qworker serve` flag and variable."""
 
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata=_flag(
-        "redis://[user:password@]host:port/db, rediss:// for TLS"))
+        "redis://[user:password@]host:port/db, rediss:// for TLS, "
+        "redis+sentinel://host:port[,host:port...]/service_name[/db] for Sentinel"))
     prefix: str = field(default=DEFAULT_PREFIX, metadata=_flag(
         "key prefix; nothing is written outside it"))
     group: str = field(default=DEFAULT_GROUP, metadata=_flag("consumer group"))

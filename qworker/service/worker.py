@@ -62,12 +62,14 @@ from qworker.service.sampling import sampling_params as sampling_params
 from qworker.service.scripts import Scripts
 from qworker.service.stream_interval import StreamInterval
 from qworker_client.protocol import Job, Keys, WorkerInfo
+from qworker_client.redis_clients import sync_redis
 
 
 def connect(config: ServiceConfig) -> redis.Redis:
-    """A client for `redis_url` (redis://, rediss:// with TLS, user:password@ for AUTH/ACL). No
-    retries inside redis-py: the worker loop backs off and retries itself."""
-    return redis.Redis.from_url(
+    """A client for `redis_url` (redis://, rediss:// with TLS, user:password@ for AUTH/ACL,
+    redis+sentinel:// for the master that Sentinel names, again after a failover). No retries
+    inside redis-py: the worker loop backs off and retries itself."""
+    return sync_redis(
         config.redis_url, socket_timeout=config.socket_timeout_s, socket_connect_timeout=5.0,
         retry=Retry(NoBackoff(), 0), client_name=re.sub(r"[^!-~]", "_", f"qworker:{config.name}"))
 

@@ -7,6 +7,10 @@ dropped connection is).
 
 redis-py looks its own version up (importlib.metadata, about a millisecond) for every connection
 it opens, unless given its driver info: it is looked up once here.
+
+With a `redis+sentinel://` URL the pool is Sentinel's (see redis_clients.py): a failover costs the
+requests under way their connection (retried as any dropped connection), and the next connection
+goes to the master the sentinels name.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import redis
 import redis.asyncio
 
 from qworker_client.connect import ClientOptions
+from qworker_client.redis_clients import async_waiting_redis
 
 MAX_CONNECTIONS = 256
 WAIT_S = 20.0
@@ -23,7 +28,5 @@ _DRIVER = redis.DriverInfo()  # redis-py's name and version, for CLIENT SETINFO
 
 def gateway_client(url: str, options: ClientOptions, max_connections: int = MAX_CONNECTIONS,
                    wait_s: float = WAIT_S) -> redis.asyncio.Redis:
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=wait_s, driver_info=_DRIVER,
-        **options.kwargs())
-    return redis.asyncio.Redis.from_pool(pool)  # closing the client closes its pool
+    return async_waiting_redis(url, max_connections, wait_s, driver_info=_DRIVER,
+                               **options.kwargs())
