@@ -129,6 +129,13 @@ def test_a_cached_winner_that_loses_its_check_is_timed_again_and_the_cache_rewri
     assert all(v.source == "re-measured" for v in model.step_verdicts.values())
 
 
+def test_steps_off_the_graph_must_be_clearly_faster_to_be_kept(
+        tmp_path: Path, noisy_choice: None) -> None:
+    model, _ = _start(tmp_path, graph=1.0, matmuls=0.96)  # 4% faster off it: a tie, the graph
+    assert _graph_runs(model)
+    assert _cached_winners(tmp_path) == {"1": "graph", "8": "graph"}
+
+
 def test_a_cached_winner_within_the_check_s_margin_is_kept(
         tmp_path: Path, noisy_choice: None) -> None:
     _start(tmp_path, graph=1.3, matmuls=1.0)
