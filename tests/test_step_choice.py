@@ -113,7 +113,7 @@ def test_where_steps_are_faster_off_the_graph_the_picks_stay_and_the_report_says
     model, _ = _start(tmp_path, graph=1.3, matmuls=1.0)
     report = model.kernel_report()["decode_graph"]
     assert report.startswith("off at 1, 8 rows"), report
-    assert "measured faster off it: matmuls at 8 rows (measured: 0.77x" in report
+    assert "; weighed by whole steps: matmuls at 1 rows (measured: 0.77x" in report
     assert _cached_winners(tmp_path) == {"1": "matmuls", "8": "matmuls"}
     assert model.layers[0].mlp.down_proj.kind_for(8) == "onednn"
 

@@ -204,21 +204,17 @@ class DecoderModel(nn.Module):
 
     def _graph_report(self, layers: Iterable[Linear | QuantLinear]) -> str:
         """Which decode-only steps the decode graph runs: those whose bucket every layer runs a
-        graph kernel at (a step it does not run goes layer by layer, slower)."""
+        graph kernel at (a step it does not run goes layer by layer); and where whole steps were
+        weighed both ways (`step_choice`), which way won and by how much."""
         if self.decode_graph.refused is not None:
             return f"refused ({self.decode_graph.refused})"
         buckets = kernel_choice.BUCKETS[: kernel_choice.bucket(self.decode_rows) + 1]
         off = [rows for rows in buckets if any(
             layer.kind_for(rows) not in kernel_choice.GRAPH_KINDS for layer in layers)]
+        report = (f"off at {', '.join(map(str, off))} rows (a layer's kernel it does not run)"
+                  if off else f"runs decode steps of 1-{self.decode_rows} rows")
         weighed = [v.describe() for v in self.step_verdicts.values()]
-        if not off:
-            runs = f"runs decode steps of 1-{self.decode_rows} rows"
-            return f"{runs}; weighed by whole steps: {', '.join(weighed)}" if weighed else runs
-        why = {rows: (f"measured faster off it: {v.describe()}"
-                      if (v := self.step_verdicts.get(rows)) else "not weighed")
-               for rows in off}
-        return (f"off at {', '.join(map(str, off))} rows (a layer's kernel it does not run; "
-                + "; ".join(f"{rows}: {reason}" for rows, reason in why.items()) + ")")
+        return f"{report}; weighed by whole steps: {', '.join(weighed)}" if weighed else report
 
     def load_hf_weights(self, weights: Mapping[str, Weight]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up).
