@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 import torch
+from torch import nn
 
 from qworker.model.batch import ForwardBatch, SequenceInput, build_batch
+from qworker.model.config import ModelConfig
 from qworker.model.kernels import kernel_choice
 from qworker.model.kernels.kernel_choice import BUCKETS, GRAPH_KINDS, Timer
 from qworker.model.kernels.linear import Linear
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from qworker.model.decoder import DecoderModel
 
 GRAPH, MATMULS = "graph", "matmuls"
 MEASURE_PAIRS = 5  # interleaved pairs of steps (graph, matmuls) a verdict is made of
@@ -49,6 +48,26 @@ GRAPH_PREFERENCE = 0.05
 log = structlog.get_logger(__name__)
 
 Picks = dict[str, str]  # shape -> kind at one bucket
+
+
+class _Graph(Protocol):
+    def reset(self) -> None: ...
+
+
+class DecoderModel(Protocol):
+    """What is weighed (`decoder.DecoderModel`, which imports this module)."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    decode_rows: int  # the most rows of a decode-only step
+
+    @property
+    def decode_graph(self) -> _Graph: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def __call__(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
