@@ -188,3 +188,23 @@ def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(x, *args, **kwargs)  # type: ignore[arg-type]
     monkeypatch.setattr(native, "decode_step", spy)
     return calls
+
+
+def test_a_model_of_two_kv_groups_is_weighed_on_both_its_pools(
+        monkeypatch: pytest.MonkeyPatch, graph_calls: list[int]) -> None:
+    from qworker.model.arch import ARCHITECTURES
+    from tests.test_decode_graph import random_model
+
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.0)
+    model = random_model(ARCHITECTURES["gemma3"], torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not all({"native", "onednn"} <= set(m.kernels()) for m in linears):
+        pytest.skip("the native GEMM and oneDNN both needed to choose between")
+    for layer in linears:
+        layer.set_choice(("native",) + ("onednn",) * (len(BUCKETS) - 1))
+    model.decode_rows = 8
+    cache = KVCache.allocate(model.config, 32, 4, model.dtype, model.device, window_blocks=16)
+    assert cache.num_groups == 2
+    verdicts = step_choice.weigh(model, cache, None, FakeSteps(model, graph=1.0, matmuls=1.5))
+    assert [(rows, v.winner) for rows, v in verdicts.items()] == [(8, "graph")]
+    assert 8 in graph_calls and all(m.kind_for(8) == "native" for m in linears)
