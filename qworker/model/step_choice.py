@@ -79,13 +79,15 @@ class Verdict:
     ratio: float  # the winner's step time over the runner-up's, median of the pairs
     source: str  # "measured", "cached", "cached, checked", "re-measured", "cached, not checked"
     ways: dict[str, Picks]  # each way's kernel by shape at this bucket
+    check: float | None = None  # a cached verdict's check now: the same ratio, 3 pairs
 
     def as_json(self) -> dict[str, object]:
         return {"winner": self.winner, "ratio": round(self.ratio, 4), "ways": self.ways}
 
     def describe(self) -> str:
+        checked = "" if self.check is None else f", {self.check:.2f}x at its check"
         return (f"{self.winner} at {self.rows} rows ({self.source}: "
-                f"{self.ratio:.2f}x the other way's step time)")
+                f"{self.ratio:.2f}x the other way's step time{checked})")
 
 
 def weigh(model: DecoderModel, cache: KVCache, cache_dir: Path | None,
@@ -175,7 +177,7 @@ def _verdict(timed: _Timed, entry: object, busy: bool) -> Verdict:
             return _with(cached, source="cached, not checked")
         check = statistics.median(timed.ratios(cached.winner, CHECK_PAIRS))
         if check <= 1 + LOSS:
-            return _with(cached, source="cached, checked")
+            return _with(cached, source="cached, checked", check=check)
         log.warning("decode_step_choice_lost_its_check", rows=timed.rows, winner=cached.winner,
                     ratio=round(check, 3))
     graph = statistics.median(timed.ratios(GRAPH, MEASURE_PAIRS))
@@ -193,8 +195,8 @@ def _cached_verdict(entry: object, timed: _Timed) -> Verdict | None:
     return Verdict(timed.rows, str(winner), float(ratio), "cached", timed.ways)
 
 
-def _with(verdict: Verdict, source: str) -> Verdict:
-    return Verdict(verdict.rows, verdict.winner, verdict.ratio, source, verdict.ways)
+def _with(verdict: Verdict, source: str, check: float | None = None) -> Verdict:
+    return Verdict(verdict.rows, verdict.winner, verdict.ratio, source, verdict.ways, check)
 
 
 def _layers(model: DecoderModel) -> dict[str, list[Linear | QuantLinear]]:
