@@ -210,3 +210,18 @@ def test_a_model_of_two_kv_groups_is_weighed_on_both_its_pools(
     verdicts = step_choice.weigh(model, cache, None, FakeSteps(model, graph=1.0, matmuls=1.5))
     assert [(rows, v.winner) for rows, v in verdicts.items()] == [(8, "graph")]
     assert 8 in graph_calls and all(m.kind_for(8) == "native" for m in linears)
+
+
+def test_a_layer_with_no_choice_and_no_graph_kernel_leaves_nothing_to_weigh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.0)
+    model = _model()
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.set_choice(("native",) + ("onednn",) * (len(BUCKETS) - 1))
+    model.lm_head.choice = None
+    monkeypatch.setattr(model.lm_head, "kernels", lambda: ("onednn",))  # as a 120-word vocabulary
+    model.decode_rows = 8
+    cache = KVCache.allocate(model.config, 32, 4, model.dtype, model.device)
+    steps = FakeSteps(model, graph=1.0, matmuls=2.0)
+    assert step_choice.weigh(model, cache, None, steps) == {} and not steps.calls

@@ -122,8 +122,8 @@ def _settle(model: DecoderModel, layers: Mapping[str, list[Linear | QuantLinear]
     for verdict in verdicts.values():
         _apply(layers, kernel_choice.bucket(verdict.rows), verdict.ways[verdict.winner])
     for layer in {id(m): m for group in layers.values() for m in group}.values():
-        assert layer.choice is not None
-        layer.set_choice(layer.choice)
+        if layer.choice is not None:
+            layer.set_choice(layer.choice)
     model.decode_graph.reset()
 
 
@@ -200,10 +200,11 @@ def _with(verdict: Verdict, source: str, check: float | None = None) -> Verdict:
 
 
 def _layers(model: DecoderModel) -> dict[str, list[Linear | QuantLinear]]:
-    """The model's chosen linear layers by shape (layers of one shape share one choice)."""
+    """The model's linear layers by shape (layers of one shape share one choice; one with a
+    single kernel has none, and runs it at every bucket)."""
     out: dict[str, list[Linear | QuantLinear]] = {}
     for module in model.modules():
-        if isinstance(module, Linear | QuantLinear) and module.choice is not None:
+        if isinstance(module, Linear | QuantLinear):
             out.setdefault(kernel_choice.shape_key(module), []).append(module)
     return out
 
@@ -211,7 +212,11 @@ def _layers(model: DecoderModel) -> dict[str, list[Linear | QuantLinear]]:
 def _ways(layers: Mapping[str, list[Linear | QuantLinear]], b: int) -> dict[str, Picks] | None:
     """Bucket b's picks and the graph's alternative to them; None where the picks already run
     the graph, or some shape has no graph kernel (nothing to weigh)."""
-    picks = {key: group[0].kind_for(BUCKETS[b]) for key, group in layers.items()}
+    rows = BUCKETS[b]
+    if any(m.choice is None and m.kind_for(rows) not in GRAPH_KINDS
+           for group in layers.values() for m in group):
+        return None  # a layer of one kernel, not the graph's: no way puts the step on it
+    picks = {key: group[0].kind_for(rows) for key, group in layers.items()}
     if all(kind in GRAPH_KINDS for kind in picks.values()):
         return None
     graph = {key: kind if kind in GRAPH_KINDS else _graph_kind(group[0], b)
@@ -222,8 +227,10 @@ def _ways(layers: Mapping[str, list[Linear | QuantLinear]], b: int) -> dict[str,
 
 
 def _graph_kind(layer: Linear | QuantLinear, b: int) -> str | None:
-    """The graph kernel the layer chose at the bucket nearest b, else the first it offers."""
-    assert layer.choice is not None
+    """The graph kernel the layer chose at the bucket nearest b, else the first it offers (None
+    for a layer with no choice: its one kernel is not the graph's)."""
+    if layer.choice is None:
+        return None
     for distance in range(1, len(BUCKETS)):
         for near in (b - distance, b + distance):
             if 0 <= near < len(BUCKETS) and layer.choice[near] in GRAPH_KINDS:
@@ -235,7 +242,8 @@ def _apply(layers: Mapping[str, list[Linear | QuantLinear]], b: int, picks: Pick
     """Bucket b of each layer's choice set to its shape's pick (packs are kept: see weigh)."""
     for key, group in layers.items():
         for layer in group:
-            assert layer.choice is not None
+            if layer.choice is None:  # its one kernel, the pick of both ways
+                continue
             choice = list(layer.choice)
             choice[b] = picks[key]
             layer.choice = tuple(choice)
