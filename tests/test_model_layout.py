@@ -10,7 +10,8 @@ MODEL = Path(__file__).resolve().parent.parent / "qworker" / "model"
 # bottom first: a module may import modules of its own rank or below, never above
 RANKS = {
     "home": 0, "dtypes": 0, "errors": 0, "arch": 0, "config": 1, "kernels": 2, "batch": 2,
-    "kv_cache": 2, "layers": 3, "loading": 3, "tokenizer": 4, "decode_graph": 5, "decoder": 6,
+    "kv_cache": 2, "layers": 3, "loading": 3, "tokenizer": 4, "decode_graph": 5, "step_choice": 5,
+    "decoder": 6,
 }
 
 

@@ -13,6 +13,7 @@ from qworker.engine.runner import Runner
 from qworker.engine.validation import max_token_chars
 from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderModel
+from qworker.model.kernels.kernel_choice import Timer, one_call
 from qworker.model.kv_cache import KVCache, KVLayout, blocks_for_budget, bytes_per_block
 from qworker.model.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -63,16 +64,19 @@ class Engine(EngineCore):
         self.warm_up()
         self.runner.model.release_weights()
 
-    def warm_up(self) -> None:
-        """Chooses each linear layer's matmul by measuring them on this CPU (cached in the
-        qworker home), runs one tiny forward and makes one detokenizer (its tables take the
-        tokenizer's JSON apart, 0.15 s for SmolLM2), so no request pays for any of them."""
+    def warm_up(self, step_timer: Timer = one_call) -> None:
+        """Chooses each linear layer's matmul by measuring them on this CPU, and where those
+        picks take decode steps off the decode graph, which way whole steps run faster (both
+        cached in the qworker home; `step_timer` times one step); runs one tiny forward and makes
+        one detokenizer (its tables take the tokenizer's JSON apart, 0.15 s for SmolLM2), so no
+        request pays for any of them."""
         from qworker.model.home import qworker_home
 
         config = self.config
         drafts = config.speculate_max_batch * config.num_speculative_tokens  # a verify's rows
         self.runner.model.choose_kernels(config.max_batched_tokens + config.max_num_seqs + drafts,
-                                         config.max_num_seqs + drafts, qworker_home() / "kernels")
+                                         config.max_num_seqs + drafts, qworker_home() / "kernels",
+                                         self.runner.cache, step_timer)
         self.blocks.drop_cache()  # the forward writes block 0
         self.runner.warm_up()
         self._detokenizer()

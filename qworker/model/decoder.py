@@ -29,6 +29,7 @@ from qworker.model.layers.norm import RMSNorm
 from qworker.model.layers.paged_attention import AttentionPlan
 from qworker.model.layers.rope import RotaryTable
 from qworker.model.loading.tensors import Weight
+from qworker.model.step_choice import Verdict, weigh
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +57,7 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.decode_graph = DecodeGraph(layers, self.norm, self.lm_head, config)
         self.decode_rows = 1  # the most rows of a decode-only step (choose_kernels says)
+        self.step_verdicts: dict[int, Verdict] = {}  # graph or not, by whole steps, by rows
         self.rope = RotaryTable(
             config.head_dim, config.context_length, config.rope_theta,
             config.rope_scaling, dtype, device,
@@ -106,10 +108,14 @@ class DecoderModel(nn.Module):
                                       plan.fused)
         return self.lm_head(x)
 
-    def choose_kernels(self, max_rows: int, max_logit_rows: int,
-                       cache_dir: Path | None = None) -> dict[str, tuple[str, ...]]:
+    def choose_kernels(self, max_rows: int, max_logit_rows: int, cache_dir: Path | None = None,
+                       steps_on: KVCache | None = None,
+                       step_timer: kernel_choice.Timer = kernel_choice.one_call,
+                       ) -> dict[str, tuple[str, ...]]:
         """Measures every linear layer's kernels (`kernel_choice`) for steps of up to `max_rows`
-        tokens, `max_logit_rows` of which sample; the choice by shape, logged once."""
+        tokens, `max_logit_rows` of which sample; then, given a cache to run steps on, weighs
+        whole decode steps on and off the decode graph wherever the picks take it off
+        (`step_choice`). The choice by shape (before the steps' verdicts), logged once."""
         layers = [(m, max_rows) for m in self.modules()
                   if isinstance(m, Linear | QuantLinear) and m is not self.lm_head]
         graph_rows = max_logit_rows if self.decode_graph.refused is None else 0
@@ -118,6 +124,10 @@ class DecoderModel(nn.Module):
                                       graph_rows=graph_rows)
         self._follow_repacked_head()
         self.decode_graph.reset()
+        self.step_verdicts = {}
+        if steps_on is not None and graph_rows > 0 and self.decode_graph.enabled:
+            self.step_verdicts = weigh(self, steps_on, cache_dir, step_timer)
+            self._follow_repacked_head()
         log.info("kernels_chosen", **self.kernel_report())
         return chosen
 
@@ -194,15 +204,17 @@ class DecoderModel(nn.Module):
 
     def _graph_report(self, layers: Iterable[Linear | QuantLinear]) -> str:
         """Which decode-only steps the decode graph runs: those whose bucket every layer runs a
-        graph kernel at (a step it does not run goes layer by layer, slower)."""
+        graph kernel at (a step it does not run goes layer by layer); and where whole steps were
+        weighed both ways (`step_choice`), which way won and by how much."""
         if self.decode_graph.refused is not None:
             return f"refused ({self.decode_graph.refused})"
         buckets = kernel_choice.BUCKETS[: kernel_choice.bucket(self.decode_rows) + 1]
         off = [rows for rows in buckets if any(
             layer.kind_for(rows) not in kernel_choice.GRAPH_KINDS for layer in layers)]
-        if not off:
-            return f"runs decode steps of 1-{self.decode_rows} rows"
-        return f"off at {', '.join(map(str, off))} rows (a layer's kernel it does not run)"
+        report = (f"off at {', '.join(map(str, off))} rows (a layer's kernel it does not run)"
+                  if off else f"runs decode steps of 1-{self.decode_rows} rows")
+        weighed = [v.describe() for v in self.step_verdicts.values()]
+        return f"{report}; weighed by whole steps: {', '.join(weighed)}" if weighed else report
 
     def load_hf_weights(self, weights: Mapping[str, Weight]) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up).
