@@ -1,0 +1,165 @@
+"""Prefix affinity, decided where workers pull (real redis-server, intakes without engines): a
+session's job is offered to the worker that took the session's last job, that worker takes it
+first; after the bound, or when that worker stopped reading, anyone takes it; a plain job is
+read as before; bands, reclaim and the fair share hold."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from qworker.service.affinity import Affinity
+from qworker.service.config import ServiceConfig
+from qworker.service.groups import Groups
+from qworker.service.intake import Intake
+from qworker.service.logs import get_logger
+from qworker.service.lua_affinity import OFFERED_CONSUMER
+from qworker.service.scripts import Scripts
+from qworker_client.protocol import Job, JobValidationError, Keys, parse_job_fields
+from tests.fair_harness import field, finish
+
+KEYS = Keys()
+BOUND_MS = 40
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def affine_intake(client: redis.Redis, name: str, bound_ms: int = BOUND_MS,
+                  live_ms: int = 3000, **config: Any) -> Intake:
+    cfg = ServiceConfig(redis_url="redis://unused", name=name, affinity_ms=bound_ms, **config)
+    it = Intake(client, KEYS, cfg, Scripts(affinity=Affinity(KEYS, bound_ms, live_ms)),
+                token=f"{name}/1")
+    Groups(client, it.streams, cfg.group, get_logger()).ensure()
+    Scripts.load(client)
+    return it
+
+
+def submit(client: redis.Redis, job_id: str, session: str | None = None,
+           stream: str | None = None) -> str:
+    fields = {"id": job_id, "prompt": "four", "max_tokens": "8"}
+    if session is not None:
+        fields["session"] = session
+    return str(client.xadd(stream or KEYS.jobs, fields))  # type: ignore[arg-type]
+
+
+def ids(it: Intake, room: int = 8) -> list[str]:
+    got = it.read(room, block_ms=None)
+    finish(it.client, got)
+    return [field(e, "id") or "" for e in got]
+
+
+@pytest.mark.parametrize("fair", [False, True])
+def test_a_sessions_next_job_goes_to_the_worker_that_ran_its_last(client: redis.Redis,
+                                                                  fair: bool) -> None:
+    w1, w2 = (affine_intake(client, n, fair_share=fair) for n in ("w1", "w2"))
+    submit(client, "t1", "chat-a")
+    assert ids(w1) == ["t1"]
+    assert client.hget(KEYS.affinity_of(KEYS.jobs), "chat-a") == b"w1"
+    submit(client, "t2", "chat-a")
+    submit(client, "plain")
+    assert ids(w2) == ["plain"]  # t2 was offered to w1: pending to the offered consumer
+    pending = client.xpending_range(KEYS.jobs, "workers", "-", "+", 10)
+    assert [r["consumer"].decode() for r in pending] == [OFFERED_CONSUMER]
+    assert ids(w1) == ["t2"]
+    assert client.zcard(KEYS.offers) == 0
+
+
+def test_an_offer_not_taken_within_the_bound_goes_to_anyone(client: redis.Redis) -> None:
+    w1, w2 = affine_intake(client, "w1"), affine_intake(client, "w2")
+    submit(client, "t1", "chat-a")
+    assert ids(w1) == ["t1"]
+    submit(client, "t2", "chat-a")
+    got, wake_ms = w2._read_capped(w2.caps(8))
+    assert got == [] and 0 < wake_ms <= BOUND_MS  # an idle w2 waits no longer than this
+    time.sleep(2 * BOUND_MS / 1000)
+    assert ids(w2) == ["t2"]  # w1 (saturated, say) did not take it in time
+    assert client.hget(KEYS.affinity_of(KEYS.jobs), "chat-a") == b"w2"  # its cache has it now
+    entry = client.xinfo_consumers(KEYS.jobs, "workers")
+    assert {c["name"].decode(): c["pending"] for c in entry}[OFFERED_CONSUMER] == 0
+
+
+def test_a_worker_that_left_or_stopped_reading_is_offered_nothing(client: redis.Redis) -> None:
+    w1, w2 = affine_intake(client, "w1", live_ms=200), affine_intake(client, "w2", live_ms=200)
+    submit(client, "t1", "a")
+    submit(client, "u1", "b")
+    assert ids(w1, 1) == ["t1"] and ids(w2, 1) == ["u1"]
+    w1.leave()
+    submit(client, "t2", "a")
+    assert ids(w2) == ["t2"]  # at once: w1 left
+    time.sleep(0.25)  # w2 has not read for longer than the live window (dead, or saturated)
+    submit(client, "u2", "b")
+    assert ids(w1) == ["u2"]
+
+
+def test_a_dead_affine_workers_offers_are_taken_once_it_stops_being_live(
+        client: redis.Redis) -> None:
+    w1, w2 = affine_intake(client, "w1", live_ms=150), affine_intake(client, "w2", live_ms=150)
+    submit(client, "t1", "a")
+    assert ids(w1) == ["t1"]
+    for k in range(3):
+        submit(client, f"t{k + 2}", "a")
+    assert ids(w2) == []  # offered to w1, which then dies
+    time.sleep(0.2)
+    assert sorted(ids(w2)) == ["t2", "t3", "t4"]
+
+
+def test_plain_jobs_are_read_in_order_within_the_room_with_no_affinity_keys(
+        client: redis.Redis) -> None:
+    w1 = affine_intake(client, "w1")
+    for k in range(5):
+        submit(client, f"j{k}")
+    assert ids(w1, 3) == ["j0", "j1", "j2"]
+    assert ids(w1, 3) == ["j3", "j4"]
+    assert client.exists(KEYS.offers, KEYS.affinity_of(KEYS.jobs)) == 0
+
+
+def test_offers_keep_the_bands_order_and_refill_the_room(client: redis.Redis) -> None:
+    w1, w2 = affine_intake(client, "w1"), affine_intake(client, "w2")
+    submit(client, "t1", "a")
+    assert ids(w1) == ["t1"]
+    high = KEYS.jobs_of(None, "high")
+    submit(client, "h-a", "a", stream=high)
+    submit(client, "h-plain", stream=high)
+    submit(client, "n-a", "a")
+    submit(client, "n1")
+    submit(client, "n2")
+    assert ids(w2, 3) == ["h-plain", "n1", "n2"]  # the offered ones do not use its room
+    assert ids(w1, 8) == ["h-a", "n-a"]  # high band first
+
+
+def test_an_offered_entry_reclaimed_meanwhile_is_not_taken_twice(client: redis.Redis) -> None:
+    w1 = affine_intake(client, "w1", claim_idle_ms=100)
+    w2 = affine_intake(client, "w2", claim_idle_ms=100)
+    submit(client, "t1", "a")
+    assert ids(w1) == ["t1"]
+    submit(client, "t2", "a")
+    assert ids(w2) == []
+    time.sleep(0.15)
+    reclaimed = w2.reclaim(8, set())  # the last resort: idle past claim-idle
+    assert [field(e, "id") for e in reclaimed] == ["t2"]
+    assert ids(w1) == []  # its offer is gone with it
+    assert client.zcard(KEYS.offers) == 0
+
+
+def test_session_field_is_validated_like_a_tenant() -> None:
+    job = parse_job_fields({"prompt": "x", "session": "conv-1.a:b_c"}, "1-0")
+    assert isinstance(job, Job) and job.session == "conv-1.a:b_c"
+    for bad in ("has space", "x" * 129, "brace{", ""):
+        with pytest.raises(JobValidationError):
+            parse_job_fields({"prompt": "x", "session": bad}, "1-0")
+
+
+def test_affinity_keys_of_a_model_share_its_hash_slot() -> None:
+    stream = KEYS.jobs_of("m", "low")
+    assert KEYS.affinity_of(stream) == "qw:affinity:{m}"
+    assert KEYS.affinity_seen_of(stream) == "qw:affinity_seen:{m}"
+    assert KEYS.affinity_of(KEYS.requeue) == "qw:affinity"
