@@ -19,8 +19,10 @@ from qworker.service.intake import Intake
 from qworker.service.logs import get_logger
 from qworker.service.lua_affinity import OFFERED_CONSUMER
 from qworker.service.scripts import Scripts
+from qworker_client import Producer
 from qworker_client.protocol import Job, JobValidationError, Keys, parse_job_fields
 from tests.fair_harness import field, finish
+from tests.service_harness import sim_engine, spy, thread_worker, wait_for, wait_terminal
 
 KEYS = Keys()
 BOUND_MS = 40
@@ -163,3 +165,27 @@ def test_affinity_keys_of_a_model_share_its_hash_slot() -> None:
     assert KEYS.affinity_of(stream) == "qw:affinity:{m}"
     assert KEYS.affinity_seen_of(stream) == "qw:affinity_seen:{m}"
     assert KEYS.affinity_of(KEYS.requeue) == "qw:affinity"
+
+
+def test_a_sessions_later_turns_run_on_the_worker_that_ran_its_first(redis_url: str,
+                                                                     client: redis.Redis) -> None:
+    """Two thread workers on the simulated engine: each turn is submitted when the last one
+    ended (a chat); every later turn of a session runs where its first ran. The bound is longer
+    than an idle worker's wait, so the test does not depend on who wakes first."""
+    engines = {name: sim_engine() for name in ("w1", "w2")}
+    ran = {name: spy(engine) for name, engine in engines.items()}
+    with thread_worker(redis_url, "w1", engines["w1"], affinity_ms=2500), \
+            thread_worker(redis_url, "w2", engines["w2"], affinity_ms=2500), \
+            Producer(redis_url) as prod:
+        for name in ("w1", "w2"):
+            wait_for(lambda n=name: client.exists(KEYS.worker(n)), what=f"{name} live")
+        history = {s: f"conversation {s}:" for s in range(6)}
+        for turn in range(4):
+            ids = [prod.submit(history[s] + f" turn {turn}", session=f"chat-{s}", max_tokens=4,
+                               id=f"c{s}-t{turn}").id for s in history]
+            wait_terminal(client, ids)
+            for s in history:
+                history[s] += f" turn {turn} answered."
+    where = {job_id: name for name, jobs in ran.items() for job_id in jobs}
+    for s in history:
+        assert {where[f"c{s}-t{turn}"] for turn in range(4)} == {where[f"c{s}-t0"]}, where
