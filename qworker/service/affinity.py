@@ -4,29 +4,35 @@ affinity")."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from qworker.service.lua_affinity import OFFERED_CONSUMER, SESSION_TTL_MS
 from qworker_client.protocol import Keys
 
 
-@dataclass(frozen=True)
 class Affinity:
     """How long an offer waits for its worker (`bound_ms`), and how recently a worker must have
     read with room to be offered anything (`live_ms`: longer than an idle worker's blocking wait,
-    so an idle worker is offered its sessions' jobs)."""
+    so an idle worker is offered its sessions' jobs). Its reads say the worker reads (its beat in
+    `<prefix>:readers`) every `live_ms / 8`, not every time."""
 
-    keys: Keys
-    bound_ms: int
-    live_ms: int
+    def __init__(self, keys: Keys, bound_ms: int, live_ms: int) -> None:
+        self.keys = keys
+        self.bound_ms = bound_ms
+        self.live_ms = live_ms
+        self._last_beat = float("-inf")
 
     def head(self) -> tuple[list[str], list[str | int]]:
         """The keys (offers, readers) and arguments (the offered consumer, bound, live window,
-        session TTL) both affinity reads take after their own first ones."""
+        session TTL, beat) both affinity reads take after their own first ones."""
+        now = time.monotonic()
+        beat = now - self._last_beat >= self.live_ms / 8000
+        if beat:
+            self._last_beat = now
         return ([self.keys.offers, self.keys.readers],
-                [OFFERED_CONSUMER, self.bound_ms, self.live_ms, SESSION_TTL_MS])
+                [OFFERED_CONSUMER, self.bound_ms, self.live_ms, SESSION_TTL_MS, int(beat)])
 
     def stream_keys(self, stream: str) -> list[str]:
         """The keys a stream's reading adds: its model's affinity hash and affinity_seen set."""

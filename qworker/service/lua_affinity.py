@@ -5,9 +5,10 @@ affinity"; scripts.py calls it).
 
 Keys (all declared):
 - `<prefix>:readers`, a sorted set: worker name -> the time (ms, Redis' clock) of its last read
-  with room. A worker that read within the live window is a candidate for offers; one that
-  stopped reading (saturated, dead, gone) is not. Its members are dropped an hour after their
-  last read, and by the worker itself when it leaves.
+  with room (set by a read at most every `live window / 8`, not by every one). A worker that
+  read within the live window is a candidate for offers; one that stopped reading (saturated,
+  dead, gone) is not. Its members are dropped an hour after their last read (by reads that
+  take session jobs), and by the worker itself when it leaves.
 - `<prefix>:affinity[:{<model>}]`, a hash: session -> the worker that took its last job from that
   model's (or the model-less) streams; `<prefix>:affinity_seen[:{<model>}]`, a sorted set:
   session -> when. Records older than the session TTL are dropped (64 a call).
@@ -37,7 +38,8 @@ MAX_OFFERS_SCANNED = 256  # offers looked at per read (an offer lives tens of ms
 
 # The offers' functions, shared by both reads. `aff_setup(offers, readers, ARGV index of the
 # offered consumer)`: ARGV from there: the offered consumer, bound ms, live window ms, session
-# TTL ms. Sets the reader's time, and which offers it may take.
+# TTL ms, 1 when the reader's time is to be set (its beat: every so often, not every read). Finds
+# which offers it may take.
 AFFINITY_FUNCS = r"""
 local AF = {}
 
@@ -59,9 +61,8 @@ local function aff_setup(offers, readers, at)
   AF.me, AF.group = ARGV[2], ARGV[1]
   local clock = redis.call('TIME')
   AF.now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-  AF.alive, AF.wake, AF.takeable, AF.trimmed = {}, -1, {}, {}
-  redis.call('ZADD', readers, AF.now, AF.me)
-  redis.call('ZREMRANGEBYSCORE', readers, '-inf', AF.now - """ + str(READERS_FORGET_MS) + r""")
+  AF.alive, AF.wake, AF.takeable, AF.trimmed, AF.holder = {}, -1, {}, {}, {}
+  if ARGV[at + 4] == '1' then redis.call('ZADD', readers, AF.now, AF.me) end  -- beat due
   -- the offers this worker may take: its own, expired ones, those of workers no longer live
   local head = redis.call('ZRANGE', offers, 0, """ + str(MAX_OFFERS_SCANNED - 1) + r""",
                           'WITHSCORES')
@@ -114,6 +115,7 @@ local function aff_split(key, affinity, entries)
   for _, e in ipairs(entries) do
     local s = aff_session(e[2])
     local holder = s and redis.call('HGET', affinity, s)
+    if s then AF.holder[s] = holder end
     if holder and holder ~= AF.me and aff_is_live(holder) then
       redis.call('XCLAIM', key, AF.group, AF.offered, 0, e[1], 'JUSTID')
       redis.call('ZADD', AF.offers, AF.now + AF.bound, holder .. ' ' .. key .. ' ' .. e[1])
@@ -127,19 +129,26 @@ end
 
 -- the sessions of the entries taken are this worker's now; old records go (64 a call a hash)
 local function aff_record(affinity, seen, entries)
+  local recorded = false
   for _, e in ipairs(entries) do
     local s = aff_session(e[2])
     if s then
-      redis.call('HSET', affinity, s, AF.me)
+      if AF.holder[s] ~= AF.me then redis.call('HSET', affinity, s, AF.me) end
       redis.call('ZADD', seen, AF.now, s)
+      recorded = true
     end
   end
-  if not AF.trimmed[seen] then
+  if recorded and not AF.trimmed[seen] then
     AF.trimmed[seen] = true
     local old = redis.call('ZRANGEBYSCORE', seen, '-inf', AF.now - AF.ttl, 'LIMIT', 0, 64)
     if #old > 0 then
       redis.call('HDEL', affinity, unpack(old))
       redis.call('ZREM', seen, unpack(old))
+    end
+    if not AF.trimmed[AF.readers] then  -- workers gone for an hour; only where sessions are
+      AF.trimmed[AF.readers] = true
+      local forget = AF.now - """ + str(READERS_FORGET_MS) + r"""
+      redis.call('ZREMRANGEBYSCORE', AF.readers, '-inf', forget)
     end
   end
 end
@@ -147,10 +156,11 @@ end
 
 # KEYS: offers, readers, then per stream (in the order a worker reads them): the stream, its
 # affinity hash, its affinity_seen set. ARGV: group, consumer, the offered consumer, bound ms,
-# live window ms, session TTL ms, then per stream its cap (the most entries taken in all once it
-# is read; caps never grow along KEYS). Each stream is read again (at most 4 reads) for the room
-# that offers left. Returns {streams, wake}: streams as READ's reply; wake the ms until the
-# earliest offer this worker could not take expires (-1: none): an idle worker waits no longer.
+# live window ms, session TTL ms, beat (1/0), then per stream its cap (the most entries taken in
+# all once it is read; caps never grow along KEYS). Each stream is read again (at most 4 reads)
+# for the room that offers left. Returns {streams, wake}: streams as READ's reply; wake the ms
+# until the earliest offer this worker could not take expires (-1: none): an idle worker waits no
+# longer.
 AFFINITY_READ = AFFINITY_FUNCS + r"""
 local function read_new(key, count)
   local got = redis.pcall('XREADGROUP', 'GROUP', AF.group, AF.me, 'COUNT', count, 'STREAMS', key,
@@ -170,7 +180,7 @@ aff_setup(KEYS[1], KEYS[2], 3)
 local taken, reply = 0, {}
 for k = 3, #KEYS, 3 do
   local key, affinity, seen = KEYS[k], KEYS[k + 1], KEYS[k + 2]
-  local want = tonumber(ARGV[6 + k / 3]) - taken
+  local want = tonumber(ARGV[7 + k / 3]) - taken
   if want > 0 then
     local entries = aff_claim_offers(key, want)
     for _ = 1, 4 do
@@ -194,14 +204,14 @@ return {reply, AF.wake}
 # The fair read (lua_fair.py) with offers. KEYS: as FAIR_READ's, but after its first three come
 # offers and readers, and each stream's keys end with its affinity hash and affinity_seen set.
 # ARGV: as FAIR_READ's first five, then the offered consumer, bound ms, live window ms, session
-# TTL ms, then per stream its cap. A stream's offers are taken first, then its fair turn; what
-# that hands out for another live reader is offered, and the turn taken again for the room left
-# (at most 4 turns a stream).
+# TTL ms, beat (1/0), then per stream its cap. A stream's offers are taken first, then its fair
+# turn; what that hands out for another live reader is offered, and the turn taken again for the
+# room left (at most 4 turns a stream).
 # Returns {FAIR_READ's reply, wake} (wake as AFFINITY_READ's).
 FAIR_AFFINITY_READ = FAIR_FUNCS + AFFINITY_FUNCS + r"""
 local ready_prefix, CHARGED = ARGV[5], '~charged'
 aff_setup(KEYS[4], KEYS[5], 6)
-local taken, reply, k, a = 0, {}, 6, 10
+local taken, reply, k, a = 0, {}, 6, 11
 while k <= #KEYS do
   local key, want = KEYS[k], tonumber(ARGV[a]) - taken
   local fair = string.sub(KEYS[k + 1], 1, #ready_prefix) == ready_prefix
