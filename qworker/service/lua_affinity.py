@@ -17,11 +17,14 @@ Keys (all declared):
   (delivered to no worker), so priority bands, the group's lag and `XDEL` hold as for any entry.
 
 A read, stream by stream in order, within each stream's cap (as READ):
-1. takes the offers of this stream it may: its own, expired ones, and those whose worker is no
-   longer live (XCLAIM from `~offered`, only while the entry is still pending there);
+1. takes the offers of this stream made to it, and those whose worker is no longer live (XCLAIM
+   from `~offered`, only while the entry is still pending there);
 2. reads new entries (XREADGROUP >); one whose session's worker is another live reader is
    offered to it (XCLAIM JUSTID to `~offered`, ZADD offers) and the stream is read again for the
-   room left (at most 4 reads a stream); the others are this worker's.
+   room left (at most 4 reads a stream); the others are this worker's;
+3. with room left, takes the expired offers of other (live) workers: a worker with room and
+   nothing else takes them, but one with other work leaves them to their own worker, which takes
+   its offers first whenever it has room (under a backlog, nobody idles meanwhile).
 Each session job taken records its session -> this worker. Nothing is stranded: an offer lives
 at most the bound, after which the next read of any worker takes it; an entry pending to
 `~offered` whose offer member was lost is reclaimed after `claim_idle_ms` like a dead worker's.
@@ -61,19 +64,23 @@ local function aff_setup(offers, readers, at)
   AF.me, AF.group = ARGV[2], ARGV[1]
   local clock = redis.call('TIME')
   AF.now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-  AF.alive, AF.wake, AF.takeable, AF.trimmed, AF.holder = {}, -1, {}, {}, {}
+  AF.alive, AF.wake, AF.trimmed, AF.holder = {}, -1, {}, {}
+  AF.first, AF.late = {}, {}  -- per stream: the offers this worker takes first, and last
   if ARGV[at + 4] == '1' then redis.call('ZADD', readers, AF.now, AF.me) end  -- beat due
-  -- the offers this worker may take: its own, expired ones, those of workers no longer live
+  -- first its own offers and those of workers no longer live; expired ones of live workers only
+  -- after the new entries (that worker takes them first when it has room: its cache)
   local head = redis.call('ZRANGE', offers, 0, """ + str(MAX_OFFERS_SCANNED - 1) + r""",
                           'WITHSCORES')
   for j = 1, #head, 2 do
     local member, expiry = head[j], tonumber(head[j + 1])
     local worker, stream, id = string.match(member, '^(%S+) (%S+) (%S+)$')
-    if worker == AF.me or expiry <= AF.now or not aff_is_live(worker) then
-      AF.takeable[stream] = AF.takeable[stream] or {}
-      table.insert(AF.takeable[stream], {member, id})
-    else
-      aff_wake(expiry - AF.now)
+    local list = nil
+    if worker == AF.me or not aff_is_live(worker) then list = AF.first
+    elseif expiry <= AF.now then list = AF.late
+    else aff_wake(expiry - AF.now) end
+    if list then
+      list[stream] = list[stream] or {}
+      table.insert(list[stream], {member, id})
     end
   end
 end
@@ -89,11 +96,13 @@ local function aff_session(fields)
   return nil
 end
 
--- the offers of stream `key` this worker may take, at most `want`, claimed from the offered
--- consumer (delivery count 1: an offer is no delivery); one no longer offered is dropped
-local function aff_claim_offers(key, want)
+-- offers of stream `key` (from AF.first or AF.late) this worker takes, at most `want`, claimed
+-- from the offered consumer (delivery count 1: an offer is no delivery); one no longer offered
+-- (taken, reclaimed) is dropped
+local function aff_claim_offers(list, key, want)
   local out = {}
-  for _, offer in ipairs(AF.takeable[key] or {}) do
+  if want <= 0 then return out end
+  for _, offer in ipairs(list[key] or {}) do
     if #out >= want then break end
     local id = offer[2]
     local p = redis.pcall('XPENDING', key, AF.group, id, id, 1)
@@ -182,7 +191,7 @@ for k = 3, #KEYS, 3 do
   local key, affinity, seen = KEYS[k], KEYS[k + 1], KEYS[k + 2]
   local want = tonumber(ARGV[7 + k / 3]) - taken
   if want > 0 then
-    local entries = aff_claim_offers(key, want)
+    local entries = aff_claim_offers(AF.first, key, want)
     for _ = 1, 4 do
       local asked = want - #entries
       if asked <= 0 then break end
@@ -190,6 +199,9 @@ for k = 3, #KEYS, 3 do
       if err then return redis.error_reply(err) end
       for _, e in ipairs(aff_split(key, affinity, got)) do entries[#entries + 1] = e end
       if #got < asked then break end
+    end
+    for _, e in ipairs(aff_claim_offers(AF.late, key, want - #entries)) do
+      entries[#entries + 1] = e
     end
     if #entries > 0 then
       aff_record(affinity, seen, entries)
@@ -218,7 +230,7 @@ while k <= #KEYS do
   local last = k + (fair and 5 or 2)  -- this stream's affinity_seen set
   local entries = {}
   if want > 0 then
-    entries = aff_claim_offers(key, want)
+    entries = aff_claim_offers(AF.first, key, want)
     for _ = 1, 4 do
       local asked = want - #entries
       if asked <= 0 then break end
@@ -232,6 +244,9 @@ while k <= #KEYS do
       end
       for _, e in ipairs(aff_split(key, KEYS[last - 1], present)) do entries[#entries + 1] = e end
       if #got < asked then break end
+    end
+    for _, e in ipairs(aff_claim_offers(AF.late, key, want - #entries)) do
+      entries[#entries + 1] = e
     end
   end
   if #entries > 0 then
