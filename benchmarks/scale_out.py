@@ -1,7 +1,7 @@
 """Scale-out: K simulated-engine workers on one Redis against one worker's tokens/s.
 
     .venv/bin/python -m benchmarks.scale_out [--workers 1 2 4 8] [--step-ms 50] [--quick]
-        [--stream-interval-ms MS]
+        [--stream-interval-ms MS] [--workload uniform | chat]
 
 For each K: a fresh DB on one throwaway redis-server of the benchmark's own, K `qworker serve
 --model sim:step_ms=S` processes (fixed step time, no model; `--max-num-seqs` 64 each), then
@@ -17,6 +17,16 @@ benchmark's own polling excluded), with the `INFO commandstats` breakdown.
 
 To tell what limits a figure it also prints the CPU seconds the workers, redis-server and the whole
 machine (other users included) spent during the run, and the jobs each worker took (from its log).
+
+`--workload chat` (benchmarks/chat_turns.py): `--sessions` conversations of `--turns` turns,
+closed loop, each job naming its session; per K the same workload twice, with the workers'
+prefix affinity (`--affinity-ms`, default 100: two steps) and with it off (`--affinity-ms 0`:
+whoever pulls first takes each job, random pulling), each printing the fleet's prefix-cache hit
+rate (from the workers' /metrics), against one worker's, and the tokens/s efficiency against
+one worker's. The simulated engine runs the real engine core with prefix caching (blocks of 16
+tokens, `--num-blocks` of them a worker: every session fits in one worker's cache).
+
+    .venv/bin/python -m benchmarks.scale_out --workload chat --max-num-seqs 16 --max-tokens 16
 
 Default step 50 ms: a sim worker spends a few ms of CPU per step (64 events published through one
 script call) and Redis about as much, so 8 workers on 2 shared cores stay step-bound only when the
@@ -322,7 +332,8 @@ def main() -> None:
                              "without (benchmarks/chat_turns.py)")
     parser.add_argument("--sessions", type=int, default=200, help="chat: sessions in all")
     parser.add_argument("--turns", type=int, default=5, help="chat: turns a session")
-    parser.add_argument("--affinity-ms", type=int, default=50, help="chat: the workers' bound")
+    parser.add_argument("--affinity-ms", type=int, default=100,
+                        help="chat: the workers' --affinity-ms (2 steps of the default step)")
     parser.add_argument("--num-blocks", type=int, default=8192,
                         help="chat: KV blocks of 16 tokens a worker (all sessions fit in one)")
     args = parser.parse_args()
