@@ -21,6 +21,7 @@ from qworker.service.lua_affinity import OFFERED_CONSUMER
 from qworker.service.scripts import Scripts
 from qworker_client import Producer
 from qworker_client.protocol import Job, JobValidationError, Keys, parse_job_fields
+from qworker_client.stats import stream_stats
 from tests.fair_harness import field, finish
 from tests.service_harness import sim_engine, spy, thread_worker, wait_for, wait_terminal
 
@@ -61,6 +62,7 @@ def ids(it: Intake, room: int = 8) -> list[str]:
 
 @pytest.mark.parametrize("fair", [False, True])
 def test_a_sessions_next_job_goes_to_the_worker_that_ran_its_last(client: redis.Redis,
+                                                                  redis_url: str,
                                                                   fair: bool) -> None:
     w1, w2 = (affine_intake(client, n, fair_share=fair) for n in ("w1", "w2"))
     submit(client, "t1", "chat-a")
@@ -71,6 +73,9 @@ def test_a_sessions_next_job_goes_to_the_worker_that_ran_its_last(client: redis.
     assert ids(w2) == ["plain"]  # t2 was offered to w1: pending to the offered consumer
     pending = client.xpending_range(KEYS.jobs, "workers", "-", "+", 10)
     assert [r["consumer"].decode() for r in pending] == [OFFERED_CONSUMER]
+    with redis.Redis.from_url(redis_url, decode_responses=True) as decoded:  # as stats reads
+        shown = stream_stats(decoded, KEYS.jobs, "workers")  # an offer is waiting, not running
+    assert (shown.pending, shown.parked) == (0, 1)
     assert ids(w1) == ["t2"]
     assert client.zcard(KEYS.offers) == 0
 
