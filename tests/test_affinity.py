@@ -17,7 +17,7 @@ from qworker.service.config import ServiceConfig
 from qworker.service.groups import Groups
 from qworker.service.intake import Intake
 from qworker.service.logs import get_logger
-from qworker.service.lua_affinity import OFFERED_CONSUMER
+from qworker.service.lua_affinity import MAX_OFFERS, OFFERED_CONSUMER
 from qworker.service.scripts import Scripts
 from qworker_client import Producer
 from qworker_client.protocol import Job, JobValidationError, Keys, parse_job_fields
@@ -233,3 +233,14 @@ def test_what_affinity_costs_in_redis_commands_a_job(redis_url: str) -> None:
           f"on, session jobs={sessions:.2f}")
     assert plain - off <= 2.0, (off, plain)  # a few a read call, none a job
     assert sessions - off <= 5.0, (off, sessions)  # HGET, HSET, ZADD a job
+
+
+def test_past_the_offers_bound_a_sessions_entry_is_taken_as_it_comes(client: redis.Redis) -> None:
+    w1, w2 = affine_intake(client, "w1"), affine_intake(client, "w2")
+    submit(client, "t1", "a")
+    assert ids(w1) == ["t1"]
+    far = 2 * 10**13  # a pile of w1's offers that do not expire (as under a deep backlog)
+    client.zadd(KEYS.offers, {f"w1 {KEYS.jobs} 0-{k + 1}": far for k in range(MAX_OFFERS)})
+    submit(client, "t2", "a")
+    assert ids(w2) == ["t2"]  # not offered: every read would have to scan more than it may
+    assert client.zcard(KEYS.offers) == MAX_OFFERS

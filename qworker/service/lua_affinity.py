@@ -37,7 +37,9 @@ from qworker_client.protocol import OFFERED_CONSUMER as OFFERED_CONSUMER  # its 
 
 SESSION_TTL_MS = 600_000  # how long a session's record outlives its last job
 READERS_FORGET_MS = 3_600_000  # a worker that has not read for this long leaves the readers set
-MAX_OFFERS_SCANNED = 256  # offers looked at per read (an offer lives tens of ms: few exist)
+# offers outstanding at most, fleet-wide: every read sees them all (one ZRANGE); past it, a
+# session's entry is taken by whoever reads it (under so deep a backlog, affinity yields)
+MAX_OFFERS = 256
 
 # The offers' functions, shared by both reads. `aff_setup(offers, readers, ARGV index of the
 # offered consumer)`: ARGV from there: the offered consumer, bound ms, live window ms, session
@@ -69,8 +71,8 @@ local function aff_setup(offers, readers, at)
   if ARGV[at + 4] == '1' then redis.call('ZADD', readers, AF.now, AF.me) end  -- beat due
   -- first its own offers and those of workers no longer live; expired ones of live workers only
   -- after the new entries (that worker takes them first when it has room: its cache)
-  local head = redis.call('ZRANGE', offers, 0, """ + str(MAX_OFFERS_SCANNED - 1) + r""",
-                          'WITHSCORES')
+  local head = redis.call('ZRANGE', offers, 0, """ + str(MAX_OFFERS - 1) + r""", 'WITHSCORES')
+  AF.count = #head / 2  -- offers outstanding (MAX_OFFERS: as many or more)
   for j = 1, #head, 2 do
     local member, expiry = head[j], tonumber(head[j + 1])
     local worker, stream, id = string.match(member, '^(%S+) (%S+) (%S+)$')
@@ -125,7 +127,9 @@ local function aff_split(key, affinity, entries)
     local s = aff_session(e[2])
     local holder = s and redis.call('HGET', affinity, s)
     if s then AF.holder[s] = holder end
-    if holder and holder ~= AF.me and aff_is_live(holder) then
+    local room = AF.count < """ + str(MAX_OFFERS) + r"""
+    if holder and holder ~= AF.me and room and aff_is_live(holder) then
+      AF.count = AF.count + 1
       redis.call('XCLAIM', key, AF.group, AF.offered, 0, e[1], 'JUSTID')
       redis.call('ZADD', AF.offers, AF.now + AF.bound, holder .. ' ' .. key .. ' ' .. e[1])
       aff_wake(AF.bound)
