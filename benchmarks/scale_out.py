@@ -1,7 +1,7 @@
 """Scale-out: K simulated-engine workers on one Redis against one worker's tokens/s.
 
     .venv/bin/python -m benchmarks.scale_out [--workers 1 2 4 8] [--step-ms 50] [--quick]
-        [--stream-interval-ms MS]
+        [--stream-interval-ms MS] [--workload uniform | chat]
 
 For each K: a fresh DB on one throwaway redis-server of the benchmark's own, K `qworker serve
 --model sim:step_ms=S` processes (fixed step time, no model; `--max-num-seqs` 64 each), then
@@ -17,6 +17,16 @@ benchmark's own polling excluded), with the `INFO commandstats` breakdown.
 
 To tell what limits a figure it also prints the CPU seconds the workers, redis-server and the whole
 machine (other users included) spent during the run, and the jobs each worker took (from its log).
+
+`--workload chat` (benchmarks/chat_turns.py): `--sessions` conversations of `--turns` turns,
+closed loop, each job naming its session; per K the same workload twice, with the workers'
+prefix affinity (`--affinity-ms`, default 100: two steps) and with it off (`--affinity-ms 0`:
+whoever pulls first takes each job, random pulling), each printing the fleet's prefix-cache hit
+rate (from the workers' /metrics), against one worker's, and the tokens/s efficiency against
+one worker's. The simulated engine runs the real engine core with prefix caching (blocks of 16
+tokens, `--num-blocks` of them a worker: every session fits in one worker's cache).
+
+    .venv/bin/python -m benchmarks.scale_out --workload chat --max-num-seqs 16 --max-tokens 16
 
 Default step 50 ms: a sim worker spends a few ms of CPU per step (64 events published through one
 script call) and Redis about as much, so 8 workers on 2 shared cores stay step-bound only when the
@@ -37,15 +47,17 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
 import redis
 
+from benchmarks.chat_turns import ChatWorkload, prefix_cache_counts, run_chat
 from benchmarks.local_redis import local_redis
 from benchmarks.machine import machine_info
 from qworker_client import Producer
+from qworker_client.local_redis import free_port
 from qworker_client.protocol import Keys
 
 KEYS = Keys()
@@ -61,6 +73,8 @@ class Settings:
     max_tokens: int
     timeout_s: float
     stream_interval_ms: int = 0
+    model_options: str = ""  # more `sim:` options (`,block_size=16,...`)
+    worker_args: tuple[str, ...] = ()  # more `qworker serve` flags
 
 
 @dataclass(frozen=True)
@@ -80,13 +94,17 @@ def stream_ms(entry_id: bytes | str) -> int:
 # ---------------------------------------------------------------------- processes
 
 
-def start_workers(url: str, k: int, settings: Settings, logdir: Path) -> list[subprocess.Popen]:
+def start_workers(url: str, k: int, settings: Settings, logdir: Path,
+                  per_worker: list[list[str]] | None = None) -> list[subprocess.Popen]:
+    """`per_worker`: more flags of each worker (its metrics port, say)."""
     procs = []
     for i in range(k):
         cmd = [sys.executable, "-m", "qworker.cli", "serve", "--redis-url", url,
-               "--model", f"sim:step_ms={settings.step_ms:g}", "--name", f"w{i}",
+               "--model", f"sim:step_ms={settings.step_ms:g}{settings.model_options}",
+               "--name", f"w{i}",
                "--max-num-seqs", str(settings.max_num_seqs), "--claim-idle-ms", "600000",
-               "--stream-interval-ms", str(settings.stream_interval_ms)]
+               "--stream-interval-ms", str(settings.stream_interval_ms),
+               *settings.worker_args, *(per_worker[i] if per_worker else [])]
         log = (logdir / f"w{i}.log").open("wb")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))  # Ctrl-C reaches us, not them
@@ -109,8 +127,9 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
 
 
 @contextmanager
-def workers(url: str, k: int, settings: Settings, logdir: Path) -> Iterator[list[subprocess.Popen]]:
-    procs = start_workers(url, k, settings, logdir)
+def workers(url: str, k: int, settings: Settings, logdir: Path,
+            per_worker: list[list[str]] | None = None) -> Iterator[list[subprocess.Popen]]:
+    procs = start_workers(url, k, settings, logdir, per_worker)
     try:
         yield procs
     finally:
@@ -233,6 +252,55 @@ def run_k(url: str, k: int, settings: Settings) -> dict[str, object]:
             **cpu_figures(cpu0, cpu1, wall_s), "jobs_per_worker": taken}
 
 
+def run_chat_k(url: str, k: int, settings: Settings, workload: ChatWorkload,
+               affinity_ms: int) -> dict[str, object]:
+    """The chat workload on K workers, prefix affinity on (`affinity_ms` > 0) or off (whoever
+    pulls first takes each job: random pulling): tokens/s and the fleet's prefix-cache hit rate."""
+    client = redis.Redis.from_url(url, socket_timeout=30)
+    client.flushall()
+    ports = [free_port() for _ in range(k)]
+    per_worker = [["--metrics-port", str(port), "--affinity-ms", str(affinity_ms)]
+                  for port in ports]
+    with tempfile.TemporaryDirectory() as tmp, \
+            workers(url, k, settings, Path(tmp), per_worker) as procs:
+        wait_live(client, procs)
+        cpu0 = cpu_sample(client, procs)
+        run = run_chat(url, workload, f"k{k}a{affinity_ms}", settings.timeout_s)
+        cpu1 = cpu_sample(client, procs)
+        time.sleep(0.5)  # the counters are exported once a loop turn: an idle turn ends by then
+        queries, hits = prefix_cache_counts(ports)
+        taken = jobs_taken(Path(tmp), k)
+    client.close()
+    return {"k": k, "affinity_ms": affinity_ms, "sessions": workload.sessions,
+            "turns": workload.turns, "jobs": run.jobs, "tokens": run.tokens,
+            "wall_s": round(run.wall_s, 3), "tok_s": round(run.tokens / run.wall_s, 1),
+            "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
+            **cpu_figures(cpu0, cpu1, run.wall_s), "jobs_per_worker": taken}
+
+
+def chat_main(args: argparse.Namespace, settings: Settings) -> None:
+    """Per K: the chat workload with prefix affinity and with random pulling, side by side; the
+    hit rates against one worker's, the efficiency against one worker's tokens/s (same mode)."""
+    workload = ChatWorkload(args.sessions, args.turns, max_tokens=settings.max_tokens)
+    settings = replace(settings, model_options=f",block_size=16,num_blocks={args.num_blocks}")
+    base: dict[int, dict[str, object]] = {}
+    with local_redis() as url:
+        for k in args.workers:
+            rows = {mode: run_chat_k(url, k, settings, workload, mode)
+                    for mode in (args.affinity_ms, 0)}
+            for mode, row in rows.items():
+                base.setdefault(mode, row)
+                one = base[mode]
+                speedup = float(row["tok_s"]) / float(one["tok_s"])  # type: ignore[arg-type]
+                row["efficiency"] = round(speedup / k * int(one["k"]), 3)  # type: ignore[call-overload]
+                row["hit_rate_vs_one_worker"] = round(
+                    float(row["prefix_hit_rate"]) / float(one["prefix_hit_rate"]), 3)  # type: ignore[arg-type]
+            print(json.dumps({"workload": "chat", "step_ms": settings.step_ms,
+                              "max_num_seqs": settings.max_num_seqs, "k": k,
+                              "affinity": rows[args.affinity_ms], "random": rows[0],
+                              **machine_info()}), flush=True)
+
+
 def cpu_figures(before: CpuSample, after: CpuSample, wall_s: float) -> dict[str, float]:
     workers_s = sum(after.workers[pid] - t for pid, t in before.workers.items())
     return {"workers_cpu_cores": round(workers_s / wall_s, 2),
@@ -259,12 +327,23 @@ def main() -> None:
     parser.add_argument("--stream-interval-ms", type=int, default=0,
                         help="the workers' --stream-interval-ms")
     parser.add_argument("--quick", action="store_true", help="smoke run: K = 1, 2; 64 jobs each")
+    parser.add_argument("--workload", choices=("uniform", "chat"), default="uniform",
+                        help="chat: multi-turn sessions, closed loop, with prefix affinity and "
+                             "without (benchmarks/chat_turns.py)")
+    parser.add_argument("--sessions", type=int, default=200, help="chat: sessions in all")
+    parser.add_argument("--turns", type=int, default=5, help="chat: turns a session")
+    parser.add_argument("--affinity-ms", type=int, default=100,
+                        help="chat: the workers' --affinity-ms (2 steps of the default step)")
+    parser.add_argument("--num-blocks", type=int, default=8192,
+                        help="chat: KV blocks of 16 tokens a worker (all sessions fit in one)")
     args = parser.parse_args()
     if args.quick:
         args.workers, args.jobs_per_worker = [1, 2], 64
     settings = Settings(args.step_ms, args.max_num_seqs, args.jobs_per_worker, 16,
                         args.max_tokens, args.timeout, args.stream_interval_ms)
     signal.signal(signal.SIGTERM, on_sigterm)
+    if args.workload == "chat":
+        return chat_main(args, settings)
     base: float | None = None
     with local_redis() as url:
         for k in args.workers:

@@ -95,3 +95,23 @@ def test_what_is_refused_names_its_parameter(kind: Any, body: dict[str, Any],
 def test_a_body_that_is_not_an_object() -> None:
     with pytest.raises(APIError, match="JSON object"):
         translate("chat", [1, 2], max_n=1)
+
+
+def test_the_session_comes_from_prompt_cache_key_then_user_then_the_conversations_opening(
+) -> None:
+    def session(kind: str, body: dict[str, Any]) -> Any:
+        return translate(kind, body, 1).choices[0].spec["session"]  # type: ignore[arg-type]
+
+    keyed = session("chat", chat(prompt_cache_key="rag-template-7", user="u"))
+    assert keyed.startswith("key:") and keyed == session("completion", {
+        "model": "m", "prompt": "x", "prompt_cache_key": "rag-template-7"})
+    assert session("chat", chat(user="u")).startswith("user:")
+    turn1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "and?"}]
+    first = session("chat", {"model": "m", "messages": turn1})
+    assert first.startswith("chat:") and first == session("chat", {"model": "m",
+                                                                   "messages": turn2})
+    assert session("completion", {"model": "m", "prompt": "x"}) is None
+    with pytest.raises(APIError):
+        session("chat", chat(prompt_cache_key=7))

@@ -151,7 +151,9 @@ def test_an_acl_on_one_jobs_keys_fails_only_that_job(acl: tuple[redis.Redis, str
             "qw:worker:*", "qw:cancel:*", "qw:out:ok*",  # qw:*:*: its model's streams
             "qw:ready", "qw:ready:*", "qw:vtime", "qw:vtime:*", "qw:tenants",  # the fair share
             "qw:held", "qw:held:*", "qw:tpm:*", "qw:running", "qw:usage:*",  # quotas, usage
-            "qw:lease:*", "qw:takeovers"]  # fencing once a step
+            "qw:lease:*", "qw:takeovers",  # fencing once a step
+            "qw:affinity", "qw:affinity:*", "qw:affinity_seen", "qw:affinity_seen:*",
+            "qw:offers", "qw:readers"]  # prefix affinity
     client.acl_setuser("qwtest-keys", enabled=True, passwords=["+pw"], commands=["+@all"],
                        keys=keys)
     innocent = {f"ok{k}": {"prompt": f"fine {k}", "max_tokens": 6} for k in range(3)}

@@ -58,6 +58,10 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     fair = tuple(key for key in (k.ready_of(k.jobs), k.vtime_of(k.jobs), k.held_of(k.jobs))
                  for key in (key, key + ":*"))  # the fair share's ready and held sets, vtimes
     counts = (k.tpm(0).removesuffix("0") + "*", k.usage("*"))  # tokens a minute, usage a day
+    # prefix affinity: sessions' workers (per model), when each was seen, offers, readers
+    sessions = tuple(key for key in (k.affinity_of(k.jobs), k.affinity_seen_of(k.jobs))
+                     for key in (key, key + ":*"))
+    affinity = (*sessions, k.offers, k.readers)
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
                  sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
@@ -94,10 +98,12 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             Grant(("hmget", "hget", "hexists"), (k.tenants,), read_only=True),
             Grant(("hincrby", "hmget", "expire"), counts),
             Grant(("zadd", "zlexcount", "zrem", "zrangebylex"), (k.running,)),
+            Grant(("zadd", "zrange", "zrangebyscore", "zremrangebyscore", "zscore", "zrem",
+                   "hget", "hset", "hdel"), affinity),
             Grant(("hincrby", "expire"), (k.throughput("*"),)),  # the dashboard's throughput
             Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
                                         k.tenants, counts[0], k.running, k.lease("*"),
-                                        k.takeovers)),
+                                        k.takeovers, *affinity)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",

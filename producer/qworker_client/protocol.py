@@ -38,8 +38,15 @@ _MODEL_RE = re.compile(MODEL_PATTERN)
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 _TENANT_RE = re.compile(TENANT_PATTERN)
 DEFAULT_TENANT = "default"
+# A session names a conversation (or any jobs that share a prompt prefix): a job of a session is
+# offered first to the worker that ran the session's last job (docs/protocol.md, "Sessions and
+# prefix affinity"). It becomes a hash field and part of sorted-set members: no spaces.
+SESSION_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+_SESSION_RE = re.compile(SESSION_PATTERN)
 # the consumer the fair read parks new entries as (pending in the group, delivered to no worker)
 PARKED_CONSUMER = "~ready"
+# the consumer an entry offered to its session's worker is pending to while the offer lasts
+OFFERED_CONSUMER = "~offered"
 QUOTAS_FIELD = ":quotas"  # in `<prefix>:tenants`: some tenant has a tokens-per-minute quota
 
 # Input bounds: every job is bounded before it reaches the engine.
@@ -116,6 +123,10 @@ def is_valid_model(value: str) -> bool:
 
 def is_valid_tenant(value: str) -> bool:
     return bool(_TENANT_RE.fullmatch(value))
+
+
+def is_valid_session(value: str) -> bool:
+    return bool(_SESSION_RE.fullmatch(value))
 
 
 # ----------------------------------------------------------------------------- job
@@ -265,6 +276,9 @@ class Job(BaseModel):
     tenant: Annotated[str | None, Field(pattern=TENANT_PATTERN, description=(
         "whose share of the fleet it runs in (fair share, quotas, usage); unset: `default`"))
     ] = None
+    session: Annotated[str | None, Field(pattern=SESSION_PATTERN, description=(
+        "a conversation (or jobs sharing a prompt prefix): offered first, for a few tens of ms, "
+        "to the worker that ran the session's last job, whose prefix cache holds it"))] = None
     prompt: Annotated[str | None, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] = None
     messages: Annotated[
         list[ChatMessage] | None,
@@ -392,7 +406,8 @@ class Job(BaseModel):
 # Wire kind of each job field: how its string is decoded before validation.
 _JOB_WIRE_KINDS: dict[str, str] = {
     "cache_salt": "str",
-    "id": "str", "model": "str", "tenant": "str", "prompt": "str", "messages": "json",
+    "id": "str", "model": "str", "tenant": "str", "session": "str", "prompt": "str",
+    "messages": "json",
     "prompt_token_ids": "json",
     "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "min_p": "float", "seed": "int", "stop": "json", "stop_token_ids": "json",
@@ -739,6 +754,31 @@ class Keys:
         """SCAN pattern matching every live worker's key."""
         return self.worker("*")
 
+    @property
+    def offers(self) -> str:
+        """Entries offered to their session's worker, a sorted set: `<worker> <stream> <entry
+        id>` -> the offer's expiry (unix ms)."""
+        return f"{self.prefix}:offers"
+
+    @property
+    def readers(self) -> str:
+        """The workers that read with room lately, a sorted set: name -> its last read (unix ms):
+        who may be offered a session's job."""
+        return f"{self.prefix}:readers"
+
+    def affinity_of(self, stream: str) -> str:
+        """The sessions of a work stream's model (or of the model-less streams), a hash: session
+        -> the worker that took its last job; `<prefix>:affinity[:{<model>}]`."""
+        return self._model_key("affinity", self.stream_model(stream))
+
+    def affinity_seen_of(self, stream: str) -> str:
+        """When each session of `affinity_of(stream)` last had a job taken, a sorted set: session
+        -> unix ms (old records are dropped by it)."""
+        return self._model_key("affinity_seen", self.stream_model(stream))
+
+    def _model_key(self, name: str, model: str | None) -> str:
+        return f"{self.prefix}:{name}" + ("" if model is None else f":{{{model}}}")
+
     def alone(self, token: str) -> str:
         """The job the worker with fencing token `token` runs alone right now (see
         docs/operating.md, "Poison jobs"; the worker's `scripts.alone_key`)."""
@@ -951,7 +991,8 @@ def json_schemas() -> dict[str, dict[str, Any]]:
 
 __all__ = [
     "DEAD_META_FIELDS", "DEFAULT_GROUP", "DEFAULT_PREFIX", "DEFAULT_TENANT", "EXPIRED",
-    "ID_PATTERN", "INTERNAL", "PARKED_CONSUMER", "TENANT_PATTERN",
+    "ID_PATTERN", "INTERNAL", "OFFERED_CONSUMER", "PARKED_CONSUMER", "SESSION_PATTERN",
+    "TENANT_PATTERN",
     "INVALID_REQUEST", "LOST_STATE", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG",
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
     "DoneEvent", "ErrorEvent", "FunctionCall", "FunctionTool", "NamedToolChoice", "Tool",
@@ -959,7 +1000,8 @@ __all__ = [
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
     "RecentJob",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",
-    "event_to_fields", "is_valid_id", "is_valid_model", "is_valid_tenant", "json_schemas",
+    "event_to_fields", "is_valid_id", "is_valid_model", "is_valid_session", "is_valid_tenant",
+    "json_schemas",
     "parse_entry_id",
     "parse_event", "parse_job_fields",
 ]

@@ -13,7 +13,14 @@ import redis.asyncio
 from pydantic import ValidationError
 
 from qworker_client.found_keys import SCAN_COUNT, model_stream_keys, worker_keys
-from qworker_client.protocol import BANDS, DEFAULT_GROUP, PARKED_CONSUMER, Keys, WorkerInfo
+from qworker_client.protocol import (
+    BANDS,
+    DEFAULT_GROUP,
+    OFFERED_CONSUMER,
+    PARKED_CONSUMER,
+    Keys,
+    WorkerInfo,
+)
 
 
 @dataclass(frozen=True)
@@ -135,11 +142,11 @@ def stream_stats(client: redis.Redis, key: str, group: str) -> StreamStats:
 
 
 def with_parked(stats: StreamStats, summary: Any) -> StreamStats:
-    """The stream's parked entries (XPENDING's count for the consumer `~ready`) moved from in
-    flight to waiting."""
+    """The stream's parked entries (XPENDING's count for the consumers `~ready`, the fair
+    share's, and `~offered`, prefix affinity's offers) moved from in flight to waiting."""
     parked = sum(int(c["pending"]) for c in (summary or {}).get("consumers") or ()
                  if (c["name"].decode() if isinstance(c["name"], bytes) else c["name"])
-                 == PARKED_CONSUMER)
+                 in (PARKED_CONSUMER, OFFERED_CONSUMER))
     return replace(stats, pending=stats.pending - parked, parked=parked)
 
 

@@ -84,6 +84,10 @@ class ServiceConfig:
         "send the tokens of the steps within this many ms to Redis in one round trip (each token "
         "still its own entry; a job's first token and its end go at once): fewer Redis commands "
         "and less worker CPU per token, up to this much later per token (0: every step)"))
+    affinity_ms: int = field(default=50, metadata=_flag(
+        "a job that names a session is offered first to the live worker that ran the session's "
+        "last job (its prefix cache holds it) for up to this many ms, then any worker takes it "
+        "(0: off, whoever reads first takes every job)"))
     kv_events: bool = field(default=False, metadata=_flag(
         "publish KV events (blocks cached and evicted, vLLM's schema) on <prefix>:kv_events, so "
         "that a router outside can route on this worker's prefix cache (docs/protocol.md)"))
@@ -106,8 +110,8 @@ class ServiceConfig:
             raise ValueError("max_result_ttl and delayed_poll_ms must be >= 1")
         if self.dead_maxlen < 1 or self.recent_maxlen < 1 or self.stall_timeout_s <= 0:
             raise ValueError("dead_maxlen and recent_maxlen must be >= 1, stall_timeout_s > 0")
-        if self.stream_interval_ms < 0:
-            raise ValueError("stream_interval_ms must be >= 0")
+        if self.stream_interval_ms < 0 or self.affinity_ms < 0:
+            raise ValueError("stream_interval_ms and affinity_ms must be >= 0")
         if self.kv_events_maxlen < 1:
             raise ValueError("kv_events_maxlen must be >= 1")
         if self.served_model is not None and not is_valid_model(self.served_model):
@@ -145,6 +149,12 @@ class ServiceConfig:
     @property
     def liveness_ttl_ms(self) -> int:
         return int(max(3 * self.heartbeat_s * 1000, 2 * self.block_ms, 1000))
+
+    @property
+    def affinity_live_ms(self) -> int:
+        """A worker that read with room this recently is offered its sessions' jobs: longer than
+        an idle worker's blocking wait, so an idle one is offered them too."""
+        return 2 * self.block_ms + 1000
 
     @property
     def owner_ttl_s(self) -> int:

@@ -11,6 +11,7 @@ from typing import Any, cast
 import redis
 from redis.typing import KeyT, StreamIdT, StreamRangeResponse
 
+from qworker.service.affinity import is_affinity_reply, split_reply
 from qworker.service.config import ServiceConfig
 from qworker.service.dead_letters import MAX_DEAD_FIELDS as MAX_DEAD_FIELDS  # their old home
 from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_BYTES
@@ -50,7 +51,9 @@ def _s(value: object) -> str:
 
 def capped_entries(reply: Any, keys: Keys) -> list[Entry]:
     """The entries of a READ script's reply (`Scripts.read`), stream by stream in its order
-    (those the fair read charged marked so)."""
+    (those the fair read charged marked so); an affinity read's too."""
+    if is_affinity_reply(reply):
+        reply, _ = split_reply(reply)
     entries = [Entry(_s(stream), _s(eid), _pairs(flat))
                for stream, items in reply or () for eid, flat in items]
     mark_charged(reply, entries, keys)
@@ -100,25 +103,35 @@ class Intake:
         Blocks (`block_ms`) only when nothing is there and the caller is idle; woken, it takes
         what else arrived meanwhile too (a burst starts in one step)."""
         caps = self.caps(rooms)
-        entries = self._read_capped(caps)
+        entries, wake_ms = self._read_capped(caps)
         count = max(cap for _, cap in caps)
-        if not entries and block_ms and count > 0 and self.fair is not None:
-            # wait for news without taking any: what arrives is taken by the fair read (an entry
-            # added between the two round trips waits at most block_ms)
-            self.client.xread(dict.fromkeys(self.streams, "$"), count=1, block=block_ms)
-            return self._read_capped(caps)
+        if not entries and block_ms and count > 0 and self._reads_by_script:
+            # wait for news without taking any: what arrives is taken by the script (an entry
+            # added between the two round trips waits at most block_ms); an offer this worker
+            # could not take yet is taken once it expires, so the wait ends then
+            wait_ms = block_ms if wake_ms < 0 else max(1, min(block_ms, wake_ms + 1))
+            self.client.xread(dict.fromkeys(self.streams, "$"), count=1, block=wait_ms)
+            return self._read_capped(caps)[0]
         if not entries and block_ms and count > 0:
             streams: dict[KeyT, StreamIdT] = dict.fromkeys(self.streams, ">")
             reply = self.client.xreadgroup(self.config.group, self.consumer, streams, count=1,
                                            block=block_ms)
             entries += self._parse_read(reply)
             if entries:
-                entries += self._read_capped([(s, cap - len(entries)) for s, cap in caps])
+                entries += self._read_capped([(s, cap - len(entries)) for s, cap in caps])[0]
         return entries
 
-    def _read_capped(self, caps: list[tuple[str, int]]) -> list[Entry]:
+    @property
+    def _reads_by_script(self) -> bool:
+        """Whether new entries are taken only by a script (the fair read, the affinity read): an
+        idle worker then waits for news without taking any."""
+        return self.fair is not None or self.scripts.affinity is not None
+
+    def _read_capped(self, caps: list[tuple[str, int]]) -> tuple[list[Entry], int]:
+        """The entries read, and the ms until an offer this worker could not take expires (-1:
+        none, or no affinity)."""
         if not any(cap > 0 for _, cap in caps):
-            return []
+            return [], -1
         try:
             reply = self.scripts.read(self.client, group=self.config.group,
                                       consumer=self.consumer, caps=caps, fair=self.fair)
@@ -126,7 +139,13 @@ class Intake:
             Scripts.load(self.client)
             reply = self.scripts.read(self.client, group=self.config.group,
                                       consumer=self.consumer, caps=caps, fair=self.fair)
-        return capped_entries(reply, self.keys)
+        wake_ms = split_reply(reply)[1] if is_affinity_reply(reply) else -1
+        return capped_entries(reply, self.keys), wake_ms
+
+    def leave(self) -> None:
+        """A worker that stops is offered nothing more (its offers go to others at once)."""
+        if self.scripts.affinity is not None:
+            self.client.zrem(self.keys.readers, self.consumer)
 
     @staticmethod
     def _parse_read(reply: Any) -> list[Entry]:
@@ -164,7 +183,8 @@ class Intake:
         rows = self.client.xpending_range(stream, self.config.group, min=self._cursors[stream],
                                           max="+", count=RECLAIM_SCAN,
                                           idle=self.config.claim_idle_ms)
-        # parked entries (the fair read's, waiting their turn) are no dead worker's
+        # parked entries (the fair read's, waiting their turn) are no dead worker's; offered ones
+        # are taken by the affinity read when their offer expires (this is their last resort)
         found = [r for r in rows if _s(r["message_id"]) not in skip
                  and _s(r["consumer"]) != PARKED_CONSUMER]
         chosen = found[:want]

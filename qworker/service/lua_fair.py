@@ -38,7 +38,7 @@ CHARGED = "~charged"  # the fair read's last reply element when it charged what 
 # back to the ready set once the tenant is within it again; what is handed out is added to this
 # minute's tokens at once (its cost: the worker corrects it at the job's end). Returns {{stream,
 # {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
-FAIR_READ = r"""
+FAIR_FUNCS = r"""
 local group, consumer, parked, batch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local tenants_key, tpm_key, running_key = KEYS[1], KEYS[2], KEYS[3]
 local quotas = redis.call('HEXISTS', tenants_key, ':quotas') == 1
@@ -238,7 +238,10 @@ local function take_fair(key, ready, vtime, held, want)
   redis.call('HSET', vtime, ':v', last)
   return claim(key, ids)
 end
+"""
 
+# the fair read's main loop, stream by stream (lua_affinity.py has the one with offers)
+FAIR_MAIN = r"""
 local ready_prefix, CHARGED = ARGV[5], '~charged'
 local taken, reply, k, a = 0, {}, 4, 6
 while k <= #KEYS do
@@ -264,3 +267,4 @@ end
 if quotas then reply[#reply + 1] = {CHARGED, {}} end  -- what came from job streams was charged
 return reply
 """
+FAIR_READ = FAIR_FUNCS + FAIR_MAIN

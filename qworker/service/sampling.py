@@ -13,8 +13,8 @@ from qworker_client.protocol import StructuredOutputs as WireStructuredOutputs
 
 # the fields of a job that say what to run and when, not how to sample: every other field of a
 # Job is the SamplingParams field of the same name (tests/test_settings.py holds them equal)
-JOB_NOT_SAMPLING = frozenset({"id", "model", "tenant", "cache_salt", "prompt", "messages",
-                              "prompt_token_ids", "priority", "logprobs_text",
+JOB_NOT_SAMPLING = frozenset({"id", "model", "tenant", "session", "cache_salt", "prompt",
+                              "messages", "prompt_token_ids", "priority", "logprobs_text",
                               "deadline_ms", "start_within_ms", "delay_ms", "not_before_ms",
                               "timeout_ms", "result_ttl_s", "tools", "tool_choice",
                               "parallel_tool_calls", "max_reasoning_tokens", "reasoning_effort"})

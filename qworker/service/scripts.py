@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import redis
 
+from qworker.service.affinity import Affinity
 from qworker.service.lua import (
     APPEND,
     BEAT,
@@ -21,6 +22,7 @@ from qworker.service.lua import (
     REQUEUE,
     TAKE_OWNER,
 )
+from qworker.service.lua_affinity import AFFINITY_READ, FAIR_AFFINITY_READ
 from qworker.service.lua_delayed import DEFER, PROMOTE
 from qworker.service.lua_fair import FAIR_READ, PARKED_CONSUMER
 from qworker.service.usage import minute_now
@@ -83,7 +85,8 @@ class Lease:
 
 @dataclass(frozen=True)
 class Scripts:
-    """The scripts' SHAs; `append` / `requeue` / `dead_letter` queue an EVALSHA on a pipeline."""
+    """The scripts' SHAs; `append` / `requeue` / `dead_letter` queue an EVALSHA on a pipeline;
+    `affinity`: the worker's prefix affinity, when on (its reads are the affinity reads)."""
 
     append_sha: str = _sha(APPEND)
     requeue_sha: str = _sha(REQUEUE)
@@ -93,13 +96,16 @@ class Scripts:
     drop_consumer_sha: str = _sha(DROP_CONSUMER)
     read_sha: str = _sha(READ)
     fair_read_sha: str = _sha(FAIR_READ)
+    affinity_read_sha: str = _sha(AFFINITY_READ)
+    fair_affinity_read_sha: str = _sha(FAIR_AFFINITY_READ)
+    affinity: Affinity | None = None
     defer_sha: str = _sha(DEFER)
     promote_sha: str = _sha(PROMOTE)
 
     @staticmethod
     def load(client: redis.Redis) -> None:
         for text in (APPEND, REQUEUE, DEAD_LETTER, BEAT, DROP_CONSUMER, TAKE_OWNER, READ, DEFER,
-                     PROMOTE, FAIR_READ):
+                     PROMOTE, FAIR_READ, AFFINITY_READ, FAIR_AFFINITY_READ):
             client.script_load(text)
 
     def read(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
@@ -107,19 +113,40 @@ class Scripts:
         """New entries of the (stream, cap) pairs in order, within the caps (READ; with `fair`,
         the keys of the fair share, FAIR_READ: each job stream's tenants in proportion to their
         weights, within their tokens per minute when some have a quota); on a pipeline the reply
-        comes with the pipeline's (`intake.capped_entries` reads it)."""
+        comes with the pipeline's (`intake.capped_entries` reads it). With `self.affinity`,
+        the reads that offer a session's job to its worker first (lua_affinity.py): their reply
+        is {that reply, wake ms} (`affinity.split_reply`)."""
+        affinity = self.affinity
         if fair is None:
-            return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group,
-                                  consumer, *(cap for _, cap in caps))
+            return self._plain_read(client, group, consumer, caps)
         k = fair
-        keys: list[str] = [k.tenants, k.tpm(minute_now()), k.running]
+        keys = [k.tenants, k.tpm(minute_now()), k.running]
         args: list[str | int] = [group, consumer, PARKED_CONSUMER, PARK_BATCH,
                                  k.ready_of(k.jobs)]
+        if affinity is not None:
+            more_keys, more_args = affinity.head()
+            keys += more_keys
+            args += more_args
         for stream, cap in caps:
             keys += ([stream] if k.is_requeue(stream) else
                      [stream, k.ready_of(stream), k.vtime_of(stream), k.held_of(stream)])
+            if affinity is not None:
+                keys += affinity.stream_keys(stream)
             args.append(cap)
-        return client.evalsha(self.fair_read_sha, len(keys), *keys, *args)
+        sha = self.fair_read_sha if affinity is None else self.fair_affinity_read_sha
+        return client.evalsha(sha, len(keys), *keys, *args)
+
+    def _plain_read(self, client: redis.Redis | redis.client.Pipeline, group: str,
+                    consumer: str, caps: Sequence[tuple[str, int]]) -> Any:
+        """READ, or AFFINITY_READ with `self.affinity`."""
+        if self.affinity is None:
+            return client.evalsha(self.read_sha, len(caps), *(s for s, _ in caps), group,
+                                  consumer, *(cap for _, cap in caps))
+        keys, args = self.affinity.head()
+        for stream, _ in caps:
+            keys += [stream, *self.affinity.stream_keys(stream)]
+        return client.evalsha(self.affinity_read_sha, len(keys), *keys, group, consumer, *args,
+                              *(cap for _, cap in caps))
 
     def append(self, pipe: redis.client.Pipeline, *, token: str, group: str,
                jobs: Sequence[JobAppend], lease: Lease) -> None:

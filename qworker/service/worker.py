@@ -28,6 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from qworker.service.admission import Admission, prompt_ids
+from qworker.service.affinity import Affinity
 from qworker.service.alone import Alone
 from qworker.service.backoff import Backoff
 from qworker.service.config import ServiceConfig
@@ -86,7 +87,9 @@ class Worker:
         self.token = f"{config.name}/{uuid.uuid4().hex[:12]}"  # fencing token of this process
         self.metrics = metrics or Metrics()
         self.log = get_logger(worker=config.name)
-        scripts = Scripts()
+        affinity = (Affinity(self.keys, config.affinity_ms, config.affinity_live_ms)
+                    if config.affinity_ms > 0 else None)
+        scripts = Scripts(affinity=affinity)
         self.intake = Intake(self.client, self.keys, config, scripts, self.token)
         self.publisher = Publisher(self.client, self.keys, config, scripts, self.token)
         self.heartbeat = Heartbeat(self.client, self.keys, config, scripts, self.token)
@@ -174,6 +177,10 @@ class Worker:
             self.alone.move(None)  # a job left pending is not charged for a clean exit
         except redis.RedisError as exc:  # it expires by itself
             self.log.warning("could not remove the alone key", error=str(exc)[:200])
+        try:
+            self.intake.leave()
+        except redis.RedisError as exc:  # it ages out of the readers by itself
+            self.log.warning("could not leave the readers", error=str(exc)[:200])
         try:
             self.heartbeat.leave()
         except redis.RedisError as exc:  # it expires by itself

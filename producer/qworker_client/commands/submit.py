@@ -44,6 +44,7 @@ _PARAM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--model", "model", str),  # to <prefix>:jobs:{<model>}, for the workers serving it
     ("--cache-salt", "cache_salt", str),  # only jobs of the same salt share cached prefixes
     ("--tenant", "tenant", str),  # whose share of the fleet it runs in (default: default)
+    ("--session", "session", str),  # offered first to the worker that ran its last job
 )
 
 

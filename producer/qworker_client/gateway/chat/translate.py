@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from qworker_client.gateway.chat.session import session_of
 from qworker_client.gateway.chat.structured import structured_outputs
 from qworker_client.gateway.errors import bad_request
 from qworker_client.protocol import MAX_LOGPROBS
@@ -65,6 +66,7 @@ def translate(kind: Kind, body: Any, max_n: int, max_prompts: int | None = None,
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     logprobs = _logprobs(kind, body)
     params = _with_logprobs(_params(body), logprobs)
+    params["session"] = session_of(body, prompts[0].get("messages") if kind == "chat" else None)
     choices = []
     for p, prompt in enumerate(prompts):
         for k in range(n):
