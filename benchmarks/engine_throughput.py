@@ -1,7 +1,7 @@
 """Engine throughput on standard workload v1, in-process, beside transformers' static batching.
 
     .venv/bin/python -m benchmarks.engine_throughput [--dtype bfloat16 float32] [--no-baseline]
-        [--weights dense quantized]
+        [--weights dense quantized] [--speculate-tokens 0 4]
 
 Prints one JSON line per (engine, dtype): useful output tokens/s (each request counts exactly
 the tokens it asked for), total tokens/s, steps, mean batch size, preemptions, and the share of
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 
@@ -103,6 +104,9 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    parser.add_argument("--speculate-tokens", type=int, nargs="+", default=[0],
+                        help="speculative decoding's draft length; several: one run each, "
+                             "alternating (0: off)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     items = standard_workload(seed=0)
@@ -115,8 +119,10 @@ def main() -> None:
         common = {"dtype": name, "workload": "v1", "fingerprint": fingerprint(items),
                   "threads": args.threads, **machine_info()}
         for weights in args.weights:
-            ours = run_qworker(path, dtype, items, config, weights)
-            print(json.dumps({**common, **ours}), flush=True)
+            for k in args.speculate_tokens:
+                ours = run_qworker(path, dtype, items, replace(config, num_speculative_tokens=k),
+                                   weights)
+                print(json.dumps({**common, "speculate_tokens": k, **ours}), flush=True)
         if not args.no_baseline:
             base = run_transformers(path, dtype, items)
             ratio = ours["useful_out_tok_s"] / base["useful_out_tok_s"]  # type: ignore[operator]

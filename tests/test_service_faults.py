@@ -145,15 +145,19 @@ def _user_url(url: str, user: str) -> str:
     return url.replace("redis://", f"redis://{user}:pw@")
 
 
+# every key a worker touches but the output streams (qw:*:*: its model's streams)
+WORKER_KEYS = ["qw:jobs", "qw:requeue", "qw:jobs:*", "qw:requeue:*", "qw:dead", "qw:owner:*",
+               "qw:worker:*", "qw:cancel:*",
+               "qw:ready", "qw:ready:*", "qw:vtime", "qw:vtime:*", "qw:tenants",  # fair share
+               "qw:held", "qw:held:*", "qw:tpm:*", "qw:running", "qw:usage:*",  # quotas, usage
+               "qw:lease:*", "qw:takeovers",  # fencing once a step
+               "qw:affinity", "qw:affinity:*", "qw:affinity_seen", "qw:affinity_seen:*",
+               "qw:offers", "qw:readers"]  # prefix affinity
+
+
 def test_an_acl_on_one_jobs_keys_fails_only_that_job(acl: tuple[redis.Redis, str]) -> None:
     client, url = acl
-    keys = ["qw:jobs", "qw:requeue", "qw:jobs:*", "qw:requeue:*", "qw:dead", "qw:owner:*",
-            "qw:worker:*", "qw:cancel:*", "qw:out:ok*",  # qw:*:*: its model's streams
-            "qw:ready", "qw:ready:*", "qw:vtime", "qw:vtime:*", "qw:tenants",  # the fair share
-            "qw:held", "qw:held:*", "qw:tpm:*", "qw:running", "qw:usage:*",  # quotas, usage
-            "qw:lease:*", "qw:takeovers",  # fencing once a step
-            "qw:affinity", "qw:affinity:*", "qw:affinity_seen", "qw:affinity_seen:*",
-            "qw:offers", "qw:readers"]  # prefix affinity
+    keys = [*WORKER_KEYS, "qw:out:ok*"]  # not qw:out:*: the job "secret"'s stream is refused
     client.acl_setuser("qwtest-keys", enabled=True, passwords=["+pw"], commands=["+@all"],
                        keys=keys)
     innocent = {f"ok{k}": {"prompt": f"fine {k}", "max_tokens": 6} for k in range(3)}
@@ -192,6 +196,30 @@ def test_a_worker_denied_the_job_stream_exits_2_with_one_line(acl: tuple[redis.R
     assert len(fatal) == 1 and "NoPermissionError" in fatal[0], text
     errors = [line for line in text.splitlines() if '"level": "error"' in line]
     assert errors == fatal
+
+
+def test_a_worker_set_up_before_the_append_lease_exits_2_with_one_line(
+        acl: tuple[redis.Redis, str], tmp_path: Path) -> None:
+    """An ACL user made before `qw:lease:*` and `qw:takeovers` existed: the worker says so at
+    start (exit 2) rather than failing every job's append."""
+    client, url = acl
+    keys = [k for k in WORKER_KEYS if not k.startswith(("qw:lease", "qw:takeovers"))]
+    keys.append("qw:out:*")
+    client.acl_setuser("qwtest-nolease", enabled=True, passwords=["+pw"], commands=["+@all"],
+                       keys=keys)
+    client.xadd(KEYS.jobs, {"id": "kept", "prompt": "x"})
+    log = tmp_path / "worker.log"
+    proc = spawn_worker(_user_url(url, "qwtest-nolease"), "old-acl", "--model", "sim",
+                        log_path=log)
+    try:
+        rc = proc.wait(60)
+    finally:
+        stop_process(proc)
+    text = log.read_text()
+    assert rc == 2 and "Traceback" not in text, text
+    fatal = [line for line in text.splitlines() if "cannot work" in line]
+    assert len(fatal) == 1 and "NoPermissionError" in fatal[0], text
+    assert client.xlen(KEYS.dead) == 0 and client.xlen(KEYS.jobs) == 1  # the job waits
 
 
 def test_a_worker_that_cannot_beat_exits_2(acl: tuple[redis.Redis, str]) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
+import redis
+
 from qworker.service.outcome import OK
 from qworker.service.scripts import Lease
 from qworker_client.protocol import Keys
@@ -37,6 +39,16 @@ class AppendLease:
         # the index after its last token written)
         self._refreshed: dict[str, float] = {}  # job id -> when its output's TTL was renewed
         self._refreshing: dict[str, float] = {}  # renewals asked by the call under way
+
+    def check_access(self, client: redis.Redis) -> None:
+        """Set the lease to a value no append ever names, and read the counter: a worker whose
+        ACL lacks these keys (set up before they existed) stops at start with Redis' refusal,
+        instead of failing every job's append."""
+        self._held = ""
+        pipe = client.pipeline(transaction=False)
+        pipe.set(self.key, "", px=self.ttl_ms)
+        pipe.mget(self.key, self.takeovers_key)
+        pipe.execute()
 
     def next_call(self) -> Lease:
         self._counter += 1

@@ -229,6 +229,7 @@ class Worker:
     def _setup(self) -> None:
         self.groups.ensure()
         Scripts.load(self.client)
+        self.publisher.lease.check_access(self.client)
         if not self._said_ready:
             say_ready(self.log, self.config, self.intake.streams, self.kernels,
                       self.engine.sampling_defaults)
