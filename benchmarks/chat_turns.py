@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import re
+import statistics
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class ChatRun:
     jobs: int
     tokens: int
     wall_s: float
+    later_ttft_ms_p50: float  # time to first token of the turns after each session's first
 
 
 class Conversations:
@@ -79,7 +81,7 @@ def run_chat(url: str, workload: ChatWorkload, tag: str, timeout_s: float) -> Ch
         for job in producer.submit_many(first):
             mux.follow(job.id)  # type: ignore[arg-type]
         turn_of.update({str(spec["id"]): (s, 0) for s, spec in enumerate(first)})
-        done = 0
+        done, later_ttft = 0, []
         while mux.open:
             if time.monotonic() - start > timeout_s:
                 raise RuntimeError(f"chat workload timed out: {done} of "
@@ -93,6 +95,8 @@ def run_chat(url: str, workload: ChatWorkload, tag: str, timeout_s: float) -> Ch
                     raise RuntimeError(f"job {job_id} ended with {event.completion_tokens} tokens")
                 done += 1
                 session, turn = turn_of[job_id]
+                if turn > 0:
+                    later_ttft.append(event.ttft_ms)
                 if turn + 1 < workload.turns:
                     chats.answered(session)
                     spec = chats.spec(session, turn + 1, tag)
@@ -101,7 +105,8 @@ def run_chat(url: str, workload: ChatWorkload, tag: str, timeout_s: float) -> Ch
         wall_s = time.monotonic() - start
     client.close()
     jobs = workload.sessions * workload.turns
-    return ChatRun(jobs, jobs * workload.max_tokens, wall_s)
+    return ChatRun(jobs, jobs * workload.max_tokens, wall_s,
+                   statistics.median(later_ttft) if later_ttft else 0.0)
 
 
 _COUNTER = re.compile(r"^(qworker_prefix_cache_(?:queries|hits)_total) ([0-9.e+]+)$", re.M)

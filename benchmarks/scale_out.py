@@ -74,6 +74,7 @@ class Settings:
     timeout_s: float
     stream_interval_ms: int = 0
     model_options: str = ""  # more `sim:` options (`,block_size=16,...`)
+    model: str = ""  # a real model instead of the simulated engine (its workers: 1 thread each)
     worker_args: tuple[str, ...] = ()  # more `qworker serve` flags
 
 
@@ -99,14 +100,16 @@ def start_workers(url: str, k: int, settings: Settings, logdir: Path,
     """`per_worker`: more flags of each worker (its metrics port, say)."""
     procs = []
     for i in range(k):
+        model = settings.model or f"sim:step_ms={settings.step_ms:g}{settings.model_options}"
         cmd = [sys.executable, "-m", "qworker.cli", "serve", "--redis-url", url,
-               "--model", f"sim:step_ms={settings.step_ms:g}{settings.model_options}",
+               "--model", model,
                "--name", f"w{i}",
                "--max-num-seqs", str(settings.max_num_seqs), "--claim-idle-ms", "600000",
                "--stream-interval-ms", str(settings.stream_interval_ms),
                *settings.worker_args, *(per_worker[i] if per_worker else [])]
         log = (logdir / f"w{i}.log").open("wb")
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} if settings.model else None
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True))  # Ctrl-C reaches us, not them
         log.close()
     return procs
@@ -275,14 +278,20 @@ def run_chat_k(url: str, k: int, settings: Settings, workload: ChatWorkload,
             "turns": workload.turns, "jobs": run.jobs, "tokens": run.tokens,
             "wall_s": round(run.wall_s, 3), "tok_s": round(run.tokens / run.wall_s, 1),
             "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
+            "later_turns_ttft_ms_p50": run.later_ttft_ms_p50,
             **cpu_figures(cpu0, cpu1, run.wall_s), "jobs_per_worker": taken}
 
 
 def chat_main(args: argparse.Namespace, settings: Settings) -> None:
     """Per K: the chat workload with prefix affinity and with random pulling, side by side; the
     hit rates against one worker's, the efficiency against one worker's tokens/s (same mode)."""
-    workload = ChatWorkload(args.sessions, args.turns, max_tokens=settings.max_tokens)
-    settings = replace(settings, model_options=f",block_size=16,num_blocks={args.num_blocks}")
+    workload = ChatWorkload(args.sessions, args.turns, max_tokens=settings.max_tokens,
+                            opening_tokens=args.opening_tokens)
+    if args.model:
+        settings = replace(settings, model=args.model, worker_args=("--block-size", "16"))
+    else:
+        settings = replace(settings,
+                           model_options=f",block_size=16,num_blocks={args.num_blocks}")
     base: dict[int, dict[str, object]] = {}
     with local_redis() as url:
         for k in args.workers:
@@ -330,8 +339,14 @@ def main() -> None:
     parser.add_argument("--workload", choices=("uniform", "chat"), default="uniform",
                         help="chat: multi-turn sessions, closed loop, with prefix affinity and "
                              "without (benchmarks/chat_turns.py)")
+    parser.add_argument("--model", default="",
+                        help="chat: a real model for the workers (e.g. smollm2), one thread each, "
+                             "instead of the simulated engine")
     parser.add_argument("--sessions", type=int, default=200, help="chat: sessions in all")
     parser.add_argument("--turns", type=int, default=5, help="chat: turns a session")
+    parser.add_argument("--opening-tokens", type=int, default=ChatWorkload.opening_tokens,
+                        help="chat: tokens of a session's first prompt (a system prompt, a "
+                             "document)")
     parser.add_argument("--affinity-ms", type=int, default=100,
                         help="chat: the workers' --affinity-ms (2 steps of the default step)")
     parser.add_argument("--num-blocks", type=int, default=8192,
