@@ -24,7 +24,7 @@ from tests.engine_fixtures import tiny_model
 from tests.model_harness import Step, kernel_family, run_schedule
 
 VOCAB = 128  # the native GEMM takes 16-column blocks: 120 would decline (tested below)
-EXPERTS = Experts(count=16, per_token=4, intermediate_size=32, normalize=True,
+EXPERTS = Experts(count=8, per_token=2, intermediate_size=32, normalize=True,
                   dense_layers=frozenset({1}))  # for a declaration with experts
 
 

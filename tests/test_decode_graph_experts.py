@@ -59,8 +59,8 @@ def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _twelve_decodes(model: DecoderModel, vocab: int) -> tuple[list[list[int]], list[Step]]:
-    """12 sequences prefilled, then 3 decode steps of 12 rows: 48 choices of 16 experts, so
-    experts see 1 row (bucket 1) and 3 or more (bucket 8)."""
+    """12 sequences prefilled, then 3 decode steps of 12 rows: 24 choices of 8 experts (48 of 16
+    in the GGUFs), so experts see 1 or 2 rows (bucket 1) and 3 or more (bucket 8)."""
     rng = random.Random(7)
     sequences = [[rng.randrange(vocab) for _ in range(n + 3)] for n in range(5, 17)]
     schedule: list[Step] = [[(i, len(s) - 3) for i, s in enumerate(sequences)]]
@@ -78,7 +78,8 @@ def test_dense_experts_run_in_the_graph_bit_for_bit(
         assert model.decode_graph.refused is None
         sequences, schedule = _twelve_decodes(model, VOCAB)
         got = run_schedule(model, sequences, schedule, block_size=4)
-        # (a level without a bfloat16 GEMM runs no bfloat16 model's decodes in the graph)
+        # (8 experts: the router's pack padded to 16 columns; a level without a bfloat16 GEMM
+        # runs no bfloat16 model's decodes in the graph)
         served = native.gemm_serves(torch.zeros(16, 64, dtype=dtype))
         assert graph_calls == [12] * 3 * served
         _assert_same(got, _layer_by_layer(model, sequences, schedule))
@@ -86,8 +87,8 @@ def test_dense_experts_run_in_the_graph_bit_for_bit(
 
 @pytest.fixture(scope="module")
 def moe_ggufs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Q, Path]]:
-    """Tiny Qwen3-MoE GGUFs of 16 experts (top 4; a float32 router of 16 columns, which the
-    native GEMM takes), their experts' 3-D tensors in Q4_0 or Q4_K blocks."""
+    """Tiny Qwen3-MoE GGUFs of 16 experts (top 4; a float32 router), their experts' 3-D tensors
+    in Q4_0 or Q4_K blocks."""
     folder = tmp_path_factory.mktemp("moe")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(quant_fixtures, "EXPERTS", dict(count=16, per_token=4))
@@ -150,3 +151,14 @@ def test_the_routing_takes_the_lower_expert_of_a_tie_and_is_torchs_elsewhere() -
             want /= want.sum(dim=-1, keepdim=True)
         assert torch.equal(chosen, want_chosen)
         torch.testing.assert_close(weights, want, atol=1e-6, rtol=1e-6)
+
+
+def test_a_router_of_8_columns_runs_the_native_gemm_on_a_padded_pack() -> None:
+    model = random_model(ARCHITECTURES["mixtral"], torch.float32)
+    router = next(m for m in model.modules() if isinstance(m, RoutedExperts)).gate
+    assert router.out_features == 8 and router.padded_width == 16
+    assert router.kind_for(1) == "native"
+    x = torch.randn(3, router.in_features)
+    out = router(x)
+    assert out.shape == (3, 8)
+    torch.testing.assert_close(out, x @ router.weight.T, atol=1e-5, rtol=1e-5)

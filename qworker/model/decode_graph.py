@@ -41,6 +41,7 @@ from qworker.model.kernels.decode_abi import (
     field_names,
 )
 from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.padded_linear import PaddedLinear
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
 from qworker.model.layers.decoder_layer import DecoderLayer
@@ -249,9 +250,15 @@ def _experts(mlp: RoutedExperts, rows: int, dtype: torch.dtype,
     table = DecodeExperts(router=router, gate_up=gate_up_array, down=down_array,
                           count=len(mlp.experts), top_k=mlp.top_k, normalize=int(mlp.normalize),
                           inter=expert0.down_proj.in_features, num_buckets=len(buckets),
-                          edges=edges, num_edges=len(edges))
+                          router_width=_router_width(mlp), edges=edges, num_edges=len(edges))
     keep.extend([edges, gate_up_array, down_array, table])
     return table
+
+
+def _router_width(mlp: RoutedExperts) -> int:
+    """The router's output columns as the graph runs it: a dense one's pack is padded."""
+    gate = mlp.gate
+    return gate.padded_width if isinstance(gate, PaddedLinear) else gate.out_features
 
 
 def _activation(mlp: MLP | RoutedExperts) -> str:

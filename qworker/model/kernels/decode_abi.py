@@ -33,11 +33,12 @@ GEMM_KERNELS = {"native": 0, "amx": 1}  # C kVectorGemm, kAmxGemm
 class DecodeExperts(ctypes.Structure):
     """A routed-experts layer's MLP (C `Experts`): the router, and each expert's gate_up and down
     at each token-count bucket up to the step's (bucket b's expert e at b * count + e); edges:
-    the buckets' edges (`kernel_choice`), a row count's bucket the number of edges below it."""
+    the buckets' edges (`kernel_choice`), a row count's bucket the number of edges below it;
+    router_width: the router's output columns, count or more (`PaddedLinear`'s pack)."""
 
     _fields_ = [("router", DecodeProj), ("gate_up", ctypes.POINTER(DecodeProj)),
                 ("down", ctypes.POINTER(DecodeProj)), ("count", _I), ("top_k", _I),
-                ("normalize", _I), ("inter", _I), ("num_buckets", _I),
+                ("normalize", _I), ("inter", _I), ("num_buckets", _I), ("router_width", _I),
                 ("edges", ctypes.POINTER(ctypes.c_double)), ("num_edges", _I)]
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from qworker.model.config import ModelConfig
 from qworker.model.kernels import native
-from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.padded_linear import PaddedLinear
 from qworker.model.layers.mlp import MLP
 
 
@@ -29,7 +29,8 @@ class RoutedExperts(nn.Module):
         assert experts is not None
         self.top_k = experts.per_token
         self.normalize = experts.normalize
-        self.gate = Linear(config.hidden_size, experts.count, bias=False)  # the router
+        # the router (padded to the native GEMM's 16-column blocks, e.g. Mixtral's 8 columns)
+        self.gate = PaddedLinear(config.hidden_size, experts.count)
         self.experts = nn.ModuleList(MLP(config, experts.intermediate_size)
                                      for _ in range(experts.count))
 

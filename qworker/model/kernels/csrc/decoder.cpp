@@ -52,10 +52,11 @@ constexpr int64_t kSilu = 0, kGeluTanh = 1;  // Layer.activation
 // gate/up and down as the kernel choice runs them at each token-count bucket up to the step's
 // (an expert runs over just the rows that chose it, at the bucket of their count)
 struct Experts {
-  Proj router;           // [count, hidden]
+  Proj router;           // [router_width, hidden]: its first `count` columns are the logits
   const Proj* gate_up;   // [num_buckets * count]: bucket b's expert e at b * count + e
   const Proj* down;
   int64_t count, top_k, normalize, inter, num_buckets;
+  int64_t router_width;  // count, or more (a router padded to whole 16-column blocks)
   const double* edges;  // the buckets' edges: a row count's bucket is the edges below it
   int64_t num_edges;
 };
@@ -128,7 +129,7 @@ template <typename T>
 bool experts_serve(const Experts& ex, int64_t m, int64_t hidden) {
   const int64_t buckets = bucket_of(ex, m) + 1;
   if (buckets > ex.num_buckets || ex.top_k < 1 || ex.top_k > ex.count ||
-      !proj_serves<T>(ex.router, m, ex.count, hidden))
+      ex.router_width < ex.count || !proj_serves<T>(ex.router, m, ex.router_width, hidden))
     return false;
   for (int64_t i = 0; i < buckets * ex.count; ++i)
     for (int64_t rows : {int64_t{1}, m})
@@ -194,7 +195,7 @@ void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_
 // A routed-experts layer's working buffers, sized for the widest such layer of the model
 template <typename T>
 struct ExpertScratch {
-  std::vector<T> logits;            // the router's [m, count], in T as the layer's Linear gives
+  std::vector<T> logits;            // the router's [m, router_width], in T as its Linear gives
   std::vector<float> logits_f32;    // ...as float32, for the routing
   std::vector<int64_t> chosen;      // [m, k]
   std::vector<float> weights;       // [m, k]
@@ -204,15 +205,16 @@ struct ExpertScratch {
   std::vector<T> x, gate_up, act, y;  // one expert's rows: input, [2 * inter], [inter], output
 
   ExpertScratch(const Layer* layers, int64_t num_layers, int64_t m, int64_t hidden) {
-    int64_t count = 0, k = 0, inter = 0;
+    int64_t count = 0, width = 0, k = 0, inter = 0;
     for (int64_t l = 0; l < num_layers; ++l) {
       const Experts* ex = layers[l].experts;
       if (ex == nullptr) continue;
       count = std::max(count, ex->count), k = std::max(k, ex->top_k);
+      width = std::max(width, ex->router_width);
       inter = std::max(inter, ex->inter);
     }
     if (count == 0) return;
-    logits.resize(m * count), logits_f32.resize(m * count), chosen.resize(m * k);
+    logits.resize(m * width), logits_f32.resize(m * count), chosen.resize(m * k);
     weights.resize(m * k), counts.resize(count), rows.resize(m * k), row_weight.resize(m * k);
     x.resize(m * hidden), gate_up.resize(m * 2 * inter), act.resize(m * inter);
     y.resize(m * hidden);
@@ -229,10 +231,12 @@ void routed_mlp(const Experts& ex, int64_t activation, const T* h, T* delta, int
                 const Staging& stage) {
   const T* none = nullptr;
   const int64_t k = ex.top_k, inter = ex.inter;
-  project(ex.router, h, none, s.logits.data(), m, ex.count, hidden, shared, stage);
+  project(ex.router, h, none, s.logits.data(), m, ex.router_width, hidden, shared, stage);
 #pragma omp single
   {
-    for (int64_t i = 0; i < m * ex.count; ++i) s.logits_f32[i] = qw::load(s.logits[i]);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t e = 0; e < ex.count; ++e)
+        s.logits_f32[i * ex.count + e] = qw::load(s.logits[i * ex.router_width + e]);
     qw::route(s.logits_f32.data(), m, ex.count, k, ex.normalize != 0, s.chosen.data(),
               s.weights.data());
     std::fill(s.counts.begin(), s.counts.begin() + ex.count, 0);
@@ -322,7 +326,7 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   for (int64_t l = 0; l < num_layers; ++l)
     if (const Experts* ex = layers[l].experts) {
       expert_widest = std::max({expert_widest, ex->inter});
-      expert_out = std::max({expert_out, 2 * ex->inter, ex->count});
+      expert_out = std::max({expert_out, 2 * ex->inter, ex->router_width});
     }
   ExpertScratch<T> experts(layers, num_layers, m, d.hidden);
   const int64_t widest = std::max({d.hidden, q_width, d.inter, expert_widest});
@@ -451,6 +455,7 @@ const AbiEntry kAbi[] = {
     QW_SIZE(Experts), QW_FIELD(Experts, router), QW_FIELD(Experts, gate_up),
     QW_FIELD(Experts, down), QW_FIELD(Experts, count), QW_FIELD(Experts, top_k),
     QW_FIELD(Experts, normalize), QW_FIELD(Experts, inter), QW_FIELD(Experts, num_buckets),
+    QW_FIELD(Experts, router_width),
     QW_FIELD(Experts, edges), QW_FIELD(Experts, num_edges),
     QW_SIZE(Dims), QW_FIELD(Dims, hidden), QW_FIELD(Dims, heads), QW_FIELD(Dims, kv_heads),
     QW_FIELD(Dims, head_dim), QW_FIELD(Dims, inter), QW_FIELD(Dims, num_blocks),
