@@ -8,6 +8,9 @@ and for the `attn_v` and `ffn_down` of the layers llama.cpp gives more bits).
 Prints the file's path (written once: an existing file of that name is reused). Then, e.g.:
 
     .venv/bin/python -m benchmarks.single_stream --model /tmp/qworker-qwen2-1.5b-Q4_K_M.gguf
+
+A shape with experts (`qwen3moe-small`) writes llama.cpp's 3-D `ffn_*_exps` tensors and a float32
+router (`ffn_gate_inp`) per layer.
 """
 
 from __future__ import annotations
