@@ -13,11 +13,11 @@ does). Others (and any step it declines) go layer by layer.
 It reads the architecture's declaration (`ModelConfig.arch`): what the graph runs (q/k biases and
 norms, SiLU and tanh GELU, Gemma's norms after attention and MLP, a layer's own RoPE base, the
 attention scale, routed experts: the router, `native.route`'s routing, each chosen expert over
-its rows at its own row count's kernels, `_experts`) it runs; a model that asks for anything else is refused once, with one log
-line, and every step of it goes layer by layer (`refusal`). A new feature of a declaration is
-refused here until decoder.cpp runs it. A layer's sliding window it hands the decode attention
-kernel, as the layer-by-layer path does, and a layer of a model's windowed KV group
-(`KVCache.layer_groups`) its group's block tables and slots.
+its rows at its own row count's kernels, `_experts`) it runs; a model that asks for anything else
+is refused once, with one log line, and every step of it goes layer by layer (`refusal`). A new
+feature of a declaration is refused here until decoder.cpp runs it. A layer's sliding window it
+hands the decode attention kernel, as the layer-by-layer path does, and a layer of a model's
+windowed KV group (`KVCache.layer_groups`) its group's block tables and slots.
 """
 
 from __future__ import annotations
