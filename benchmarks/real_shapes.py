@@ -8,6 +8,9 @@ and for the `attn_v` and `ffn_down` of the layers llama.cpp gives more bits).
 Prints the file's path (written once: an existing file of that name is reused). Then, e.g.:
 
     .venv/bin/python -m benchmarks.single_stream --model /tmp/qworker-qwen2-1.5b-Q4_K_M.gguf
+
+A shape with experts (`qwen3moe-small`) writes llama.cpp's 3-D `ffn_*_exps` tensors and a float32
+router (`ffn_gate_inp`) per layer.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class Shape:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     llama3_rope: dict[str, float] | None = None  # stored as rope_freqs.weight
+    experts: int = 0  # routed experts in place of every layer's MLP (a float32 router), or 0
+    experts_used: int = 0  # per token
+    expert_inter: int = 0  # an expert's MLP width
 
 
 SHAPES = {
@@ -62,6 +68,11 @@ SHAPES = {
                          llama3_rope={"factor": 32.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192}),
+    # Qwen3-30B-A3B's experts (128, top 8, each 768 wide) and attention heads, at half its
+    # hidden size and 8 of its 48 layers: ~1.5 GB as Q4_K_M
+    "qwen3moe-small": Shape("qwen3moe", vocab=151936, hidden=1024, inter=768, layers=8, heads=32,
+                            kv_heads=4, head_dim=128, context=40960, rope_theta=1e6, tied=True,
+                            qk_norm=True, experts=128, experts_used=8, expert_inter=768),
 }
 FILE_TYPES = ("Q4_K_M", "Q8_0", "Q4_0", "BF16")
 
@@ -89,13 +100,15 @@ def tensor_type(file_type: str, name: str, shape: Shape) -> Q:
     if head:
         return Q.Q6_K
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(layer, shape.layers):
+    more_bits = ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
+    if name.endswith(more_bits) and _more_bits(layer, shape.layers):
         return Q.Q6_K
     return Q.Q4_K
 
 
 def matrices(shape: Shape) -> dict[str, tuple[int, int]]:
-    """Every matrix's GGUF name and (rows, columns)."""
+    """Every matrix's GGUF name and (rows, columns); an expert tensor's (`_exps`): one expert's
+    (it stacks `Shape.experts` of them)."""
     s, q, kv = shape, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     out = {"token_embd.weight": (s.vocab, s.hidden)}
     if not s.tied:
@@ -103,11 +116,22 @@ def matrices(shape: Shape) -> dict[str, tuple[int, int]]:
     for i in range(s.layers):
         out |= {f"blk.{i}.attn_q.weight": (q, s.hidden), f"blk.{i}.attn_k.weight": (kv, s.hidden),
                 f"blk.{i}.attn_v.weight": (kv, s.hidden),
-                f"blk.{i}.attn_output.weight": (s.hidden, q),
-                f"blk.{i}.ffn_gate.weight": (s.inter, s.hidden),
-                f"blk.{i}.ffn_up.weight": (s.inter, s.hidden),
-                f"blk.{i}.ffn_down.weight": (s.hidden, s.inter)}
+                f"blk.{i}.attn_output.weight": (s.hidden, q)}
+        mlp, inter = ("_exps", s.expert_inter) if s.experts else ("", s.inter)
+        out |= {f"blk.{i}.ffn_gate{mlp}.weight": (inter, s.hidden),
+                f"blk.{i}.ffn_up{mlp}.weight": (inter, s.hidden),
+                f"blk.{i}.ffn_down{mlp}.weight": (s.hidden, inter)}
     return out
+
+
+def routers(shape: Shape) -> dict[str, tuple[int, int]]:
+    """Every layer's float32 router (as llama.cpp's quantizer leaves it) and its shape."""
+    return {f"blk.{i}.ffn_gate_inp.weight": (shape.experts, shape.hidden)
+            for i in range(shape.layers) if shape.experts}
+
+
+def _stack(name: str, shape: Shape) -> int:
+    return shape.experts if "_exps" in name else 1
 
 
 def vectors(shape: Shape) -> dict[str, int]:
@@ -139,6 +163,10 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_value_length(s.head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(s.rope_theta)
+    if s.experts:
+        writer.add_expert_count(s.experts)
+        writer.add_expert_used_count(s.experts_used)
+        writer.add_expert_feed_forward_length(s.expert_inter)
     # a placeholder byte-level BPE vocabulary that llama.cpp and our tokenizer load: its
     # newline token ("Ċ") and one merge of two of its tokens
     writer.add_tokenizer_model("gpt2")
@@ -154,27 +182,32 @@ def write(path: Path, shape: Shape, file_type: str, seed: int = 0) -> Path:
     _metadata(writer, shape)
     mats, vecs = matrices(shape), vectors(shape)
     for name, (rows, cols) in mats.items():
-        kind = tensor_type(file_type, name, shape)
+        kind, stack = tensor_type(file_type, name, shape), _stack(name, shape)
+        lead = (stack,) if stack > 1 else ()
         if kind == Q.BF16:
-            writer.add_tensor_info(name, (rows, cols), np.dtype(np.uint16), rows * cols * 2,
-                                   raw_dtype=kind)
+            writer.add_tensor_info(name, (*lead, rows, cols), np.dtype(np.uint16),
+                                   stack * rows * cols * 2, raw_dtype=kind)
         else:
             elems, nbytes = gguf.GGML_QUANT_SIZES[kind]
             row_bytes = cols // elems * nbytes
-            writer.add_tensor_info(name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes,
-                                   raw_dtype=kind)
+            writer.add_tensor_info(name, (*lead, rows, row_bytes), np.dtype(np.uint8),
+                                   stack * rows * row_bytes, raw_dtype=kind)
+    for name, (rows, cols) in routers(shape).items():
+        writer.add_tensor_info(name, (rows, cols), np.dtype(np.float32), 4 * rows * cols)
     for name, n in vecs.items():
         writer.add_tensor_info(name, (n,), np.dtype(np.float32), 4 * n)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, (rows, cols) in mats.items():
-        kind = tensor_type(file_type, name, shape)
+        kind, stack = tensor_type(file_type, name, shape), _stack(name, shape)
         if kind == Q.BF16:
-            values = rng.normal(0, 0.02, size=(rows, cols)).astype(np.float32)
+            values = rng.normal(0, 0.02, size=(stack * rows, cols)).astype(np.float32)
             writer.write_tensor_data((values.view(np.uint32) >> 16).astype(np.uint16))
         else:
-            writer.write_tensor_data(random_blocks(kind, rows, cols, rng))
+            writer.write_tensor_data(random_blocks(kind, stack * rows, cols, rng))
+    for rows, cols in routers(shape).values():
+        writer.write_tensor_data(rng.normal(0, 0.05, size=(rows, cols)).astype(np.float32))
     for name, n in vecs.items():
         if name == "rope_freqs.weight":
             writer.write_tensor_data(llama3_divisors(shape.head_dim, shape.rope_theta,

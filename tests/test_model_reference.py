@@ -299,7 +299,8 @@ def test_each_architecture_from_each_source_on_each_kernel_family(
         model = load_model(path, dtype=torch.float32)
         results = run_schedule(model, sequences, schedule, block_size=4)
         ours = greedy(model, sequences[0][:9], 10)
-    # routed experts: refused by the graph, every step layer by layer (test_decode_graph)
+    # every architecture runs its decode steps in the graph where a native family runs (routed
+    # experts too: test_decode_graph_experts)
     graph = family != "torch" and model.decode_graph.refused is None
     assert calls == ([2] * 8 + [1] * 9 if graph else [])  # greedy: a prefill first
     with torch.no_grad():

@@ -12,11 +12,12 @@ does). Others (and any step it declines) go layer by layer.
 
 It reads the architecture's declaration (`ModelConfig.arch`): what the graph runs (q/k biases and
 norms, SiLU and tanh GELU, Gemma's norms after attention and MLP, a layer's own RoPE base, the
-attention scale) it runs; a model that asks for anything else is refused once, with one log
-line, and every step of it goes layer by layer (`refusal`). A new feature of a declaration is
-refused here until decoder.cpp runs it. A layer's sliding window it hands the decode attention
-kernel, as the layer-by-layer path does, and a layer of a model's windowed KV group
-(`KVCache.layer_groups`) its group's block tables and slots.
+attention scale, routed experts: the router, `native.route`'s routing, each chosen expert over
+its rows at its own row count's kernels, `_experts`) it runs; a model that asks for anything else
+is refused once, with one log line, and every step of it goes layer by layer (`refusal`). A new
+feature of a declaration is refused here until decoder.cpp runs it. A layer's sliding window it
+hands the decode attention kernel, as the layer-by-layer path does, and a layer of a model's
+windowed KV group (`KVCache.layer_groups`) its group's block tables and slots.
 """
 
 from __future__ import annotations
@@ -34,15 +35,18 @@ from qworker.model.kernels.decode_abi import (
     ACTIVATIONS,
     GEMM_KERNELS,
     DecodeDims,
+    DecodeExperts,
     DecodeLayer,
     DecodeProj,
     DecodeQuantSegment,
     field_names,
 )
 from qworker.model.kernels.linear import Linear
+from qworker.model.kernels.padded_linear import PaddedLinear
 from qworker.model.kernels.quant_linear import QuantLinear
 from qworker.model.kv_cache import KVCache
 from qworker.model.layers.decoder_layer import DecoderLayer
+from qworker.model.layers.experts import RoutedExperts
 from qworker.model.layers.mlp import MLP
 from qworker.model.layers.norm import RMSNorm
 from qworker.model.layers.paged_attention import AttentionPlan
@@ -56,7 +60,6 @@ def refusal(config: ModelConfig) -> str | None:
     arch = config.arch
     unrun = {
         f"activation {config.activation}": config.activation not in ACTIVATIONS,
-        "routed experts": arch.experts,
     }
     reasons = [what for what, asked in unrun.items() if asked]
     return f"{arch.name}: {', '.join(reasons)}" if reasons else None
@@ -163,10 +166,16 @@ class DecodeGraph:
         groups = cache.layer_groups or (0,) * len(self.layers)
         for layer, k, v, group in zip(self.layers, cache.keys, cache.values, groups, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            assert isinstance(mlp, MLP), "routed experts are refused (refusal)"
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            projs = [_projection(lin, rows, dtype, keep) for lin in linears]
-            if not native.serves(k) or any(p is None for p in projs):
+            experts = None
+            if isinstance(mlp, RoutedExperts):
+                experts = _experts(mlp, rows, dtype, keep)
+                projs = [_projection(lin, rows, dtype, keep)
+                         for lin in (attn.qkv_proj, attn.o_proj)] + [DecodeProj(), DecodeProj()]
+            else:
+                linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                projs = [_projection(lin, rows, dtype, keep) for lin in linears]
+            if (not native.serves(k) or any(p is None for p in projs)
+                    or (isinstance(mlp, RoutedExperts) and experts is None)):
                 return _BucketTable(None, head, tuple(keep))
             qkv, o, gate_up, down = projs
             q_norm, k_norm = attn.q_norm, attn.k_norm
@@ -185,7 +194,8 @@ class DecodeGraph:
                             "post_norm": layer.pre_feedforward_layernorm.weight,
                             "mlp_out_norm": layer.post_feedforward_layernorm.weight}
             entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down,
-                                        activation=ACTIVATIONS[mlp.activation],
+                                        experts=experts,
+                                        activation=ACTIVATIONS[_activation(mlp)],
                                         window=attn.attends.window or 0, kv_group=group))
             keep.extend(t for t in tensors.values() if t is not None)
         return _BucketTable((DecodeLayer * len(entries))(*entries), head, tuple(keep))
@@ -214,16 +224,64 @@ def _projection(lin: Linear | QuantLinear, rows: int, dtype: torch.dtype,
                       kernel=GEMM_KERNELS[kind])
 
 
+def _experts(mlp: RoutedExperts, rows: int, dtype: torch.dtype,
+             keep: list[object]) -> DecodeExperts | None:
+    """A routed-experts layer as the graph runs it for steps of up to `rows` rows: the router at
+    the step's bucket, every expert at each bucket an expert's share of the rows can fall in (its
+    own count's, as the layer path runs it); None where any of them runs no native kernel."""
+    router = _projection(mlp.gate, rows, dtype, keep)
+    buckets = kernel_choice.BUCKETS[: kernel_choice.bucket(rows) + 1]
+    gate_ups: list[DecodeProj] = []
+    downs: list[DecodeProj] = []
+    for bucket_rows in buckets:
+        for expert in mlp.experts:
+            assert isinstance(expert, MLP)
+            gate_up = _projection(expert.gate_up_proj, bucket_rows, dtype, keep)
+            down = _projection(expert.down_proj, bucket_rows, dtype, keep)
+            if router is None or gate_up is None or down is None:
+                return None
+            gate_ups.append(gate_up)
+            downs.append(down)
+    assert router is not None
+    edges = (ctypes.c_double * len(kernel_choice.EDGES))(*kernel_choice.EDGES)
+    gate_up_array = (DecodeProj * len(gate_ups))(*gate_ups)
+    down_array = (DecodeProj * len(downs))(*downs)
+    expert0 = mlp.experts[0]
+    assert isinstance(expert0, MLP)
+    table = DecodeExperts(router=router, gate_up=gate_up_array, down=down_array,
+                          count=len(mlp.experts), top_k=mlp.top_k, normalize=int(mlp.normalize),
+                          inter=expert0.down_proj.in_features, num_buckets=len(buckets),
+                          router_width=_router_width(mlp), edges=edges, num_edges=len(edges))
+    keep.extend([edges, gate_up_array, down_array, table])
+    return table
+
+
+def _router_width(mlp: RoutedExperts) -> int:
+    """The router's output columns as the graph runs it: a dense one's pack is padded."""
+    gate = mlp.gate
+    return gate.padded_width if isinstance(gate, PaddedLinear) else gate.out_features
+
+
+def _activation(mlp: MLP | RoutedExperts) -> str:
+    if isinstance(mlp, MLP):
+        return mlp.activation
+    expert = mlp.experts[0]
+    assert isinstance(expert, MLP)
+    return expert.activation
+
+
 def _pointing_at(parts: dict[str, torch.Tensor | None], activation: int, window: int,
-                 kv_group: int, **projs: DecodeProj | None) -> DecodeLayer:
+                 kv_group: int, experts: DecodeExperts | None,
+                 **projs: DecodeProj | None) -> DecodeLayer:
     """A layer whose every field (by its C name) points at that tensor's data (null for None),
     or is that projection, the activation, the window or the KV group."""
-    named = parts.keys() | projs.keys() | {"activation", "window", "kv_group"}
+    named = parts.keys() | projs.keys() | {"experts", "activation", "window", "kv_group"}
     assert named == set(field_names(DecodeLayer)), "a misspelt field"
     assert all(p is None or p.is_contiguous() for p in parts.values())
     pointers = {name: None if p is None else p.data_ptr() for name, p in parts.items()}
-    return DecodeLayer(**pointers, **projs, activation=activation, window=window,
-                       kv_group=kv_group)
+    return DecodeLayer(**pointers, **projs,
+                       experts=None if experts is None else ctypes.pointer(experts),
+                       activation=activation, window=window, kv_group=kv_group)
 
 
 def _in_row_order(groups: tuple[DecodeGroup, ...], rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,11 +30,24 @@ class DecodeProj(ctypes.Structure):
 GEMM_KERNELS = {"native": 0, "amx": 1}  # C kVectorGemm, kAmxGemm
 
 
+class DecodeExperts(ctypes.Structure):
+    """A routed-experts layer's MLP (C `Experts`): the router, and each expert's gate_up and down
+    at each token-count bucket up to the step's (bucket b's expert e at b * count + e); edges:
+    the buckets' edges (`kernel_choice`), a row count's bucket the number of edges below it;
+    router_width: the router's output columns, count or more (`PaddedLinear`'s pack)."""
+
+    _fields_ = [("router", DecodeProj), ("gate_up", ctypes.POINTER(DecodeProj)),
+                ("down", ctypes.POINTER(DecodeProj)), ("count", _I), ("top_k", _I),
+                ("normalize", _I), ("inter", _I), ("num_buckets", _I), ("router_width", _I),
+                ("edges", ctypes.POINTER(ctypes.c_double)), ("num_edges", _I)]
+
+
 class DecodeLayer(ctypes.Structure):
     """One decoder layer's tensors (C `Layer`); qkv_bias may be null, and q_norm with k_norm;
     attn_out_norm and mlp_out_norm (Gemma's norms of the attention's and the MLP's outputs; then
     post_norm is the MLP input's) null where the model has none, cos / sin (the layer's own RoPE
-    tables) null for the step's; activation: `ACTIVATIONS`; window: the layer's sliding window,
+    tables) null for the step's; experts: a routed-experts layer's (then gate_up and down are
+    unused), else null; activation: `ACTIVATIONS`; window: the layer's sliding window,
     0 for none; kv_group: 1 where its blocks are the windowed KV group's, else 0."""
 
     _fields_ = [
@@ -43,7 +56,8 @@ class DecodeLayer(ctypes.Structure):
         ("post_norm", _P), ("gate_up", DecodeProj), ("down", DecodeProj), ("k_cache", _P),
         ("v_cache", _P),
         ("attn_out_norm", _P), ("mlp_out_norm", _P), ("cos", _P), ("sin", _P),
-        ("activation", _I), ("window", _I), ("kv_group", _I),
+        ("experts", ctypes.POINTER(DecodeExperts)), ("activation", _I), ("window", _I),
+        ("kv_group", _I),
     ]
 
 
@@ -67,7 +81,7 @@ def field_names(mirror: type[ctypes.Structure]) -> list[str]:
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {
     "QuantSegment": DecodeQuantSegment, "Proj": DecodeProj, "Layer": DecodeLayer,
-    "Dims": DecodeDims,
+    "Experts": DecodeExperts, "Dims": DecodeDims,
 }
 
 

@@ -30,7 +30,7 @@ from qworker.model.kernels import native
 from qworker.model.kernels import native_build as nb
 
 BUCKETS = (1, 8, 32, 128, 512)  # rows a step's matmul is timed at
-_EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
+EDGES = [math.sqrt(a * b) for a, b in zip(BUCKETS, BUCKETS[1:], strict=False)]
 ROUNDS = 7  # at least; then more, up to MAX_ROUNDS, until each kernel ran MEASURE_S in all:
 MEASURE_S, MAX_ROUNDS = 0.02, 200  # a call of 0.1 ms is timed 200 times, one of 10 ms 7 times
 Timer = Callable[[str, int, Callable[[], object]], float]  # (kind, rows, run) -> s of one call
@@ -73,7 +73,7 @@ class Layer(Protocol):
 
 def bucket(rows: int) -> int:
     """Index of the bucket nearest to `rows` on a log scale."""
-    return bisect.bisect_left(_EDGES, rows)
+    return bisect.bisect_left(EDGES, rows)
 
 
 def fastest(timings: Mapping[str, Sequence[float | None]]) -> tuple[str, ...]:

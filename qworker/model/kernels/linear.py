@@ -91,7 +91,8 @@ class Linear(nn.Linear):
         if weight.device.type != "cpu":
             return ("plain",)
         native_kinds = (("amx", native.amx_serves), ("native", native.gemm_serves))
-        kinds = [kind for kind, serves in native_kinds if serves(weight)]
+        gemm_weight = self._gemm_weight(weight)
+        kinds = [kind for kind, serves in native_kinds if serves(gemm_weight)]
         if kinds and native.status().forced:  # that family's best kernel, unmeasured
             return (kinds[0],)
         kinds.append("onednn" if onednn_packs(weight.dtype) else "plain")
@@ -143,10 +144,15 @@ class Linear(nn.Linear):
         assert not self.released, f"released: no weight to make a {kind} pack of"
         weight = self.weight.detach()
         if kind == "native":
-            return native.gemm_pack(weight)
+            return native.gemm_pack(self._gemm_weight(weight))
         if kind == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
         return None
+
+
+    def _gemm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight as the native GEMM packs it (a subclass may pad it)."""
+        return weight
 
 
 def _pack_of(kind: str) -> str:

@@ -120,6 +120,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qw_quant_rows.restype = ctypes.c_int
     lib.qw_quant_rows_x8.argtypes = [ctypes.c_int, _P, _P, _I, _I, _P]
     lib.qw_quant_rows_x8.restype = ctypes.c_int
+    lib.qw_route.argtypes = [_P, _I, _I, _I, _I, _P, _P]
     lib.qw_logprobs_f32.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
         getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P,
@@ -345,6 +346,23 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _kernel("qw_gelu_tanh_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n,
                                                width // 2)
     return out
+
+
+def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routed-experts layer's routing (csrc/route.cpp), as the decode graph routes: logits
+    [n, experts] -> each row's top k experts [n, k] (best first; a tie: the lower index) by
+    softmax in float32, and their float32 weights [n, k], rescaled to sum to 1 where
+    `normalize`."""
+    lib = library()
+    assert lib is not None
+    logits = logits.float().contiguous()
+    n, experts = logits.shape
+    assert 1 <= k <= experts
+    chosen = torch.empty((n, k), dtype=torch.int64)
+    weights = torch.empty((n, k), dtype=torch.float32)
+    lib.qw_route(logits.data_ptr(), n, experts, k, int(normalize), chosen.data_ptr(),
+                 weights.data_ptr())
+    return chosen, weights
 
 
 def decode_step(

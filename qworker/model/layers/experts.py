@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from qworker.model.config import ModelConfig
-from qworker.model.kernels.linear import Linear
+from qworker.model.kernels import native
+from qworker.model.kernels.padded_linear import PaddedLinear
 from qworker.model.layers.mlp import MLP
 
 
@@ -28,20 +29,27 @@ class RoutedExperts(nn.Module):
         assert experts is not None
         self.top_k = experts.per_token
         self.normalize = experts.normalize
-        self.gate = Linear(config.hidden_size, experts.count, bias=False)  # the router
+        # the router (padded to the native GEMM's 16-column blocks, e.g. Mixtral's 8 columns)
+        self.gate = PaddedLinear(config.hidden_size, experts.count)
         self.experts = nn.ModuleList(MLP(config, experts.intermediate_size)
                                      for _ in range(experts.count))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top k experts [n, k] and their weights [n, k] in x's dtype."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+    def route(self, x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top k experts [n, k] and their weights [n, k] in x's dtype; where
+        `fused` and the native kernels take x's dtype, by the native routing the decode graph
+        runs (`native.route`: the same experts and weights as the graph's, bit for bit)."""
+        logits = self.gate(x)
+        if fused and x.dtype in native.GEMM_DTYPES and native.serves(x):
+            chosen, weights = native.route(logits, self.top_k, self.normalize)
+            return chosen, weights.to(x.dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
         return chosen, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        chosen, weights = self.route(x)
+        chosen, weights = self.route(x, fused)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         tokens = order // self.top_k

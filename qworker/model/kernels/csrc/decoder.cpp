@@ -14,6 +14,7 @@
 #include "gemm.h"
 #include "gemm_amx.h"
 #include "quant_gemm.h"
+#include "route.h"
 
 namespace {
 
@@ -47,6 +48,25 @@ bool amx_serves(int64_t m, int64_t n, int64_t k) {
 
 constexpr int64_t kSilu = 0, kGeluTanh = 1;  // Layer.activation
 
+// a routed-experts layer's MLP (in place of Layer.gate_up / down): the router, and each expert's
+// gate/up and down as the kernel choice runs them at each token-count bucket up to the step's
+// (an expert runs over just the rows that chose it, at the bucket of their count)
+struct Experts {
+  Proj router;           // [router_width, hidden]: its first `count` columns are the logits
+  const Proj* gate_up;   // [num_buckets * count]: bucket b's expert e at b * count + e
+  const Proj* down;
+  int64_t count, top_k, normalize, inter, num_buckets;
+  int64_t router_width;  // count, or more (a router padded to whole 16-column blocks)
+  const double* edges;  // the buckets' edges: a row count's bucket is the edges below it
+  int64_t num_edges;
+};
+
+int64_t bucket_of(const Experts& ex, int64_t rows) {
+  int64_t b = 0;
+  while (b < ex.num_edges && ex.edges[b] < static_cast<double>(rows)) ++b;
+  return b;
+}
+
 // one layer's tensors
 struct Layer {
   const void* input_norm;
@@ -66,6 +86,7 @@ struct Layer {
   const void* mlp_out_norm;
   const void* cos;
   const void* sin;
+  const Experts* experts;  // or null: the layer's MLP is gate_up / down
   int64_t activation;  // kSilu or kGeluTanh
   int64_t window;      // the layer's sliding window, or 0
   int64_t kv_group;    // 0, or 1: its blocks are the windowed group's (window_slots/_tables)
@@ -100,6 +121,22 @@ bool proj_serves(const Proj& p, int64_t m, int64_t n, int64_t k) {
     rows += seg.rows;
   }
   return rows == n;
+}
+
+// whether every projection an expert of the layer may run in a step of m rows is served (an
+// expert's rows: 1 to m, at the buckets up to m's)
+template <typename T>
+bool experts_serve(const Experts& ex, int64_t m, int64_t hidden) {
+  const int64_t buckets = bucket_of(ex, m) + 1;
+  if (buckets > ex.num_buckets || ex.top_k < 1 || ex.top_k > ex.count ||
+      ex.router_width < ex.count || !proj_serves<T>(ex.router, m, ex.router_width, hidden))
+    return false;
+  for (int64_t i = 0; i < buckets * ex.count; ++i)
+    for (int64_t rows : {int64_t{1}, m})
+      if (!proj_serves<T>(ex.gate_up[i], rows, 2 * ex.inter, hidden) ||
+          !proj_serves<T>(ex.down[i], rows, hidden, ex.inter))
+        return false;
+  return true;
 }
 
 // a quantized projection in float32: segment by segment into its columns, then the bias
@@ -155,6 +192,97 @@ void project(const Proj& p, const T* x, const T* bias, T* out, int64_t m, int64_
   }
 }
 
+// A routed-experts layer's working buffers, sized for the widest such layer of the model
+template <typename T>
+struct ExpertScratch {
+  std::vector<T> logits;            // the router's [m, router_width], in T as its Linear gives
+  std::vector<float> logits_f32;    // ...as float32, for the routing
+  std::vector<int64_t> chosen;      // [m, k]
+  std::vector<float> weights;       // [m, k]
+  std::vector<int64_t> counts;      // rows per expert
+  std::vector<int64_t> rows;        // the rows grouped by expert, ascending within each
+  std::vector<T> row_weight;        // each grouped row's weight, in T
+  std::vector<T> x, gate_up, act, y;  // one expert's rows: input, [2 * inter], [inter], output
+
+  ExpertScratch(const Layer* layers, int64_t num_layers, int64_t m, int64_t hidden) {
+    int64_t count = 0, width = 0, k = 0, inter = 0;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const Experts* ex = layers[l].experts;
+      if (ex == nullptr) continue;
+      count = std::max(count, ex->count), k = std::max(k, ex->top_k);
+      width = std::max(width, ex->router_width);
+      inter = std::max(inter, ex->inter);
+    }
+    if (count == 0) return;
+    logits.resize(m * width), logits_f32.resize(m * count), chosen.resize(m * k);
+    weights.resize(m * k), counts.resize(count), rows.resize(m * k), row_weight.resize(m * k);
+    x.resize(m * hidden), gate_up.resize(m * 2 * inter), act.resize(m * inter);
+    y.resize(m * hidden);
+  }
+};
+
+// delta [m, hidden] = the routed experts' sum for each row of h, as layers/experts.py computes
+// it: route, group the rows by expert, each chosen expert's gated MLP over just its rows (at the
+// kernels of its row count's bucket), each output times its weight in T, added into zeros
+// experts in ascending order (index_add_). By every thread of the team; ends on a barrier.
+template <typename T>
+void routed_mlp(const Experts& ex, int64_t activation, const T* h, T* delta, int64_t m,
+                int64_t hidden, ExpertScratch<T>& s, qw::quant::ActBlock* shared,
+                const Staging& stage) {
+  const T* none = nullptr;
+  const int64_t k = ex.top_k, inter = ex.inter;
+  project(ex.router, h, none, s.logits.data(), m, ex.router_width, hidden, shared, stage);
+#pragma omp single
+  {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t e = 0; e < ex.count; ++e)
+        s.logits_f32[i * ex.count + e] = qw::load(s.logits[i * ex.router_width + e]);
+    qw::route(s.logits_f32.data(), m, ex.count, k, ex.normalize != 0, s.chosen.data(),
+              s.weights.data());
+    std::fill(s.counts.begin(), s.counts.begin() + ex.count, 0);
+    for (int64_t i = 0; i < m * k; ++i) ++s.counts[s.chosen[i]];
+    std::vector<int64_t> next(ex.count, 0);  // each expert's first place in rows
+    for (int64_t e = 1; e < ex.count; ++e) next[e] = next[e - 1] + s.counts[e - 1];
+    for (int64_t i = 0; i < m * k; ++i) {  // (row, slot) in order: rows ascending per expert
+      const int64_t at = next[s.chosen[i]]++;
+      s.rows[at] = i / k;
+      qw::store(&s.row_weight[at], s.weights[i]);
+    }
+  }
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < m * hidden; ++i) qw::store(delta + i, 0.0f);
+  int64_t start = 0;
+  for (int64_t e = 0; e < ex.count; ++e) {
+    const int64_t count = s.counts[e];
+    if (count == 0) continue;
+    const int64_t* rows = &s.rows[start];
+    const T* weight = &s.row_weight[start];
+    start += count;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(&s.x[i * hidden], h + rows[i] * hidden, hidden * sizeof(T));
+    const int64_t b = bucket_of(ex, count);
+    project(ex.gate_up[b * ex.count + e], s.x.data(), none, s.gate_up.data(), count, 2 * inter,
+            hidden, shared, stage);
+    if (activation == kGeluTanh)
+      qw::gelu_tanh_mul(s.gate_up.data(), s.act.data(), count, inter);
+    else
+      qw::silu_mul(s.gate_up.data(), s.act.data(), count, inter);
+    project(ex.down[b * ex.count + e], s.act.data(), none, s.y.data(), count, hidden, inter,
+            shared, stage);
+    // the product rounded to T, then the sum (separate loops: never one fused multiply-add)
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < count; ++i)
+      for (int64_t j = 0; j < hidden; ++j)
+        qw::store(&s.y[i * hidden + j], qw::load(s.y[i * hidden + j]) * qw::load(weight[i]));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < count; ++i)  // a row appears once per expert: no two threads meet
+      for (int64_t j = 0; j < hidden; ++j)
+        qw::store(&delta[rows[i] * hidden + j],
+                  qw::load(delta[rows[i] * hidden + j]) + qw::load(s.y[i * hidden + j]));
+  }
+}
+
 // The LM head's logits [num_rows, vocab] of h: a quantized head's in float32 whatever T (its
 // kernels compute them so; rounded to bf16 they tie tokens ~0.1 apart at ~25), a dense head's in T
 template <typename T>
@@ -194,7 +322,14 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
        qkv_width}};
   const int64_t* group_slots[2] = {slots, window_slots};
   const int64_t* group_tables[2] = {tables, window_tables};
-  const int64_t widest = std::max({d.hidden, q_width, d.inter});
+  int64_t expert_widest = 0, expert_out = 0;  // a routed-experts layer's widest in and out
+  for (int64_t l = 0; l < num_layers; ++l)
+    if (const Experts* ex = layers[l].experts) {
+      expert_widest = std::max({expert_widest, ex->inter});
+      expert_out = std::max({expert_out, 2 * ex->inter, ex->router_width});
+    }
+  ExpertScratch<T> experts(layers, num_layers, m, d.hidden);
+  const int64_t widest = std::max({d.hidden, q_width, d.inter, expert_widest});
   std::vector<qw::quant::ActBlock> q8(m > qw::quant::kPrivateRows ? m * (widest / 32) : 0);
   auto cast = [](const void* p) { return static_cast<const T*>(p); };
   const T* none = nullptr;
@@ -203,10 +338,12 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
   bool quantized = head.lm_head->pack == nullptr;
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& w = layers[l];
-    quantized = quantized || !w.qkv.pack || !w.o.pack || !w.gate_up.pack || !w.down.pack;
+    quantized = quantized || !w.qkv.pack || !w.o.pack || w.experts != nullptr ||
+                !w.gate_up.pack || !w.down.pack;  // (experts: staged whatever their form)
   }
   const bool staged = !std::is_same_v<T, float> && quantized;
-  const int64_t out_widest = std::max({qkv_width, 2 * d.inter, d.hidden, head.vocab});
+  const int64_t out_widest = std::max({qkv_width, 2 * d.inter, d.hidden, head.vocab,
+                                       expert_out});
   std::vector<float> stage_x(staged ? m * widest : 0), stage_out(staged ? m * out_widest : 0);
   const Staging stage{stage_x.data(), stage_out.data()};
 #pragma omp parallel
@@ -237,6 +374,11 @@ void decode_step(T* x, const Layer* layers, int64_t num_layers, const Head& head
         project(w.o, attn.data(), none, delta.data(), m, d.hidden, q_width, shared, stage);
       }
       qw::add_rms_norm(x, delta.data(), cast(w.post_norm), h.data(), m, d.hidden, eps);
+      if (w.experts != nullptr) {  // (no architecture with experts has Gemma's output norms)
+        routed_mlp(*w.experts, w.activation, h.data(), delta.data(), m, d.hidden, experts,
+                   shared, stage);
+        continue;
+      }
       project(w.gate_up, h.data(), none, gate_up.data(), m, 2 * d.inter, d.hidden, shared,
               stage);
       if (w.activation == kGeluTanh)
@@ -278,8 +420,10 @@ int run(void* x, const Layer* layers, int64_t num_layers, const Head& head, cons
                                   d.window_num_blocks > 0)) &&
              proj_serves<T>(w.qkv, m, qkv_width, d.hidden) &&
              proj_serves<T>(w.o, m, d.hidden, q_width) &&
-             proj_serves<T>(w.gate_up, m, 2 * d.inter, d.hidden) &&
-             proj_serves<T>(w.down, m, d.hidden, d.inter);
+             (w.experts != nullptr
+                  ? experts_serve<T>(*w.experts, m, d.hidden) && w.mlp_out_norm == nullptr
+                  : proj_serves<T>(w.gate_up, m, 2 * d.inter, d.hidden) &&
+                        proj_serves<T>(w.down, m, d.hidden, d.inter));
   }
   if (!served) return 0;
   decode_step(static_cast<T*>(x), layers, num_layers, head,
@@ -305,8 +449,14 @@ const AbiEntry kAbi[] = {
     QW_FIELD(Layer, o), QW_FIELD(Layer, post_norm),
     QW_FIELD(Layer, gate_up), QW_FIELD(Layer, down), QW_FIELD(Layer, k_cache),
     QW_FIELD(Layer, v_cache), QW_FIELD(Layer, attn_out_norm), QW_FIELD(Layer, mlp_out_norm),
-    QW_FIELD(Layer, cos), QW_FIELD(Layer, sin), QW_FIELD(Layer, activation),
+    QW_FIELD(Layer, cos), QW_FIELD(Layer, sin), QW_FIELD(Layer, experts),
+    QW_FIELD(Layer, activation),
     QW_FIELD(Layer, window), QW_FIELD(Layer, kv_group),
+    QW_SIZE(Experts), QW_FIELD(Experts, router), QW_FIELD(Experts, gate_up),
+    QW_FIELD(Experts, down), QW_FIELD(Experts, count), QW_FIELD(Experts, top_k),
+    QW_FIELD(Experts, normalize), QW_FIELD(Experts, inter), QW_FIELD(Experts, num_buckets),
+    QW_FIELD(Experts, router_width),
+    QW_FIELD(Experts, edges), QW_FIELD(Experts, num_edges),
     QW_SIZE(Dims), QW_FIELD(Dims, hidden), QW_FIELD(Dims, heads), QW_FIELD(Dims, kv_heads),
     QW_FIELD(Dims, head_dim), QW_FIELD(Dims, inter), QW_FIELD(Dims, num_blocks),
     QW_FIELD(Dims, block_size), QW_FIELD(Dims, max_blocks), QW_FIELD(Dims, vocab),
