@@ -36,11 +36,12 @@ def test_each_shape_in_each_file_type_loads_and_runs(name: str, file_type: str,
     path = rs.write(tmp_path / "m.gguf", shape, file_type)
     types = {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
     assert types == {n: rs.tensor_type(file_type, n, shape).name for n in rs.matrices(shape)} | {
-        n: "F32" for n in rs.vectors(shape)}
+        n: "F32" for n in (*rs.vectors(shape), *rs.routers(shape))}
     if file_type == "Q4_K_M":  # the head, and attn_v / ffn_down of layers 0, 3, 6 and 7 (of 8)
         six = {n for n, t in types.items() if t == "Q6_K"}
+        down = "ffn_down_exps" if shape.experts else "ffn_down"
         assert six == {"output.weight" if not shape.tied else "token_embd.weight"} | {
-            f"blk.{i}.{m}.weight" for i in (0, 3, 6, 7) for m in ("attn_v", "ffn_down")}
+            f"blk.{i}.{m}.weight" for i in (0, 3, 6, 7) for m in ("attn_v", down)}
     assert Tokenizer.load(path).encode("tu") == [3]  # a vocabulary the engine loads
     kept = logits(path, "dense" if file_type == "BF16" else "quantized")
     expanded = logits(path, "dense")
