@@ -183,7 +183,7 @@ def main() -> None:
                     "spec_acceptance_rate": round(accepted / drafted, 3) if drafted else None}
     if llama_ms:
         figures |= {"llama_cpp_ms_per_token": round(statistics.median(llama_ms), 2),
-                    "llama_cpp_over_ours": round(statistics.median(llama_ms) / ms[True], 3)}
+                    "llama_cpp_over_ours": round(statistics.median(llama_ms) / ms[plain], 3)}
     print(json.dumps(figures), flush=True)
 
 
