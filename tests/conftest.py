@@ -14,6 +14,7 @@ from qworker_client.local_redis import RedisProcess, free_port
 from tests import internal_errors
 
 if TYPE_CHECKING:
+    import torch
     import transformers
 
     from qworker.model.tokenizer.tokenizer import Tokenizer
@@ -106,3 +107,19 @@ def smollm2_reference(smollm2_path: Path) -> transformers.PreTrainedModel:
 
     return transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every step the native decode graph ran."""
+    from qworker.model.kernels import native
+
+    calls: list[int] = []
+    real = native.decode_step
+
+    def spy(x: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(int(x.shape[0]))
+        return real(x, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "decode_step", spy)
+    return calls

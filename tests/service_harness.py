@@ -141,6 +141,33 @@ def thread_worker(url: str, name: str, engine: SimulatedEngine | None = None,
             thread.join(30)
 
 
+def commands_per_job(url: str, jobs: list[dict[str, str]], **config: Any) -> float:
+    """Redis commands (those scripts run included) one worker of 8 slots on the simulated engine
+    spends a job, taking `jobs` (queued before it starts) through to their ends."""
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    for fields in jobs:
+        client.xadd(KEYS.jobs, fields)  # type: ignore[arg-type]
+    client.config_resetstat()
+    polls = 0  # this function's own commands (XLEN, INFO) are not counted
+    with thread_worker(url, "counted", sim_engine("sim:step_ms=1", max_num_seqs=8),
+                       claim_idle_ms=60_000, **config) as w:  # no beats meanwhile
+        deadline = time.monotonic() + 60
+        while client.xlen(KEYS.recent) < len(jobs) and time.monotonic() < deadline:
+            polls += 1
+            time.sleep(0.01)
+        spent = _commands(client) - polls - 1
+        assert w.stop() == 0
+    assert len(dict(client.xrange(KEYS.recent))) == len(jobs)
+    client.close()
+    return spent / len(jobs)
+
+
+def _commands(client: redis.Redis) -> int:
+    stats: dict[str, Any] = client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+
+
 def spawn_worker(url: str, name: str, *args: str, log_path: Path | None = None
                  ) -> subprocess.Popen[bytes]:
     """`qworker serve` in a subprocess, logging to `log_path` (else a file of its own), where

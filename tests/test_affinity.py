@@ -23,7 +23,14 @@ from qworker_client import Producer
 from qworker_client.protocol import Job, JobValidationError, Keys, parse_job_fields
 from qworker_client.stats import stream_stats
 from tests.fair_harness import field, finish
-from tests.service_harness import sim_engine, spy, thread_worker, wait_for, wait_terminal
+from tests.service_harness import (
+    commands_per_job,
+    sim_engine,
+    spy,
+    thread_worker,
+    wait_for,
+    wait_terminal,
+)
 
 KEYS = Keys()
 BOUND_MS = 40
@@ -196,33 +203,13 @@ def test_a_sessions_later_turns_run_on_the_worker_that_ran_its_first(redis_url: 
         assert {where[f"c{s}-t{turn}"] for turn in range(4)} == {where[f"c{s}-t0"]}, where
 
 
-def _commands(client: redis.Redis) -> int:
-    stats: dict[str, Any] = client.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
-
-
 def _commands_per_job(url: str, affinity_ms: int, sessions: bool, jobs: int = 240) -> float:
     """One worker of 8 slots through a backlog (tests/test_fair_share.py's measure)."""
-    client = redis.Redis.from_url(url)
-    client.flushall()
-    for k in range(jobs):
-        fields = {"id": f"j{k}", "prompt": "count me", "max_tokens": "4"}
-        if sessions:
-            fields["session"] = f"chat-{k % 40}"
-        client.xadd(KEYS.jobs, fields)  # type: ignore[arg-type]
-    client.config_resetstat()
-    polls = 0  # this test's own commands (XLEN, INFO) are not counted
-    with thread_worker(url, "counted", sim_engine("sim:step_ms=1", max_num_seqs=8),
-                       affinity_ms=affinity_ms, claim_idle_ms=60_000) as w:
-        deadline = time.monotonic() + 60
-        while client.xlen(KEYS.recent) < jobs and time.monotonic() < deadline:
-            polls += 1
-            time.sleep(0.01)
-        spent = _commands(client) - polls - 1
-        assert w.stop() == 0
-    assert len(dict(client.xrange(KEYS.recent))) == jobs
-    client.close()
-    return spent / jobs
+    fields = [{"id": f"j{k}", "prompt": "count me", "max_tokens": "4"} for k in range(jobs)]
+    if sessions:
+        for k, job in enumerate(fields):
+            job["session"] = f"chat-{k % 40}"
+    return commands_per_job(url, fields, affinity_ms=affinity_ms)
 
 
 def test_what_affinity_costs_in_redis_commands_a_job(redis_url: str) -> None:

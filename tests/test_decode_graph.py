@@ -19,7 +19,6 @@ from qworker.model.arch.architecture import Architecture
 from qworker.model.config import Experts, LayerAttention, ModelConfig
 from qworker.model.decode_graph import refusal
 from qworker.model.decoder import DecoderModel
-from qworker.model.kernels import native
 from tests.engine_fixtures import tiny_model
 from tests.model_harness import Step, kernel_family, run_schedule
 
@@ -62,19 +61,6 @@ MODELS: dict[str, Callable[[torch.dtype], DecoderModel]] = {
     "biased": lambda dtype: random_model(replace(ARCHITECTURES["llama"], qkv_bias=True), dtype),
 }
 
-
-@pytest.fixture
-def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rows of every step the graph ran."""
-    calls: list[int] = []
-    real = native.decode_step
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor | None:
-        calls.append(x.shape[0])
-        return real(x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(native, "decode_step", spy)
-    return calls
 
 
 def _layer_by_layer(model: DecoderModel, sequences: list[list[int]],

@@ -44,19 +44,6 @@ def native_level(name: str) -> Iterator[None]:
             yield
 
 
-@pytest.fixture
-def graph_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rows of every step the graph ran."""
-    calls: list[int] = []
-    real = native.decode_step
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor | None:
-        calls.append(x.shape[0])
-        return real(x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(native, "decode_step", spy)
-    return calls
-
 
 def _twelve_decodes(model: DecoderModel, vocab: int) -> tuple[list[list[int]], list[Step]]:
     """12 sequences prefilled, then 3 decode steps of 12 rows: 24 choices of 8 experts (48 of 16

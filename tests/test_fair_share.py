@@ -17,7 +17,7 @@ from qworker.service.lua_fair import PARKED_CONSUMER
 from qworker_client.protocol import Keys
 from qworker_client.stats import stream_stats
 from tests.fair_harness import field, finish, intake, submit
-from tests.service_harness import KEYS, sim_engine, thread_worker
+from tests.service_harness import KEYS, commands_per_job
 
 
 @pytest.fixture
@@ -110,30 +110,9 @@ def test_fair_share_off_is_first_come_first_served(client: redis.Redis) -> None:
     assert not client.exists(KEYS.ready_of(KEYS.jobs))
 
 
-def _commands(client: redis.Redis) -> int:
-    stats: dict[str, Any] = client.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
-
-
 def _commands_per_job(url: str, fair: bool, jobs: int) -> float:
-    client = redis.Redis.from_url(url)
-    client.flushall()
-    for k in range(jobs):
-        client.xadd(KEYS.jobs, {"id": f"j{k}", "tenant": f"t{k % 3}", "prompt": "count me",
-                                "max_tokens": "4"})
-    client.config_resetstat()
-    polls = 0  # this test's own commands (XLEN, INFO) are not counted
-    with thread_worker(url, "counted", sim_engine("sim:step_ms=1", max_num_seqs=8),
-                       fair_share=fair, claim_idle_ms=60_000) as w:  # no beats meanwhile
-        deadline = time.monotonic() + 60
-        while client.xlen(KEYS.recent) < jobs and time.monotonic() < deadline:
-            polls += 1
-            time.sleep(0.01)
-        spent = _commands(client) - polls - 1
-        assert w.stop() == 0
-    assert len(dict(client.xrange(KEYS.recent))) == jobs
-    client.close()
-    return spent / jobs
+    return commands_per_job(url, [{"id": f"j{k}", "tenant": f"t{k % 3}", "prompt": "count me",
+                                   "max_tokens": "4"} for k in range(jobs)], fair_share=fair)
 
 
 def test_the_fair_read_costs_at_most_3_more_commands_a_job(redis_url: str) -> None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +42,15 @@ from qworker_client.sentinel_url import parse_sentinel_url
 from tests.gateway_harness import gateway
 from tests.sentinel_harness import Topology, elapsed, topology
 from tests.service_harness import (
-    KEYS,
     ROOT,
     check_stream,
     events,
     expected,
-    spawn_worker,
     terminal,
     wait_for,
     wait_terminal,
 )
-from tests.worker_process import stop_gracefully
+from tests.worker_process import sim_worker
 
 SIM = "sim:step_ms=20"
 FAST_RECLAIM = ("--claim-idle-ms", "1000")
@@ -64,19 +62,9 @@ def sentinels(tmp_path: Path) -> Iterator[Topology]:
         yield found
 
 
-@contextmanager
-def worker(url: str, name: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def worker(url: str, name: str, log_path: Path) -> AbstractContextManager[subprocess.Popen[bytes]]:
     """`qworker serve --redis-url redis+sentinel://...` on the simulated engine, live."""
-    proc = spawn_worker(url, name, "--model", SIM, *FAST_RECLAIM, log_path=log_path)
-    client = sync_redis(url, socket_timeout=5)
-    try:
-        wait_for(lambda: proc.poll() is not None or client.exists(KEYS.worker(name)),
-                 timeout=60, what=f"worker {name} to start")
-        assert proc.poll() is None, f"worker {name} exited with {proc.returncode}"
-        yield proc
-    finally:
-        client.close()
-        stop_gracefully(proc)
+    return sim_worker(url, name, *FAST_RECLAIM, model=SIM, log_path=log_path)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

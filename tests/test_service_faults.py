@@ -177,23 +177,28 @@ def test_an_acl_on_one_jobs_keys_fails_only_that_job(acl: tuple[redis.Redis, str
     assert group_pending(client) == 0
 
 
-def test_a_worker_denied_the_job_stream_exits_2_with_one_line(acl: tuple[redis.Redis, str],
-                                                               tmp_path: Path) -> None:
-    client, url = acl
-    client.acl_setuser("qwtest-nojobs", enabled=True, passwords=["+pw"], commands=["+@all"],
-                       keys=["qw:out:*", "qw:owner:*", "qw:worker:*", "qw:cancel:*"])
+def _refused_at_start(url: str, name: str, tmp_path: Path) -> tuple[str, list[str]]:
+    """A worker whose Redis user lacks a key it needs: exit 2, no traceback, one `cannot work`
+    line naming Redis' NoPermissionError. Its log, and that line."""
     log = tmp_path / "worker.log"
-    proc = spawn_worker(_user_url(url, "qwtest-nojobs"), "denied", "--model", "sim",
-                        log_path=log)
+    proc = spawn_worker(url, name, "--model", "sim", log_path=log)
     try:
         rc = proc.wait(60)
     finally:
         stop_process(proc)
     text = log.read_text()
-    assert rc == 2, text
-    assert "Traceback" not in text
+    assert rc == 2 and "Traceback" not in text, text
     fatal = [line for line in text.splitlines() if "cannot work" in line]
     assert len(fatal) == 1 and "NoPermissionError" in fatal[0], text
+    return text, fatal
+
+
+def test_a_worker_denied_the_job_stream_exits_2_with_one_line(acl: tuple[redis.Redis, str],
+                                                               tmp_path: Path) -> None:
+    client, url = acl
+    client.acl_setuser("qwtest-nojobs", enabled=True, passwords=["+pw"], commands=["+@all"],
+                       keys=["qw:out:*", "qw:owner:*", "qw:worker:*", "qw:cancel:*"])
+    text, fatal = _refused_at_start(_user_url(url, "qwtest-nojobs"), "denied", tmp_path)
     errors = [line for line in text.splitlines() if '"level": "error"' in line]
     assert errors == fatal
 
@@ -208,17 +213,7 @@ def test_a_worker_set_up_before_the_append_lease_exits_2_with_one_line(
     client.acl_setuser("qwtest-nolease", enabled=True, passwords=["+pw"], commands=["+@all"],
                        keys=keys)
     client.xadd(KEYS.jobs, {"id": "kept", "prompt": "x"})
-    log = tmp_path / "worker.log"
-    proc = spawn_worker(_user_url(url, "qwtest-nolease"), "old-acl", "--model", "sim",
-                        log_path=log)
-    try:
-        rc = proc.wait(60)
-    finally:
-        stop_process(proc)
-    text = log.read_text()
-    assert rc == 2 and "Traceback" not in text, text
-    fatal = [line for line in text.splitlines() if "cannot work" in line]
-    assert len(fatal) == 1 and "NoPermissionError" in fatal[0], text
+    _refused_at_start(_user_url(url, "qwtest-nolease"), "old-acl", tmp_path)
     assert client.xlen(KEYS.dead) == 0 and client.xlen(KEYS.jobs) == 1  # the job waits
 
 

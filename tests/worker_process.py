@@ -14,6 +14,7 @@ import redis
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
+from qworker_client.redis_clients import sync_redis
 from tests.service_harness import KEYS, ROOT, checkout_env, spawn_worker, wait_for
 
 RQ_SERIALIZER = "rq.serializers.JSONSerializer"
@@ -24,7 +25,7 @@ def sim_worker(url: str, name: str = "sim-1", *args: str, model: str = "sim:step
                log_path: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """`qworker serve` on the simulated engine, live when the block starts."""
     proc = spawn_worker(url, name, "--model", model, *args, log_path=log_path)
-    client = redis.Redis.from_url(url)
+    client = sync_redis(url, socket_timeout=5)  # any URL a worker takes (Sentinel too)
     try:
         wait_for(lambda: proc.poll() is not None or client.exists(KEYS.worker(name)),
                  timeout=60, what=f"worker {name} to start")

@@ -129,7 +129,7 @@ class Publisher:
             self.lease.answered(lease, _str(takeovers), bool(trusted), status,
                                 {job.job_id: _next_index(job) for job in jobs})
             return
-        self.lease.unknown()
+        self.lease.unknown()  # what the calls below (or the failed one) set is not known
         if len(jobs) == 1:
             result.fail(jobs[0].job_id, str(error))
             return
@@ -142,7 +142,6 @@ class Publisher:
                 result.fail(job.job_id, error)
             else:
                 result.status[job.job_id] = decode_status(one[0][0])
-        self.lease.unknown()  # each call set its own value: the next one checks every job
 
     def _append(self, pipe: redis.client.Pipeline, jobs: Sequence[ActiveJob],
                 lease: Lease) -> None:
