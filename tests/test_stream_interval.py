@@ -48,8 +48,9 @@ def test_an_interval_writes_the_same_streams_in_fewer_calls(redis_url: str) -> N
 
 def test_the_first_token_and_the_end_are_not_held_back(redis_url: str) -> None:
     """An interval far longer than the job: token 0 goes out at once, in a round trip of its
-    own; the tokens after it wait for the job's end and go with `done` in one call (one script
-    call: one Redis time for all its entries)."""
+    own; the tokens after it wait for the job's end and go with `done` in one call. Sent step by
+    step, 39 steps of 5 ms would spread them over 195 ms or more; one script call writes them
+    within a few ms (Redis 7.0 reads the clock at each XADD, so not always the same ms)."""
     client = redis.Redis.from_url(redis_url)
     with thread_worker(redis_url, "w", sim_engine("sim:step_ms=5"),
                        stream_interval_ms=60_000) as w:
@@ -59,4 +60,4 @@ def test_the_first_token_and_the_end_are_not_held_back(redis_url: str) -> None:
     check_stream(client, "j")
     times = [_ms(entry_id) for entry_id, _ in client.xrange(KEYS.out("j"))]
     assert len(times) == TOKENS + 1
-    assert times[0] < times[1] and len(set(times[1:])) == 1, times
+    assert times[0] < times[1] and times[-1] - times[1] < 50, times
