@@ -54,6 +54,19 @@ template <int T> constexpr int64_t x8_group_bytes(int64_t blocks) {
   else return blocks * X8<T>::kBytes;
 }
 
+// One row of activations makes these kernels a stream over the weights, and the hardware
+// prefetchers alone leave it at about half of what DRAM gives (AMD Zen 5, 2 threads: 20-26 GB/s
+// of weights against 35-40 for a plain read). So each step of a stream also asks for the bytes
+// kPrefetchAhead past the ones it reads (the weights' whole span, block heads included). The
+// 1.5B Qwen2 Q4_K_M file's matmuls at one row, medians of 5 runs: 30.5, 29.7, 31.4 and 31.5
+// ms with 1152, 2304, 3456 and 4608 bytes ahead; 38-40 ms with none.
+constexpr int64_t kPrefetchAhead = 2304;
+
+inline void prefetch_weights(const uint8_t* from, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(from + kPrefetchAhead + line), _MM_HINT_T0);
+}
+
 // nibble n of chunk c's 16 words (Q5_0: with its fifth bit from `high`, the bytes of c's half
 // widened to 16 bits), as 16 int16 values
 template <int T>
@@ -143,6 +156,7 @@ inline void x8_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* tab
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, g += X8<T>::kBytes) {
+    prefetch_weights(g, X8<T>::kBytes);
     Pairs<Pre> xb[R];
     for (int r = 0; r < R; ++r)
       xb[r] = {x + r * stride + b, Pre ? table + (r * stride + b) * 128 : nullptr};
@@ -222,6 +236,7 @@ inline void x8k_group_dot(const uint8_t* g, const ActBlock* x, const int32_t* ta
     for (int s = 0; s < 8; ++s) {
       const int64_t b = 8 * kb + s;
       const uint8_t* q = g + X8K<T>::kHead + s * X8K<T>::kSub;
+      prefetch_weights(g + s * X8K<T>::kBytes / 8, X8K<T>::kBytes / 8);
       Pairs<Pre> xb[R];
       for (int r = 0; r < R; ++r)
         xb[r] = {x + r * stride + b, Pre ? table + (r * stride + b) * 128 : nullptr};
@@ -323,6 +338,8 @@ inline void x8k_pair_dot(const uint8_t* g0, const uint8_t* g1, const ActBlock* x
       const int64_t b = 8 * kb + s;
       const uint8_t* q0 = g0 + X8K<T>::kHead + s * X8K<T>::kSub;
       const uint8_t* q1 = g1 + X8K<T>::kHead + s * X8K<T>::kSub;
+      prefetch_weights(g0 + s * X8K<T>::kBytes / 8, X8K<T>::kBytes / 8);
+      prefetch_weights(g1 + s * X8K<T>::kBytes / 8, X8K<T>::kBytes / 8);
       __m512i isum[2][R];
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r) isum[h][r] = _mm512_setzero_si512();
