@@ -1,12 +1,14 @@
-"""Memory of a real-size model kept quantized: a GGUF of a real shape (benchmarks/real_shapes.py,
-Llama-2-7B by default) with random blocks is written, loaded as `qworker serve` loads it, and the
-process's RSS after load is set against the file's size plus the KV cache (target: at most the
-file + the cache + 400 MB).
+"""Memory of a real-size GGUF model: a file of a real shape (benchmarks/real_shapes.py, Llama-2-7B
+by default) with random blocks is written, or `--model FILE` is taken as it is, and loaded as
+`qworker serve` loads it (`--weights auto` by default, its choice timed and cached in a
+scratch folder), and the process's RSS after load is set against the file's size plus the KV
+cache (target: at most the file + the cache + 400 MB, whatever `auto` chose).
 
     .venv/bin/python -m benchmarks.quant_memory [--shape llama2-7b] [--type Q4_0] [--dir /tmp]
-        [--keep] [--layers N] [--decode-tokens 8] [--llama-bench PATH]
+        [--model FILE] [--weights auto|quantized] [--dtype bfloat16] [--keep] [--layers N]
+        [--decode-tokens 8] [--llama-bench PATH]
 
-The file (3.8 GB for a 7B Q4_0, 7.2 GB for Q8_0) is deleted afterwards unless --keep. Single-stream
+A written file (3.8 GB for a 7B Q4_0, 7.2 GB for Q8_0) is deleted afterwards unless --keep. Single-stream
 ms per token (a few decode steps after a 16-token prompt) follows on a second JSON line, with
 llama.cpp's `llama-bench` on the same file beside it when given (or why it failed).
 """
@@ -18,6 +20,7 @@ import ctypes
 import json
 import os
 import subprocess
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -70,26 +73,32 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's")
     parser.add_argument("--decode-tokens", type=int, default=8)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--model", type=Path, help="an existing GGUF file (kept), not a shape")
+    parser.add_argument("--weights", default="auto", choices=("auto", "quantized"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--llama-bench")
     args = parser.parse_args()
     shape = rs.SHAPES[args.shape]
     if args.layers:
         shape = replace(shape, layers=args.layers)
-    path = args.dir / f"qworker-{args.shape}-{args.type}-{shape.layers}.gguf"
+    path = args.model or args.dir / f"qworker-{args.shape}-{args.type}-{shape.layers}.gguf"
+    dtype = getattr(torch, args.dtype)
     try:
         if not path.exists():
             rs.write(path, shape, args.type)
         before = rss_bytes()
-        model = load_model(path, dtype=torch.float32, weights="quantized")
-        model.choose_kernels(1, 1)
+        with tempfile.TemporaryDirectory() as cache_dir:  # auto's timing, never a stale one
+            model = load_model(path, dtype=dtype, weights=args.weights, cache_dir=Path(cache_dir))
+            model.choose_kernels(1, 1)
         context = 256
-        cache = KVCache.allocate(model.config, -(-context // 128), 128, torch.float32, "cpu")
+        cache = KVCache.allocate(model.config, -(-context // 128), 128, dtype, "cpu")
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # heap freed during load, back to the system
         rss = rss_bytes()
         kv = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
         file_bytes = path.stat().st_size
         figures = {
-            "shape": args.shape, "type": args.type, "layers": shape.layers, **machine_info(),
+            "file": path.name, "weights": args.weights, "dtype": args.dtype,
+            "layers": model.config.num_layers, **machine_info(),
             "file_gb": round(file_bytes / 1e9, 3), "kv_cache_gb": round(kv / 1e9, 3),
             "rss_before_load_gb": round(before / 1e9, 3), "rss_after_load_gb": round(rss / 1e9, 3),
             "weight_gb": round(model.weight_bytes() / 1e9, 3),
@@ -104,7 +113,7 @@ def main() -> None:
                 args.llama_bench, path, torch.get_num_threads(), args.decode_tokens)
         print(json.dumps(figures), flush=True)
     finally:
-        if not args.keep:
+        if not args.keep and args.model is None:
             path.unlink(missing_ok=True)
 
 

@@ -144,6 +144,33 @@ def test_x8_kernels_match_dequantize_then_matmul(kind: gguf.GGMLQuantizationType
     np.testing.assert_allclose(got, same, atol=1e-5 * scale, rtol=0)
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).bfloat16().double().numpy()
+
+
+@pytest.mark.parametrize("kind", X8_KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize(("rows", "outputs"), [(1, 48), (9, 32), (17, 16), (64, 80)])
+def test_bf16_panels_compute_the_file_expanded_to_bfloat16(kind: gguf.GGMLQuantizationType,
+                                                          rows: int, outputs: int) -> None:
+    """bf16x8: the weights and activations each rounded to bfloat16 once, the products summed in
+    float (48-row panels, the last of 16 or 32 rows where the outputs leave one)."""
+    rng = np.random.default_rng(11 * rows + outputs + int(kind))
+    cols = x8_columns(kind)
+    raw = random_blocks(kind, outputs, cols, rng)
+    w = gguf.quants.dequantize(raw, kind)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    weight = QuantWeight.of(kind.name, torch.from_numpy(raw), cols)
+    assert "bf16x8" not in QuantLinear(weight, None).kernels()  # a float32 model keeps float32
+    layer = QuantLinear(weight, None, torch.bfloat16)
+    if not native.bf16_panels():  # an AVX2 or plain AVX-512 build has no bfloat16 dot
+        assert "bf16x8" not in layer.kernels()
+        return
+    assert layer.kernels()[-1] == "bf16x8"
+    want = _bf16(x) @ _bf16(w).T
+    got = layer.run("bf16x8", torch.from_numpy(x)).double().numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
 def test_choosing_an_x8_kernel_repacks_the_weight_once_for_every_bucket() -> None:
     kind = gguf.GGMLQuantizationType.Q4_1
     raw = torch.from_numpy(random_blocks(kind, 32, 64, np.random.default_rng(3)))

@@ -71,7 +71,8 @@ Q = gguf.GGMLQuantizationType
 # per kernel_choice bucket (1, 8, 32, ...): the steps below fall in the first two (1 and 3-10 rows)
 CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
            "k-mixed": ("int16", "dequant", "dequant", "dequant", "dequant"),
-           "x8": ("int16x8", "dequantx8", "dequantx8", "dequantx8", "dequantx8")}
+           "x8": ("int16x8", "dequantx8", "dequantx8", "dequantx8", "dequantx8"),
+           "bf16-x8": ("int16x8", "bf16x8", "bf16x8", "bf16x8", "bf16x8")}  # bfloat16 models
 
 
 @pytest.mark.parametrize(("kind", "others", "choice"), [
@@ -79,7 +80,8 @@ CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
     (Q.Q4_K, {"attn_v": Q.Q6_K}, "k-mixed"),  # K-quants: int16 or dequant, no int8
     (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_down": Q.Q4_0}, "x8"),  # repacked in groups of 8 rows
     (Q.Q4_K, {"attn_v": Q.Q6_K}, "x8"),  # K-quants too
-], ids=["int16-and-int8", "k-quants", "x8", "k-quants-x8"])
+    (Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_up": Q.Q8_0}, "bf16-x8"),  # bfloat16 panels
+], ids=["int16-and-int8", "k-quants", "x8", "k-quants-x8", "bf16-panels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],
@@ -89,9 +91,12 @@ def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 5 and len(model.layers[0].self_attn.qkv_proj.quant.segments) == (
         2 if others else 1)
+    if choice == "bf16-x8" and not (dtype == torch.bfloat16 and native.bf16_panels()):
+        assert all("bf16x8" not in m.runnable() for m in linears)  # float32's, or no such dot
+        return
     for m in linears:
         m.set_choice(CHOICES[choice])
-    assert all(m.quant.is_x8 for m in linears) == (choice == "x8")
+    assert all(m.quant.is_x8 for m in linears) == choice.endswith("x8")
     qkv = model.layers[0].self_attn.qkv_proj  # a Qwen2-like bias, added after the kernel
     qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features, dtype=dtype),
                                   requires_grad=False)
@@ -144,7 +149,7 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
     assert load_model(path, weights="float32").kernel_report()["weights"] == "float32"
 
 
-def test_auto_keeps_the_blocks_where_every_batch_runs_as_fast_or_expanded_would_not_fit(
+def test_auto_keeps_the_blocks_where_every_batch_runs_as_fast_or_expanding_costs_too_much(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_K, others={"ffn_down": Q.Q6_K})
     sample = weights_auto.sample_tensor(path)
@@ -162,6 +167,12 @@ def test_auto_keeps_the_blocks_where_every_batch_runs_as_fast_or_expanded_would_
     assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
     expanded_bytes = gguf_checkpoint.expanded_bytes(path, 4)
     assert expanded_bytes > path.stat().st_size
+    growth = expanded_bytes - path.stat().st_size
+    monkeypatch.setattr(weights_auto, "EXPANSION_ALLOWANCE", growth)  # at the allowance: timed
+    assert not isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
+    monkeypatch.setattr(weights_auto, "EXPANSION_ALLOWANCE", growth - 1)  # past it: kept
+    assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # though slower
+    monkeypatch.setattr(weights_auto, "EXPANSION_ALLOWANCE", growth)
     monkeypatch.setattr(weights_auto, "available_memory", lambda: 3 * expanded_bytes)  # 2x > half
     assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # though slower
 

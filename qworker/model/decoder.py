@@ -249,11 +249,12 @@ class DecoderModel(nn.Module):
             self.embed_tokens.release_to(quant_lookup(quant, self.dtype), self.device)
             self.embed_tokens.quant = quant
             if self.config.tie_word_embeddings:
-                self._set_module("lm_head", QuantLinear(quant, None))
+                self._set_module("lm_head", QuantLinear(quant, None, self.dtype))
             return
         bias = given.get(f"{module_name}.bias")  # left in `given`: copied in as any tensor is
         assert bias is None or isinstance(bias, torch.Tensor)
-        self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float()))
+        self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float(),
+                                                  self.dtype))
 
     def _set_module(self, dotted: str, module: QuantLinear) -> None:
         parent, _, name = dotted.rpartition(".")

@@ -261,7 +261,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
 
 
 # qw_quant_gemm's methods ("...x8": on weights in the 8-row interleaved layout)
-QUANT_METHODS = {"int8": 0, "dequant": 1, "int16": 2, "int16x8": 3, "dequantx8": 4}
+QUANT_METHODS = {"int8": 0, "dequant": 1, "int16": 2, "int16x8": 3, "dequantx8": 4, "bf16x8": 5}
+
+
+def bf16_panels() -> bool:
+    """Whether the loaded build has the "bf16x8" quantized method (AVX512-BF16 and above)."""
+    return status().level in ("avx512_bf16", "amx")
 
 
 def quant_gemm(method: str, type_id: int, x: torch.Tensor, raw: torch.Tensor,

@@ -18,6 +18,10 @@ The kernels ("kinds"):
   groups): 8 rows' scales side by side, so the scale products and float accumulation are one
   8-wide operation for the 8 rows, and one broadcast activation pair feeds 8 rows'
   `_mm256_madd_epi16`;
+- "bf16x8": for a bfloat16 model, on AVX512-BF16 builds: the x8 weight dequantized 16 rows at
+  a time into a bfloat16 panel of the dense GEMM's layout, multiplied with the activations
+  rounded to bfloat16, in float: the arithmetic of the file expanded to bfloat16, near its
+  speed where many rows share each panel, from the blocks (nothing expanded stays resident);
 - "torch": gguf's reference dequantization of the whole weight, then `F.linear`. Only where no
   native build is loaded: it reads and writes 4 bytes per weight per call and cannot win.
 Which native kind runs at each token-count bucket is measured at warm-up (`kernel_choice`); the
@@ -43,10 +47,12 @@ class QuantLinear(nn.Module):
     float_out = False  # the results in float32, as computed, whatever x's dtype (an LM head's)
     _trial: QuantWeight | None = None  # an x8 copy, only while the kernels are measured
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.quant = weight  # a plain attribute: no state_dict entry, untouched by .to()
         self.out_features, self.in_features = weight.shape
+        self.model_dtype = dtype  # bfloat16: the bfloat16 panels are as precise as the model
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
@@ -99,10 +105,14 @@ class QuantLinear(nn.Module):
         """The kernels the measured choice picks among (the first where nothing is chosen)."""
         if native.library() is None:
             return ("torch",)
+        x8 = (*X8_TWINS.values(), *(("bf16x8",) if self._bf16_panels() else ()))
         if self.quant.is_x8:
-            return tuple(X8_TWINS.values())
+            return x8
         base = ("int16", "dequant") if self._integer_dot(INT16_DOT_TYPES) else ("dequant",)
-        return (*base, *X8_TWINS.values()) if self.quant.x8_serves else base
+        return (*base, *x8) if self.quant.x8_serves else base
+
+    def _bf16_panels(self) -> bool:
+        return self.model_dtype == torch.bfloat16 and native.bf16_panels()
 
     def runnable(self) -> tuple[str, ...]:
         """kernels() and those that run only where forced (int8)."""

@@ -9,8 +9,13 @@ ways at every row count a step takes (the kernel choice's buckets, 1 to 512 rows
 measurement, `kernel_choice.measure`: every kernel each way, the least time of many rounds): kept
 in its blocks, and expanded to the model's dtype. The blocks stay only where they are as fast at
 every bucket (within `TIE`), so that no batch size loses: a worker fed by a queue runs full
-batches whenever work waits. Where the expanded weights would not fit comfortably in memory the
-blocks stay whatever the timing. The timing is cached beside the kernel choice (by machine and
+batches whenever work waits. But the resident size stays bounded first: where expanding would
+hold more than `EXPANSION_ALLOWANCE` bytes beyond the blocks (any file past ~100M parameters at
+4 bits: a 1.5B Q4_K_M file's 0.98 GB would become 3.6 GB of bfloat16), or would not fit
+comfortably in memory, the blocks stay whatever the timing, and a full batch runs on the
+"bf16x8" panels (within 1.1-1.3x of the expanded GEMM from 128 rows on Zen 5). A small model
+such as the default SmolLM2 (98 MB, 0.23 GB more expanded) is still timed, and expands where its
+cache-resident dense matrices win. The timing is cached beside the kernel choice (by machine and
 sample matrix), so a restart does not time again; on a machine too busy to time anything (the
 kernel choice's load guard) with nothing cached, a file whose expanded weights fit is expanded,
 and a later, quieter start times it. `--weights quantized` keeps the blocks regardless (a single
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 TIE = 1.05  # kept this much slower than expanded at a bucket still counts as as fast (noise)
+EXPANSION_ALLOWANCE = 256 * 2**20  # the most resident bytes expanding may add to the blocks
 
 
 def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None = None) -> bool:
@@ -55,7 +61,12 @@ def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None 
     if file is None:
         return False
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if 2 * expanded_bytes(file, itemsize) > 0.5 * available_memory():  # packs at load: 2x
+    expanded = expanded_bytes(file, itemsize)
+    if expanded - file.stat().st_size > EXPANSION_ALLOWANCE:
+        log.info("weights_auto", chose="quantized", expanded_bytes=expanded,
+                 why="expanding would hold more than the allowance beyond the blocks")
+        return True
+    if 2 * expanded > 0.5 * available_memory():  # packs at load: 2x
         log.info("weights_auto", chose="quantized", why="the expanded weights would not fit")
         return True
     tensor = sample_tensor(file)
@@ -97,7 +108,7 @@ def bucket_seconds(tensor: GGUFTensor, dtype: torch.dtype) -> tuple[list[float],
     assert isinstance(weight, torch.Tensor) and isinstance(blocks, QuantWeight)
     dense = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-    return per_row(QuantLinear(blocks, None)), per_row(dense)
+    return per_row(QuantLinear(blocks, None, dtype)), per_row(dense)
 
 
 def _cache_path(cache_dir: Path | None, sample: str, dtype: torch.dtype) -> Path | None:

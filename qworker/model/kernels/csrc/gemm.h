@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 
@@ -61,8 +62,9 @@ template <> struct GemmOp<bf16> {
 #endif
 
 #if defined(__AVX512F__)
-template <typename T, int MR, int NR>
-void gemm_tile(const T* x, const T* wp, const T* bias, T* out, int64_t k, int64_t n, int64_t m0,
+// (O: the output's type, T's or float: a bfloat16 product kept in float)
+template <typename T, int MR, int NR, typename O = T>
+void gemm_tile(const T* x, const T* wp, const T* bias, O* out, int64_t k, int64_t n, int64_t m0,
                int64_t nb0) {
   using Op = GemmOp<T>;
   constexpr int64_t step = Op::kStep;
@@ -78,24 +80,29 @@ void gemm_tile(const T* x, const T* wp, const T* bias, T* out, int64_t k, int64_
   for (int j = 0; j < NR; ++j) {
     const int64_t col = (nb0 + j) * 16;
     const __m512 b = bias != nullptr ? Op::widen(bias + col) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) Op::narrow(out + (m0 + i) * n + col, _mm512_add_ps(acc[i][j], b));
+    for (int i = 0; i < MR; ++i) {
+      if constexpr (std::is_same_v<O, float>)
+        _mm512_storeu_ps(out + (m0 + i) * n + col, _mm512_add_ps(acc[i][j], b));
+      else
+        Op::narrow(out + (m0 + i) * n + col, _mm512_add_ps(acc[i][j], b));
+    }
   }
 }
 
 // all rows of NR consecutive blocks of columns, 8 rows at a time
-template <typename T, int NR>
-void gemm_columns(const T* x, const T* wp, const T* bias, T* out, int64_t m, int64_t k, int64_t n,
+template <typename T, int NR, typename O = T>
+void gemm_columns(const T* x, const T* wp, const T* bias, O* out, int64_t m, int64_t k, int64_t n,
                   int64_t nb0) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= m; m0 += 8) gemm_tile<T, 8, NR>(x, wp, bias, out, k, n, m0, nb0);
+  for (; m0 + 8 <= m; m0 += 8) gemm_tile<T, 8, NR, O>(x, wp, bias, out, k, n, m0, nb0);
   switch (m - m0) {  // the last rows, in a smaller tile
-    case 7: return gemm_tile<T, 7, NR>(x, wp, bias, out, k, n, m0, nb0);
-    case 6: return gemm_tile<T, 6, NR>(x, wp, bias, out, k, n, m0, nb0);
-    case 5: return gemm_tile<T, 5, NR>(x, wp, bias, out, k, n, m0, nb0);
-    case 4: return gemm_tile<T, 4, NR>(x, wp, bias, out, k, n, m0, nb0);
-    case 3: return gemm_tile<T, 3, NR>(x, wp, bias, out, k, n, m0, nb0);
-    case 2: return gemm_tile<T, 2, NR>(x, wp, bias, out, k, n, m0, nb0);
-    case 1: return gemm_tile<T, 1, NR>(x, wp, bias, out, k, n, m0, nb0);
+    case 7: return gemm_tile<T, 7, NR, O>(x, wp, bias, out, k, n, m0, nb0);
+    case 6: return gemm_tile<T, 6, NR, O>(x, wp, bias, out, k, n, m0, nb0);
+    case 5: return gemm_tile<T, 5, NR, O>(x, wp, bias, out, k, n, m0, nb0);
+    case 4: return gemm_tile<T, 4, NR, O>(x, wp, bias, out, k, n, m0, nb0);
+    case 3: return gemm_tile<T, 3, NR, O>(x, wp, bias, out, k, n, m0, nb0);
+    case 2: return gemm_tile<T, 2, NR, O>(x, wp, bias, out, k, n, m0, nb0);
+    case 1: return gemm_tile<T, 1, NR, O>(x, wp, bias, out, k, n, m0, nb0);
     default: return;
   }
 }

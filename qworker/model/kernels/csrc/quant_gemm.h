@@ -547,13 +547,23 @@ inline void team_dequant_gemm(int type, const float* x, int64_t m, int64_t k, co
 
 namespace qw::quant {
 
-// kInt16X8 / kDequantX8: the int16 dot / the dequantized panels on weights in the x8 layout
-enum Method : int { kInt8 = 0, kDequant = 1, kInt16 = 2, kInt16X8 = 3, kDequantX8 = 4 };
+// kInt16X8 / kDequantX8: the int16 dot / the dequantized panels on weights in the x8 layout;
+// kBf16X8: bfloat16 panels and activations (AVX512-BF16 builds only)
+enum Method : int {
+  kInt8 = 0, kDequant = 1, kInt16 = 2, kInt16X8 = 3, kDequantX8 = 4, kBf16X8 = 5
+};
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Panels = true;
+#else
+constexpr bool kBf16Panels = false;
+#endif
 
 inline bool serves(int type, int method, int64_t m, int64_t k, int64_t n, int64_t ldo) {
   const Format f = format(type);
   if (f.elems == 0 || k % f.elems || k % 32 || m <= 0 || ldo < n) return false;
-  if (method == kInt16X8 || method == kDequantX8) return x8_serves(type) && n % 16 == 0;
+  if (method == kInt16X8 || method == kDequantX8 || (method == kBf16X8 && kBf16Panels))
+    return x8_serves(type) && n % 16 == 0;
   return method == kDequant || (method == kInt8 && int8_dot_serves(type)) ||
          (method == kInt16 && (int8_dot_serves(type) || type == Q4_K || type == Q6_K));
 }
@@ -569,6 +579,10 @@ inline void team_gemm(int type, int method, const float* x, int64_t m, int64_t k
     team_x8_gemm(type, x, m, k, w, n, out, ldo, shared);
   else if (method == kDequantX8)
     team_x8_dequant(type, x, m, k, w, n, out, ldo);
+#if defined(__AVX512BF16__)
+  else if (method == kBf16X8)
+    team_x8_bf16(type, x, m, k, w, n, out, ldo);
+#endif
   else
     team_dequant_gemm(type, x, m, k, w, n, out, ldo);
 }

@@ -565,6 +565,84 @@ inline void team_x8_dequant(int type, const float* x, int64_t m, int64_t k, cons
   }
 }
 
+#if defined(__AVX512BF16__)
+// ---- "bf16x8": many activation rows in bfloat16 against the weights dequantized 16 rows at a
+// time into a bfloat16 panel of the dense GEMM's layout ([k/2][16][2], gemm.h), which its
+// AVX512-BF16 register tiles multiply with every row, accumulating in float: the arithmetic of
+// the same file expanded to bfloat16 (each weight rounded to bfloat16 once), at the dense GEMM's
+// speed where many rows share each panel, from the blocks' bytes.
+
+// the float panel ([k][16], as team_x8_dequant_rows fills it) as bfloat16 pairs [k/2][16][2]
+inline void bf16_pairs(const float* panel, int64_t k, bf16* to) {
+  alignas(64) static constexpr int16_t kOrder[32] = {  // word 2j: value v of row j, 2j + 1: v + 1
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kOrder);
+  for (int64_t v = 0; v < k; v += 2) {  // 16 rows' values v (low 256 bits) and v + 1 (high)
+    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(panel + (v + 1) * 16),
+                                              _mm512_loadu_ps(panel + v * 16));
+    _mm512_storeu_si512(to + v * 16,
+                        _mm512_permutexvar_epi16(interleave, reinterpret_cast<const __m512i&>(both)));
+  }
+}
+
+// 16 weight rows from row 16 p (two groups) as a bfloat16 panel, through the float panel
+template <int T>
+inline void x8_bf16_panel(const uint8_t* w, int64_t p, int64_t k, float* panel, bf16* to) {
+  const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* g = w + (2 * p + h) * group_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* at = panel + b * 32 * 16 + 8 * h;
+      if constexpr (T == Q4_K || T == Q6_K)
+        x8k_block_floats<T>(g + (b / 8) * X8K<T>::kBytes, static_cast<int>(b % 8), at);
+      else
+        x8_block_floats<T>(g + b * X8<T>::kBytes, at);
+    }
+  }
+  bf16_pairs(panel, k, to);
+}
+
+// 48 weight rows a panel (the dense GEMM's 3-block register tile: a broadcast activation pair
+// feeds three multiplies), the last one 16 or 32 where n % 48 leaves them
+template <int T>
+inline void team_x8_bf16_rows(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n,
+                              float* out, int64_t ldo) {
+  thread_local std::vector<float> panel;
+  thread_local std::vector<bf16> pairs, xb;
+  panel.resize(static_cast<size_t>(k * 16));
+  pairs.resize(static_cast<size_t>(k * 48));
+  xb.resize(static_cast<size_t>(m * k));  // each thread its own copy: m k roundings, no barrier
+  for (int64_t i = 0; i < m * k; i += 16) {
+    const __mmask16 lanes = first_lanes(m * k - i);
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, x + i));
+    _mm256_mask_storeu_epi16(xb.data() + i, lanes, reinterpret_cast<const __m256i&>(v));
+  }
+#pragma omp for schedule(static)
+  for (int64_t p = 0; p < (n + 47) / 48; ++p) {
+    const int blocks = static_cast<int>(std::min<int64_t>(3, n / 16 - 3 * p));
+    for (int j = 0; j < blocks; ++j)
+      x8_bf16_panel<T>(w, 3 * p + j, k, panel.data(), pairs.data() + j * k * 16);
+    float* to = out + 48 * p;
+    if (blocks == 3) qw::gemm_columns<bf16, 3, float>(xb.data(), pairs.data(), nullptr, to, m, k, ldo, 0);
+    else if (blocks == 2) qw::gemm_columns<bf16, 2, float>(xb.data(), pairs.data(), nullptr, to, m, k, ldo, 0);
+    else qw::gemm_columns<bf16, 1, float>(xb.data(), pairs.data(), nullptr, to, m, k, ldo, 0);
+  }
+}
+
+inline void team_x8_bf16(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
+                         int64_t n, float* out, int64_t ldo) {
+  switch (type) {
+    case Q4_0: return team_x8_bf16_rows<Q4_0>(x, m, k, w, n, out, ldo);
+    case Q4_1: return team_x8_bf16_rows<Q4_1>(x, m, k, w, n, out, ldo);
+    case Q5_0: return team_x8_bf16_rows<Q5_0>(x, m, k, w, n, out, ldo);
+    case Q4_K: return team_x8_bf16_rows<Q4_K>(x, m, k, w, n, out, ldo);
+    case Q6_K: return team_x8_bf16_rows<Q6_K>(x, m, k, w, n, out, ldo);
+    default: return team_x8_bf16_rows<Q8_0>(x, m, k, w, n, out, ldo);
+  }
+}
+#endif
+
 // row `row` of a K-quant x8 weight, dequantized: out [k]
 inline void x8k_dequant_row(int type, const uint8_t* w, int64_t row, int64_t k, float* out) {
   const int64_t bytes = format(type).bytes * 8;  // one group block
