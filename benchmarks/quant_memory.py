@@ -8,9 +8,9 @@ cache (target: at most the file + the cache + 400 MB, whatever `auto` chose).
         [--model FILE] [--weights auto|quantized] [--dtype bfloat16] [--keep] [--layers N]
         [--decode-tokens 8] [--llama-bench PATH]
 
-A written file (3.8 GB for a 7B Q4_0, 7.2 GB for Q8_0) is deleted afterwards unless --keep. Single-stream
-ms per token (a few decode steps after a 16-token prompt) follows on a second JSON line, with
-llama.cpp's `llama-bench` on the same file beside it when given (or why it failed).
+A written file (3.8 GB for a 7B Q4_0, 7.2 GB for Q8_0) is deleted afterwards unless --keep.
+Single-stream ms per token (a few decode steps after a 16-token prompt) follows on a second JSON
+line, with llama.cpp's `llama-bench` on the same file beside it when given (or why it failed).
 """
 
 from __future__ import annotations
