@@ -61,12 +61,12 @@ def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None 
     if file is None:
         return False
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    expanded = expanded_bytes(file, itemsize)
-    if expanded - file.stat().st_size > EXPANSION_ALLOWANCE:
-        log.info("weights_auto", chose="quantized", expanded_bytes=expanded,
+    expanded_size = expanded_bytes(file, itemsize)
+    if expanded_size - file.stat().st_size > EXPANSION_ALLOWANCE:
+        log.info("weights_auto", chose="quantized", expanded_bytes=expanded_size,
                  why="expanding would hold more than the allowance beyond the blocks")
         return True
-    if 2 * expanded > 0.5 * available_memory():  # packs at load: 2x
+    if 2 * expanded_size > 0.5 * available_memory():  # packs at load: 2x
         log.info("weights_auto", chose="quantized", why="the expanded weights would not fit")
         return True
     tensor = sample_tensor(file)
