@@ -572,24 +572,72 @@ inline void team_x8_dequant(int type, const float* x, int64_t m, int64_t k, cons
 // the same file expanded to bfloat16 (each weight rounded to bfloat16 once), at the dense GEMM's
 // speed where many rows share each panel, from the blocks' bytes.
 
-// the float panel ([k][16], as team_x8_dequant_rows fills it) as bfloat16 pairs [k/2][16][2]
-inline void bf16_pairs(const float* panel, int64_t k, bf16* to) {
+// floats 16 rows' values v (even) and v + 1 (odd) as their [16][2] bfloat16 pairs at `to`
+inline void store_bf16_pairs(__m512 even, __m512 odd, bf16* to) {
   alignas(64) static constexpr int16_t kOrder[32] = {  // word 2j: value v of row j, 2j + 1: v + 1
       0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kOrder);
-  for (int64_t v = 0; v < k; v += 2) {  // 16 rows' values v (low 256 bits) and v + 1 (high)
-    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(panel + (v + 1) * 16),
-                                              _mm512_loadu_ps(panel + v * 16));
-    _mm512_storeu_si512(to + v * 16,
-                        _mm512_permutexvar_epi16(interleave, reinterpret_cast<const __m512i&>(both)));
-  }
+  const __m512bh both = _mm512_cvtne2ps_pbh(odd, even);  // even's 16 low, odd's 16 high
+  _mm512_storeu_si512(to, _mm512_permutexvar_epi16(_mm512_load_si512(kOrder),
+                                                   reinterpret_cast<const __m512i&>(both)));
 }
 
-// 16 weight rows from row 16 p (two groups) as a bfloat16 panel, through the float panel
+// the float panel ([k][16], as team_x8_dequant_rows fills it) as bfloat16 pairs [k/2][16][2]
+inline void bf16_pairs(const float* panel, int64_t k, bf16* to) {
+  for (int64_t v = 0; v < k; v += 2)
+    store_bf16_pairs(_mm512_loadu_ps(panel + v * 16), _mm512_loadu_ps(panel + (v + 1) * 16),
+                     to + v * 16);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+// a K-quant's two consecutive groups (16 rows) straight into a bfloat16 panel: their values
+// come as 16 rows' pairs (x8k_values2), scaled in float and rounded, with no float panel
+template <int T>
+inline void x8k_bf16_panel(const uint8_t* g0, const uint8_t* g1, int64_t k, bf16* to) {
+  for (int64_t kb = 0; kb < k / 256; ++kb, g0 += X8K<T>::kBytes, g1 += X8K<T>::kBytes) {
+    const __m512 d = halves_of(g0, g1);
+    const __m256 d0 = _mm512_castps512_ps256(d), d1 = _mm512_extractf32x8_ps(d, 1);
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t* q0 = g0 + X8K<T>::kHead + s * X8K<T>::kSub;
+      const uint8_t* q1 = g1 + X8K<T>::kHead + s * X8K<T>::kSub;
+      __m512 scale[2], offset;
+      if constexpr (T == Q4_K) {
+        const __m512 dmin = halves_of(g0 + 16, g1 + 16);
+        __m256 s0, s1, m0, m1;
+        x8_q4k_scales(g0, s, d0, _mm512_castps512_ps256(dmin), &s0, &m0);
+        x8_q4k_scales(g1, s, d1, _mm512_extractf32x8_ps(dmin, 1), &s1, &m1);
+        scale[0] = scale[1] = joined(s0, s1);
+        offset = _mm512_sub_ps(_mm512_setzero_ps(), joined(m0, m1));
+      } else {
+        scale[0] = joined(x8_q6k_scale(g0, s, 0, d0), x8_q6k_scale(g1, s, 0, d1));
+        scale[1] = joined(x8_q6k_scale(g0, s, 1, d0), x8_q6k_scale(g1, s, 1, d1));
+        offset = _mm512_setzero_ps();
+      }
+      bf16* at = to + (kb * 256 + s * 32) * 16;
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = pair_of(q0 + 32 * c, q1 + 32 * c);
+        for (int n = 0; n < 4; ++n) {  // lane j: row j's values 8c + 2n (low 16 bits), + 1
+          const __m512i pairs = x8k_values2<T>(q0, q1, v, c, n);
+          const __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
+          const __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
+          store_bf16_pairs(_mm512_fmadd_ps(scale[c / 2], even, offset),
+                           _mm512_fmadd_ps(scale[c / 2], odd, offset), at + (8 * c + 2 * n) * 16);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// 16 weight rows from row 16 p (two groups) as a bfloat16 panel (the 32-value formats through
+// the float panel)
 template <int T>
 inline void x8_bf16_panel(const uint8_t* w, int64_t p, int64_t k, float* panel, bf16* to) {
   const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+  if constexpr (T == Q4_K || T == Q6_K)
+    return x8k_bf16_panel<T>(w + 2 * p * group_bytes, w + (2 * p + 1) * group_bytes, k, to);
+#endif
   for (int h = 0; h < 2; ++h) {
     const uint8_t* g = w + (2 * p + h) * group_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
