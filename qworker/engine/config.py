@@ -24,9 +24,8 @@ class EngineConfig:
     # a GGUF's block-quantized matrices: kept in their blocks (native kernels over Q4_0 ... Q6_K),
     # or expanded to bf16 / float32 weights (which then set the dtype)
     weights: str = field(default="auto", metadata={
-        "help": "auto (a quantized GGUF on the CPU kept in its blocks where they time at least "
-                "as fast for decode, or its expanded weights would not fit in memory; else "
-                "--dtype) | quantized | bf16 | float32",
+        "help": "auto (a quantized GGUF on the CPU kept in its blocks unless expanding adds "
+                "at most 256 MB and times faster; else --dtype) | quantized | bf16 | float32",
         "choices": ("auto", "quantized", "bf16", "float32")})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
     # decode tokens do not count. 512: on the CPU a step of 512 rows already runs the matmuls at

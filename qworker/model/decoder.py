@@ -323,9 +323,9 @@ def load_model(
 ) -> DecoderModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
-    the CPU, where they measure at least as fast for decode, or the expanded weights would not
-    fit; `loading/weights_auto.py`, its timing cached in `cache_dir`); anything else dequantizes
-    them to `dtype`."""
+    the CPU, unless expanding it adds at most 256 MB and measures faster; `loading/
+    weights_auto.py`, its timing cached in `cache_dir`); anything else dequantizes them to
+    `dtype`."""
     from qworker.model.loading.checkpoint import load_checkpoint
     from qworker.model.loading.hub import resolve_model
     from qworker.model.loading.weights_auto import keep_quantized
