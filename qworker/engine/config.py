@@ -65,6 +65,11 @@ class EngineConfig:
         "help": "tool-call format: auto (from the chat template) | hermes | llama3_json | "
                 "mistral", "choices": ("auto", "hermes", "llama3_json", "mistral")})
 
+    # the CPU engine's threads follow the cores other processes leave it (core_share.py)
+    follow_cores: bool = field(default=True, metadata={
+        "flag": "--no-follow-cores",
+        "help": "keep the thread count fixed, whatever other processes take of the CPUs"})
+
     # reuse the KV blocks of a prompt prefix already computed (prefix_cache.py)
     prefix_caching: bool = field(default=True, metadata={
         "flag": "--no-prefix-caching",

@@ -31,7 +31,7 @@ class Engine(EngineCore):
         eos_token_ids = tuple(tokenizer.eos_token_ids) or mc.eos_token_ids
         vocab = Vocabulary(tokenizer, lambda: IncrementalDetokenizer(tokenizer), eos_token_ids,
                            max_token_chars(tokenizer))
-        super().__init__(config, Runner(model, cache, eos_token_ids), vocab,
+        super().__init__(config, Runner(model, cache, eos_token_ids, config.follow_cores), vocab,
                          groups[0].num_blocks, groups)
         self.sampling_defaults = dict(sampling_defaults or {})
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import torch
 
+from qworker.engine.core_share import CoreShare
 from qworker.engine.logprobs import token_logprobs
 from qworker.engine.sampler import Allowed, SampleRow, sample
 from qworker.engine.sequence import Sequence
@@ -18,11 +20,14 @@ from qworker.model.kv_cache import KVCache
 
 
 class Runner:
-    def __init__(self, model: DecoderModel, cache: KVCache, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: DecoderModel, cache: KVCache, eos_token_ids: tuple[int, ...],
+                 follow_cores: bool = False) -> None:
         self.model = model
         self.cache = cache
         self.eos_token_ids = eos_token_ids
         self.forward_seconds = 0.0  # time spent in the model, for the benchmarks
+        self.cores = (CoreShare(torch.get_num_threads(), frozenset(os.sched_getaffinity(0)))
+                      if follow_cores and model.device.type == "cpu" else None)
 
     @property
     def vocab_size(self) -> int:
@@ -35,6 +40,13 @@ class Runner:
     def kernel_report(self) -> dict[str, str]:
         """Which kernel runs each op (`DecoderModel.kernel_report`)."""
         return self.model.kernel_report()
+
+    def _follow_cores(self) -> None:
+        """The threads this step runs on: the cores other processes leave (core_share.py)."""
+        if self.cores is not None:
+            threads = self.cores.threads_at(time.monotonic())
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
 
     def run(self, work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
         """Computes `n` new tokens of each sequence (a speculative draft's included); returns the
@@ -57,6 +69,7 @@ class Runner:
         ]
         batch = build_batch(inputs, self.cache.block_size, self.model.device)
         masks = _start_masks(work, inputs)  # computed beside the forward
+        self._follow_cores()
         started = time.perf_counter()
         try:
             logits = self.model(batch, self.cache)
