@@ -175,6 +175,9 @@ def test_auto_keeps_the_blocks_where_every_batch_runs_as_fast_or_expanding_costs
     monkeypatch.setattr(weights_auto, "EXPANSION_ALLOWANCE", growth)
     monkeypatch.setattr(weights_auto, "available_memory", lambda: 3 * expanded_bytes)  # 2x > half
     assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)  # though slower
+    monkeypatch.setattr(weights_auto, "EXPANSION_ALLOWANCE", 0)  # float64 asks for its own sums
+    assert not isinstance(load_model(path, weights="auto", dtype=torch.float64).lm_head,
+                          QuantLinear)
 
 
 def test_auto_times_once_and_a_restart_reads_the_timing(

@@ -15,7 +15,8 @@ hold more than `EXPANSION_ALLOWANCE` bytes beyond the blocks (any file past ~100
 comfortably in memory, the blocks stay whatever the timing, and a full batch runs on the
 "bf16x8" panels (within 1.1-1.3x of the expanded GEMM from 128 rows on Zen 5). A small model
 such as the default SmolLM2 (98 MB, 0.23 GB more expanded) is still timed, and expands where its
-cache-resident dense matrices win. The timing is cached beside the kernel choice (by machine and
+cache-resident dense matrices win. A float64 model is always expanded (its dtype asks for
+float64's arithmetic; the blocks' kernels compute in float32). The timing is cached beside the kernel choice (by machine and
 sample matrix), so a restart does not time again; on a machine too busy to time anything (the
 kernel choice's load guard) with nothing cached, a file whose expanded weights fit is expanded,
 and a later, quieter start times it. `--weights quantized` keeps the blocks regardless (a single
@@ -59,6 +60,9 @@ def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None 
     was too busy to time anything."""
     file = quantized_gguf(path)
     if file is None:
+        return False
+    if dtype == torch.float64:  # asked for float64's arithmetic: the kept kernels' is float32
+        log.info("weights_auto", chose="float64", why="the blocks' kernels compute in float32")
         return False
     itemsize = torch.empty(0, dtype=dtype).element_size()
     expanded_size = expanded_bytes(file, itemsize)
