@@ -16,11 +16,11 @@ comfortably in memory, the blocks stay whatever the timing, and a full batch run
 "bf16x8" panels (within 1.1-1.3x of the expanded GEMM from 128 rows on Zen 5). A small model
 such as the default SmolLM2 (98 MB, 0.23 GB more expanded) is still timed, and expands where its
 cache-resident dense matrices win. A float64 model is always expanded (its dtype asks for
-float64's arithmetic; the blocks' kernels compute in float32). The timing is cached beside the kernel choice (by machine and
-sample matrix), so a restart does not time again; on a machine too busy to time anything (the
-kernel choice's load guard) with nothing cached, a file whose expanded weights fit is expanded,
-and a later, quieter start times it. `--weights quantized` keeps the blocks regardless (a single
-stream at a time: 1-row steps, where the blocks win most).
+float64's arithmetic; the blocks' kernels compute in float32). The timing is cached beside the
+kernel choice (by machine and sample matrix), so a restart does not time again; on a machine
+too busy to time anything (the kernel choice's load guard) with nothing cached, a file within
+the allowance is expanded, and a later, quieter start times it. `--weights quantized` keeps the
+blocks regardless (a single stream at a time: 1-row steps, where the blocks win most).
 """
 
 from __future__ import annotations
