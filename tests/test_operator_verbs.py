@@ -5,6 +5,7 @@ purge` (a retried job runs again under its id, afresh, on its model's stream).""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -30,11 +31,20 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def qworker(capsys: pytest.CaptureFixture[str], url: str, *args: str) -> tuple[int, str, str]:
-    """`qworker ARGS --redis-url URL` in this process: exit code, stdout, stderr."""
+    """`qworker ARGS --redis-url URL` in this process: exit code, stdout, stderr (without the
+    log lines other threads of this process wrote meanwhile: a worker's, or a thread an earlier
+    test left behind)."""
     capsys.readouterr()
     code = main([*args, "--redis-url", url])
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, _without_logs(out), _without_logs(err)
+
+
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[\w+ *\] ")  # structlog's console
+
+
+def _without_logs(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not _LOG_LINE.match(line))
 
 
 def json_lines(text: str) -> list[dict[str, object]]:
