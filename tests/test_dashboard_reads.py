@@ -275,3 +275,20 @@ def test_pages_given_the_found_keys_scan_nothing_and_new_keys_are_found_in_time(
              what="the directory to find the new keys")
     client.delete(KEYS.worker("w1"))  # gone: shown gone at once (read by name)
     assert [w.name for w in reads.workers(client, KEYS, found=found).live] == []
+
+
+def test_the_directory_s_thread_ends_when_nobody_looks_and_the_next_page_starts_another(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dashboard nobody looks at (or one whose app is gone) leaves no thread behind."""
+    from qworker_client.dashboard import directory as module
+
+    monkeypatch.setattr(module, "IDLE_S", 0.2)
+    directory = module.Directory(client, KEYS, refresh_s=0.05)
+    directory.found()
+    first = directory._thread
+    assert first is not None and first.is_alive()
+    first.join(timeout=5)
+    assert not first.is_alive() and directory._thread is None
+    directory.found()
+    assert directory._thread is not None and directory._thread is not first
+    assert directory._thread.is_alive()

@@ -17,7 +17,7 @@ from qworker_client.found_keys import FoundKeys, find_keys
 from qworker_client.protocol import Keys
 
 REFRESH_S = 5.0
-IDLE_S = 60.0  # no page asked for this long: nobody looks, the keys are not found again
+IDLE_S = 60.0  # no page asked for this long: nobody looks, the thread ends
 
 log = structlog.get_logger(__name__)
 
@@ -50,8 +50,10 @@ class Directory:
     def _refresh(self) -> None:
         while True:
             time.sleep(self.refresh_s)
-            if time.monotonic() - self._asked > IDLE_S:
-                continue
+            with self._lock:
+                if time.monotonic() - self._asked > IDLE_S:  # nobody looks: it ends (the next
+                    self._thread = None  # page starts another), and a dashboard gone with it
+                    return
             try:
                 found = find_keys(self.client, self.keys)
             except redis.RedisError as exc:  # kept as they were; the pages say what fails
