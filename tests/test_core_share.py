@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from qworker.engine.core_share import PERIOD_S, CoreShare, CpuTimes, read_cpu_times
+from qworker.model.tokenizer.tokenizer import Tokenizer
 
 TWO = frozenset({0, 1})
 
@@ -76,3 +77,13 @@ def test_this_process_s_time_is_its_own_not_others() -> None:
     ours = after.ours_s - before.ours_s
     assert abs(ours - spent) <= 0.05, (ours, spent)  # clock ticks: 10 ms each
     assert after.busy_s - before.busy_s >= ours - 0.05
+
+
+def test_the_engine_reports_the_threads_its_steps_run_on(smollm2_tokenizer: Tokenizer) -> None:
+    import torch
+
+    from tests.engine_fixtures import tiny_engine, tiny_model
+
+    model = tiny_model(smollm2_tokenizer.vocab_size, dtype=torch.float32)
+    assert tiny_engine(smollm2_tokenizer, model).stats()["threads"] == torch.get_num_threads()
+    assert "threads" not in tiny_engine(smollm2_tokenizer, model, follow_cores=False).stats()

@@ -393,6 +393,10 @@ def test_speculation_figures_reach_the_metrics() -> None:
     assert value("qworker_spec_draft_tokens_total") == 30
     assert value("qworker_spec_accepted_tokens_total") == 24
     assert value("qworker_spec_acceptance_rate") == pytest.approx(0.8)
+    assert value("qworker_engine_threads") == 0  # not reported: never set
+    engine.figures = {"threads": 1}
+    metrics.tick(engine)
+    assert value("qworker_engine_threads") == 1
 
 
 COPY = ("Repeat this code exactly, but rename the function to `total`:\n\n"

@@ -35,6 +35,11 @@ class Engine(EngineCore):
                          groups[0].num_blocks, groups)
         self.sampling_defaults = dict(sampling_defaults or {})
 
+    def stats(self) -> dict[str, int]:
+        """The core's, and the threads a step runs on where they follow the cores."""
+        cores = self.runner.cores
+        return {**super().stats(), **({"threads": cores.threads} if cores is not None else {})}
+
     @classmethod
     def from_config(cls, config: EngineConfig,
                     stage: Callable[[str], None] = lambda _name: None) -> Engine:

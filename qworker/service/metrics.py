@@ -26,7 +26,7 @@ _TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Keys of `engine.stats()`; each optional.
 ENGINE_STATS = ("running", "waiting", "blocks_free", "blocks_total", "batch_seqs", "batch_tokens",
                 "prefix_cache_queries", "prefix_cache_hits", "blocks_cached", "spec_drafted",
-                "spec_accepted")
+                "spec_accepted", "threads")
 # of those, running totals (the engine's counters since it started): exported as counters
 _ENGINE_TOTALS = ("prefix_cache_queries", "prefix_cache_hits", "spec_drafted", "spec_accepted")
 
@@ -111,6 +111,9 @@ class Metrics:
                                      "one a token without a step of its own)", registry=r)}
         self.spec_acceptance = Gauge("qworker_spec_acceptance_rate", "Accepted share of the "
                                      "draft tokens verified since start", registry=r)
+        self.engine_threads = Gauge("qworker_engine_threads", "Threads the engine's steps run "
+                                    "on (fewer while other processes take its cores)",
+                                    registry=r)
         self.batch_size = Histogram("qworker_batch_size", "Sequences per engine step",
                                     registry=r, buckets=_BATCH_BUCKETS)
         self.batch_tokens = Histogram("qworker_batch_tokens", "Tokens computed per engine step "
@@ -161,6 +164,8 @@ class Metrics:
                 self._totals[name] = stats[name]
         if stats.get("spec_drafted"):
             self.spec_acceptance.set(stats.get("spec_accepted", 0) / stats["spec_drafted"])
+        if "threads" in stats:
+            self.engine_threads.set(stats["threads"])
 
     def observe_step(self, engine: HasStats, outputs: Iterable[StepOutput], seconds: float,
                      active: Container[str]) -> None:
