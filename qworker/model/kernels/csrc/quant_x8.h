@@ -301,22 +301,40 @@ inline __m512i dot_add512(__m512i isum, __m512i w, __m512i x) {
 #endif
 }
 
-// chunk c's nibble n of both groups' sub-block (q0, q1: its value bytes), as 32 int16 (Q6_K:
-// q - 32, with the high bits)
+// Q6_K: chunk c's high bits of both groups' sub-block (q0, q1: its value bytes), widened to 16
+// bits (read once for the chunk's four nibbles); nothing for Q4_K
 template <int T>
-inline __m512i x8k_values2(const uint8_t* q0, const uint8_t* q1, __m512i v, int c, int n) {
+inline __m512i x8k_high2(const uint8_t* q0, const uint8_t* q1, int c) {
+  if constexpr (T != Q6_K) {
+    (void)q0, (void)q1, (void)c;
+    return _mm512_setzero_si512();
+  } else {
+    return _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + 128 + 16 * c))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + 128 + 16 * c)), 1));
+  }
+}
+
+// chunk c's nibble n of both groups' sub-block (v: its 64 value bytes; h: x8k_high2), as 32
+// int16 (Q6_K: q - 32, with the high bits)
+template <int T>
+inline __m512i x8k_nibble2(__m512i v, __m512i h, int n) {
   __m512i w = n == 3 ? _mm512_srli_epi16(v, 12)
                      : _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * n)),
                                         _mm512_set1_epi16(0x0F));
   if constexpr (T == Q6_K) {
-    const __m512i h = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + 128 + 16 * c))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + 128 + 16 * c)), 1));
     const __m512i high = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * n)),
                                           _mm512_set1_epi16(3));
     w = _mm512_sub_epi16(_mm512_or_si512(w, _mm512_slli_epi16(high, 4)), _mm512_set1_epi16(32));
+  } else {
+    (void)h;
   }
   return w;
+}
+
+template <int T>
+inline __m512i x8k_values2(const uint8_t* q0, const uint8_t* q1, __m512i v, int c, int n) {
+  return x8k_nibble2<T>(v, x8k_high2<T>(q0, q1, c), n);
 }
 
 // out[r * ldo + j] for the 16 rows of groups g0, g1 (consecutive) and R activation rows
@@ -615,9 +633,9 @@ inline void x8k_bf16_panel(const uint8_t* g0, const uint8_t* g1, int64_t k, bf16
       }
       bf16* at = to + (kb * 256 + s * 32) * 16;
       for (int c = 0; c < 4; ++c) {
-        const __m512i v = pair_of(q0 + 32 * c, q1 + 32 * c);
+        const __m512i v = pair_of(q0 + 32 * c, q1 + 32 * c), h = x8k_high2<T>(q0, q1, c);
         for (int n = 0; n < 4; ++n) {  // lane j: row j's values 8c + 2n (low 16 bits), + 1
-          const __m512i pairs = x8k_values2<T>(q0, q1, v, c, n);
+          const __m512i pairs = x8k_nibble2<T>(v, h, n);
           const __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
           const __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
           store_bf16_pairs(_mm512_fmadd_ps(scale[c / 2], even, offset),
