@@ -160,11 +160,11 @@ def run_service(url: str, engine: Engine, items: list[WorkItem]) -> dict[str, ob
     }
 
 
-def workload_engine(model: str, dtype: str) -> Engine:
+def workload_engine(model: str, dtype: str, follow_cores: bool = True) -> Engine:
     """The engine both halves of a pair run on, warm: `qworker serve`'s for workload v1."""
     path = str(resolve_model(model))
     config = EngineConfig(max_num_seqs=64, kv_cache_gb=2.0, requeue_preempted=True,
-                          prefix_caching=False)
+                          prefix_caching=False, follow_cores=follow_cores)
     engine = Engine(load_model(path, dtype=resolve_dtype(dtype, "cpu")), Tokenizer.load(path),
                     config)
     engine.warm_up()  # as Engine.from_config does for `qworker serve`

@@ -48,10 +48,12 @@ def main() -> None:
     parser.add_argument("--burst-ms", type=float, default=1.2)
     parser.add_argument("--rounds", type=int, default=5, help="pairs: quiet, then loaded")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-follow-cores", action="store_true",
+                        help="the engine's threads fixed (engine/core_share.py off)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     items = standard_workload(seed=0)
-    engine = workload_engine(args.model, args.dtype)
+    engine = workload_engine(args.model, args.dtype, follow_cores=not args.no_follow_cores)
     ctx = mp.get_context("spawn")
     ready, on, stop, cpu_s = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("d", 0.0)
     burst = args.burst_ms / 1000
@@ -75,7 +77,8 @@ def main() -> None:
                       "side_share_of_core": round(cpu_s.value / loaded_wall, 3),
                       "side_burst_ms": args.burst_ms, "ratio": round(statistics.median(ratios), 3),
                       "ratios": [round(r, 3) for r in ratios], "quiet_runs": quiet,
-                      "loaded_runs": loaded, "threads": torch.get_num_threads(),
+                      "loaded_runs": loaded, "threads": args.threads,
+                      "follow_cores": not args.no_follow_cores,
                       **machine_info()}), flush=True)
 
 

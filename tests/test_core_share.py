@@ -33,7 +33,8 @@ def test_a_core_taken_twice_in_a_row_drops_a_thread_and_its_release_brings_it_ba
 
 
 def test_a_single_burst_or_a_light_neighbour_changes_nothing() -> None:
-    assert share([0.9, 0.2, 0.9, 0.3, 0.55, 0.55]) == [2] * 6
+    assert share([0.9, 0.1, 0.9, 0.2, 0.2, 0.2]) == [2] * 6
+    assert share([0.3, 0.3]) == [2, 1]  # a quarter of a core already costs two threads half
 
 
 def test_each_whole_core_taken_counts_and_one_thread_always_stays() -> None:

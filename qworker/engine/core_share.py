@@ -8,10 +8,12 @@ figure (AMD EPYC Zen 5, 2 vCPUs; docs/engine.md, "Steady beside a neighbour").
 
 So twice a second the engine reads how much of its CPUs' time other processes took (`/proc/stat`
 for the CPUs it may run on, steal time included, less its own time from `/proc/self/stat`) and
-runs on the cores left: its threads less each whole core the others took (counted from 0.6 of
-one), at least one. Fewer threads wait for two readings in a row that agree (a burst does not
-make it flap); more come back at the first reading that leaves them room (a spare core costs
-nothing to take back, and a core shared at every barrier costs half the speed or more).
+runs on the cores left: its threads less each core the others took (counted from a quarter of
+one: a neighbour in bursts that add up to 0.25-0.3 of a core already cost two threads half their
+speed, 425-432 tok/s against 824-834 quiet, where one thread kept 459-472), at least one.
+Fewer threads wait for two readings in a row that agree (a burst does not make it flap); more
+come back at the first reading that leaves them room (a spare core costs nothing to take back,
+and a core shared at every barrier costs half the speed or more).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PERIOD_S = 0.5  # between readings
-WHOLE_CORE = 0.6  # others' use, in cores, from which a core counts as taken
+WHOLE_CORE = 0.25  # others' use, in cores, from which a core counts as taken
 
 
 @dataclass(frozen=True)
