@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PERIOD_S = 0.5  # between readings
-WHOLE_CORE = 0.25  # others' use, in cores, from which a core counts as taken
+TAKEN_FROM = 0.25  # of a core that others use, from which it counts as taken
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,6 @@ class CoreShare:
         self._read = read
         self._last: CpuTimes | None = None
         self._pending: int | None = None  # a change one reading asked for
-        self.others = 0.0  # the cores other processes took at the last reading
 
     def threads_at(self, now: float) -> int:
         """The thread count for a step starting `now` (a reading once every PERIOD_S)."""
@@ -82,8 +81,8 @@ class CoreShare:
 
     def _decide(self, before: CpuTimes, after: CpuTimes) -> None:
         spent = (after.busy_s - before.busy_s) - (after.ours_s - before.ours_s)
-        self.others = max(0.0, spent / (after.at_s - before.at_s))
-        taken = math.floor(self.others + 1 - WHOLE_CORE)
+        others = max(0.0, spent / (after.at_s - before.at_s))  # in cores
+        taken = math.floor(others + 1 - TAKEN_FROM)
         want = max(1, min(self.most, len(self._cpus) - taken))
         if want == self.threads:
             self._pending = None

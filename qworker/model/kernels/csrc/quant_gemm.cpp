@@ -8,8 +8,8 @@
 
 // method 0: integer dot on 8-bit activations; 1: rows dequantized to float32; 2: integer dot on
 // 16-bit activations; 3 and 4: 2 and 1 on weights in the x8 layout (quant_x8.h); 5: bfloat16
-// panels of the x8 layout against bfloat16 activations (AVX512-BF16 builds). Returns 0, computing nothing, where the method does not serve this type or
-// shape.
+// panels of the x8 layout against bfloat16 activations (AVX512-BF16 builds). Returns 0,
+// computing nothing, where the method does not serve this type or shape.
 extern "C" int qw_quant_gemm(int type, int method, const void* x, int64_t m, int64_t k,
                              const void* w, int64_t n, void* out, int64_t ldo) {
   using namespace qw::quant;

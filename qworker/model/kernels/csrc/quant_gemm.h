@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemm.h"
@@ -553,7 +554,7 @@ enum Method : int {
   kInt8 = 0, kDequant = 1, kInt16 = 2, kInt16X8 = 3, kDequantX8 = 4, kBf16X8 = 5
 };
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 constexpr bool kBf16Panels = true;
 #else
 constexpr bool kBf16Panels = false;
@@ -579,7 +580,7 @@ inline void team_gemm(int type, int method, const float* x, int64_t m, int64_t k
     team_x8_gemm(type, x, m, k, w, n, out, ldo, shared);
   else if (method == kDequantX8)
     team_x8_dequant(type, x, m, k, w, n, out, ldo);
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   else if (method == kBf16X8)
     team_x8_bf16(type, x, m, k, w, n, out, ldo);
 #endif

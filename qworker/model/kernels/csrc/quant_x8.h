@@ -54,6 +54,19 @@ template <int T> constexpr int64_t x8_group_bytes(int64_t blocks) {
   else return blocks * X8<T>::kBytes;
 }
 
+// f(std::integral_constant<int, T>{}) for the x8 format T of `type`
+template <typename F>
+inline void by_x8_type(int type, F&& f) {
+  switch (type) {
+    case Q4_0: return f(std::integral_constant<int, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int, Q4_1>{});
+    case Q5_0: return f(std::integral_constant<int, Q5_0>{});
+    case Q4_K: return f(std::integral_constant<int, Q4_K>{});
+    case Q6_K: return f(std::integral_constant<int, Q6_K>{});
+    default: return f(std::integral_constant<int, Q8_0>{});
+  }
+}
+
 // One row of activations makes these kernels a stream over the weights, and the hardware
 // prefetchers alone leave it at about half of what DRAM gives (AMD Zen 5, 2 threads: 20-26 GB/s
 // of weights against 35-40 for a plain read). So each step of a stream also asks for the bytes
@@ -453,14 +466,9 @@ inline void team_x8_rows(const ActBlock* xq, const int32_t* table, const uint8_t
 template <bool Pre>
 inline void team_x8_type(int type, const ActBlock* xq, const int32_t* table, const uint8_t* w,
                          int64_t m, int64_t n, int64_t k, float* out, int64_t ldo) {
-  switch (type) {
-    case Q4_0: return team_x8_rows<Q4_0, Pre>(xq, table, w, m, n, k, out, ldo);
-    case Q4_1: return team_x8_rows<Q4_1, Pre>(xq, table, w, m, n, k, out, ldo);
-    case Q5_0: return team_x8_rows<Q5_0, Pre>(xq, table, w, m, n, k, out, ldo);
-    case Q4_K: return team_x8_rows<Q4_K, Pre>(xq, table, w, m, n, k, out, ldo);
-    case Q6_K: return team_x8_rows<Q6_K, Pre>(xq, table, w, m, n, k, out, ldo);
-    default: return team_x8_rows<Q8_0, Pre>(xq, table, w, m, n, k, out, ldo);
-  }
+  by_x8_type(type, [&](auto t) {
+    team_x8_rows<decltype(t)::value, Pre>(xq, table, w, m, n, k, out, ldo);
+  });
 }
 
 // 16-bit activations (as team_int_gemm<true>) against x8 weights
@@ -547,43 +555,45 @@ inline void x8k_block_floats(const uint8_t* g, int s, float* to) {
   }
 }
 
-// the weights dequantized to float32 16 rows (two groups) at a time into a panel that the
-// float32 GEMM's register tiles multiply with every activation row (n % 16 == 0)
+// 16 weight rows from row 16 p (two groups) dequantized to float32 into a panel of the float32
+// GEMM's layout ([k][16])
+template <int T>
+inline void x8_float_panel(const uint8_t* w, int64_t p, int64_t k, float* panel) {
+  const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* g = w + (2 * p + h) * group_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* to = panel + b * 32 * 16 + 8 * h;
+      if constexpr (T == Q4_K || T == Q6_K)
+        x8k_block_floats<T>(g + (b / 8) * X8K<T>::kBytes, static_cast<int>(b % 8), to);
+      else
+        x8_block_floats<T>(g + b * X8<T>::kBytes, to);
+    }
+  }
+}
+
+// the weights dequantized 16 rows at a time into a panel (in L2) that the float32 GEMM's
+// register tiles multiply with every activation row (n % 16 == 0)
 template <int T>
 inline void team_x8_dequant_rows(const float* x, int64_t m, int64_t k, const uint8_t* w,
                                  int64_t n, float* out, int64_t ldo) {
-  const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
   thread_local std::vector<float> panel;
   panel.resize(static_cast<size_t>(k * 16));
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < n / 16; ++p) {
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* g = w + (2 * p + h) * group_bytes;
-      for (int64_t b = 0; b < blocks; ++b) {
-        float* to = panel.data() + b * 32 * 16 + 8 * h;
-        if constexpr (T == Q4_K || T == Q6_K)
-          x8k_block_floats<T>(g + (b / 8) * X8K<T>::kBytes, static_cast<int>(b % 8), to);
-        else
-          x8_block_floats<T>(g + b * X8<T>::kBytes, to);
-      }
-    }
+    x8_float_panel<T>(w, p, k, panel.data());
     panel_gemm(x, panel.data(), out + 16 * p, m, k, ldo);
   }
 }
 
 inline void team_x8_dequant(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
                             int64_t n, float* out, int64_t ldo) {
-  switch (type) {
-    case Q4_0: return team_x8_dequant_rows<Q4_0>(x, m, k, w, n, out, ldo);
-    case Q4_1: return team_x8_dequant_rows<Q4_1>(x, m, k, w, n, out, ldo);
-    case Q5_0: return team_x8_dequant_rows<Q5_0>(x, m, k, w, n, out, ldo);
-    case Q4_K: return team_x8_dequant_rows<Q4_K>(x, m, k, w, n, out, ldo);
-    case Q6_K: return team_x8_dequant_rows<Q6_K>(x, m, k, w, n, out, ldo);
-    default: return team_x8_dequant_rows<Q8_0>(x, m, k, w, n, out, ldo);
-  }
+  by_x8_type(type, [&](auto t) {
+    team_x8_dequant_rows<decltype(t)::value>(x, m, k, w, n, out, ldo);
+  });
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // ---- "bf16x8": many activation rows in bfloat16 against the weights dequantized 16 rows at a
 // time into a bfloat16 panel of the dense GEMM's layout ([k/2][16][2], gemm.h), which its
 // AVX512-BF16 register tiles multiply with every row, accumulating in float: the arithmetic of
@@ -607,7 +617,6 @@ inline void bf16_pairs(const float* panel, int64_t k, bf16* to) {
                      to + v * 16);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
 // a K-quant's two consecutive groups (16 rows) straight into a bfloat16 panel: their values
 // come as 16 rows' pairs (x8k_values2), scaled in float and rounded, with no float panel
 template <int T>
@@ -615,12 +624,12 @@ inline void x8k_bf16_panel(const uint8_t* g0, const uint8_t* g1, int64_t k, bf16
   for (int64_t kb = 0; kb < k / 256; ++kb, g0 += X8K<T>::kBytes, g1 += X8K<T>::kBytes) {
     const __m512 d = halves_of(g0, g1);
     const __m256 d0 = _mm512_castps512_ps256(d), d1 = _mm512_extractf32x8_ps(d, 1);
+    const __m512 dmin = T == Q4_K ? halves_of(g0 + 16, g1 + 16) : _mm512_setzero_ps();
     for (int s = 0; s < 8; ++s) {
       const uint8_t* q0 = g0 + X8K<T>::kHead + s * X8K<T>::kSub;
       const uint8_t* q1 = g1 + X8K<T>::kHead + s * X8K<T>::kSub;
       __m512 scale[2], offset;
       if constexpr (T == Q4_K) {
-        const __m512 dmin = halves_of(g0 + 16, g1 + 16);
         __m256 s0, s1, m0, m1;
         x8_q4k_scales(g0, s, d0, _mm512_castps512_ps256(dmin), &s0, &m0);
         x8_q4k_scales(g1, s, d1, _mm512_extractf32x8_ps(dmin, 1), &s1, &m1);
@@ -636,7 +645,8 @@ inline void x8k_bf16_panel(const uint8_t* g0, const uint8_t* g1, int64_t k, bf16
         const __m512i v = pair_of(q0 + 32 * c, q1 + 32 * c), h = x8k_high2<T>(q0, q1, c);
         for (int n = 0; n < 4; ++n) {  // lane j: row j's values 8c + 2n (low 16 bits), + 1
           const __m512i pairs = x8k_nibble2<T>(v, h, n);
-          const __m512 even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
+          const __m512 even =
+              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
           const __m512 odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(pairs, 16));
           store_bf16_pairs(_mm512_fmadd_ps(scale[c / 2], even, offset),
                            _mm512_fmadd_ps(scale[c / 2], odd, offset), at + (8 * c + 2 * n) * 16);
@@ -645,28 +655,19 @@ inline void x8k_bf16_panel(const uint8_t* g0, const uint8_t* g1, int64_t k, bf16
     }
   }
 }
-#endif
 
 // 16 weight rows from row 16 p (two groups) as a bfloat16 panel (the 32-value formats through
 // the float panel)
 template <int T>
 inline void x8_bf16_panel(const uint8_t* w, int64_t p, int64_t k, float* panel, bf16* to) {
-  const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
-#if defined(__AVX512BW__) && defined(__AVX512DQ__)
-  if constexpr (T == Q4_K || T == Q6_K)
-    return x8k_bf16_panel<T>(w + 2 * p * group_bytes, w + (2 * p + 1) * group_bytes, k, to);
-#endif
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* g = w + (2 * p + h) * group_bytes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      float* at = panel + b * 32 * 16 + 8 * h;
-      if constexpr (T == Q4_K || T == Q6_K)
-        x8k_block_floats<T>(g + (b / 8) * X8K<T>::kBytes, static_cast<int>(b % 8), at);
-      else
-        x8_block_floats<T>(g + b * X8<T>::kBytes, at);
-    }
+  if constexpr (T == Q4_K || T == Q6_K) {
+    const int64_t group_bytes = x8_group_bytes<T>(k / 32);
+    (void)panel;
+    x8k_bf16_panel<T>(w + 2 * p * group_bytes, w + (2 * p + 1) * group_bytes, k, to);
+  } else {
+    x8_float_panel<T>(w, p, k, panel);
+    bf16_pairs(panel, k, to);
   }
-  bf16_pairs(panel, k, to);
 }
 
 // 48 weight rows a panel (the dense GEMM's 3-block register tile: a broadcast activation pair
@@ -674,9 +675,9 @@ inline void x8_bf16_panel(const uint8_t* w, int64_t p, int64_t k, float* panel, 
 template <int T>
 inline void team_x8_bf16_rows(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n,
                               float* out, int64_t ldo) {
-  thread_local std::vector<float> panel;
+  thread_local std::vector<float> panel;  // the 32-value formats' float panel
   thread_local std::vector<bf16> pairs, xb;
-  panel.resize(static_cast<size_t>(k * 16));
+  if constexpr (T != Q4_K && T != Q6_K) panel.resize(static_cast<size_t>(k * 16));
   pairs.resize(static_cast<size_t>(k * 48));
   xb.resize(static_cast<size_t>(m * k));  // each thread its own copy: m k roundings, no barrier
   for (int64_t i = 0; i < m * k; i += 16) {
@@ -689,23 +690,19 @@ inline void team_x8_bf16_rows(const float* x, int64_t m, int64_t k, const uint8_
     const int blocks = static_cast<int>(std::min<int64_t>(3, n / 16 - 3 * p));
     for (int j = 0; j < blocks; ++j)
       x8_bf16_panel<T>(w, 3 * p + j, k, panel.data(), pairs.data() + j * k * 16);
+    const bf16 *a = xb.data(), *b = pairs.data();
     float* to = out + 48 * p;
-    if (blocks == 3) qw::gemm_columns<bf16, 3, float>(xb.data(), pairs.data(), nullptr, to, m, k, ldo, 0);
-    else if (blocks == 2) qw::gemm_columns<bf16, 2, float>(xb.data(), pairs.data(), nullptr, to, m, k, ldo, 0);
-    else qw::gemm_columns<bf16, 1, float>(xb.data(), pairs.data(), nullptr, to, m, k, ldo, 0);
+    if (blocks == 3) qw::gemm_columns<bf16, 3, float>(a, b, nullptr, to, m, k, ldo, 0);
+    else if (blocks == 2) qw::gemm_columns<bf16, 2, float>(a, b, nullptr, to, m, k, ldo, 0);
+    else qw::gemm_columns<bf16, 1, float>(a, b, nullptr, to, m, k, ldo, 0);
   }
 }
 
 inline void team_x8_bf16(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
                          int64_t n, float* out, int64_t ldo) {
-  switch (type) {
-    case Q4_0: return team_x8_bf16_rows<Q4_0>(x, m, k, w, n, out, ldo);
-    case Q4_1: return team_x8_bf16_rows<Q4_1>(x, m, k, w, n, out, ldo);
-    case Q5_0: return team_x8_bf16_rows<Q5_0>(x, m, k, w, n, out, ldo);
-    case Q4_K: return team_x8_bf16_rows<Q4_K>(x, m, k, w, n, out, ldo);
-    case Q6_K: return team_x8_bf16_rows<Q6_K>(x, m, k, w, n, out, ldo);
-    default: return team_x8_bf16_rows<Q8_0>(x, m, k, w, n, out, ldo);
-  }
+  by_x8_type(type, [&](auto t) {
+    team_x8_bf16_rows<decltype(t)::value>(x, m, k, w, n, out, ldo);
+  });
 }
 #endif
 
