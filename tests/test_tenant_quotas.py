@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from qworker_client.cli import main as cli_main
+from qworker_client.client import Producer
 from qworker_client.jobs import list_jobs
 from tests.gateway_harness import gateway, live_worker
 from tests.service_harness import KEYS, sim_engine, wait_for, wait_terminal
@@ -69,6 +70,8 @@ def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Pat
         for k in range(6):  # straight into Redis: they wait for the next minute, held
             client.xadd(KEYS.jobs, {"id": f"direct{k}", "tenant": "capped", "prompt": "count",
                                     "max_tokens": "30"})
+        with Producer(redis_url) as producer:  # the same, with a submit marker: `status` knows it
+            producer.submit("count", id="submitted", tenant="capped", max_tokens=30)
         client.xadd(KEYS.jobs, {"id": "other", "tenant": "free", "prompt": "hi",
                                 "max_tokens": "3"})
         client.xadd(KEYS.jobs, {"id": "rogue", "tenant": "rogue", "prompt": "hi",
@@ -77,6 +80,13 @@ def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Pat
         wait_for(lambda: client.zcard(KEYS.held_of(KEYS.jobs)) > 0, timeout=10,
                  what="the direct jobs held")
         rows = {row.job_id: row for row in list_jobs(client, KEYS, 100)}
+        capsys.readouterr()
+        assert cli_main(["status", "submitted", "--json", "--redis-url", redis_url]) == 0
+        status = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("{")]  # not the workers' log lines
+        assert cli_main(["status", "other", "--json", "--redis-url", redis_url]) == 0
+        other = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("{")]
         own = httpx2.get(f"{one}/v1/admin/usage", headers={"authorization": "Bearer sk-capped"})
         denied = httpx2.get(f"{two}/v1/admin/usage?tenant=capped",
                             headers={"authorization": "Bearer sk-free"})
@@ -101,6 +111,8 @@ def test_a_quota_holds_across_gateways_and_workers(redis_url: str, tmp_path: Pat
     assert set(statuses) <= {200, 429, 0}
     held = [r for r in rows.values() if r.job_id.startswith("direct")]
     assert any(r.status == "queued" and r.detail.startswith("held: quota") for r in held), held
+    assert [(s["status"], s.get("detail")) for s in status] == [("queued", "held: quota")]
+    assert [(s["status"], s.get("detail")) for s in other] == [("done", None)]
     assert client.xlen(KEYS.dead) == 0  # nothing failed
     capsys.readouterr()
     assert cli_main(["usage", "--tenant", "capped", "--json", "--redis-url", redis_url]) == 0

@@ -112,6 +112,25 @@ def over_quota(client: redis.Redis, keys: Keys, tenants: set[str]) -> set[str]:
     return over
 
 
+def held_detail(client: redis.Redis, keys: Keys, job_id: str) -> str:
+    """`held: quota` for a queued job whose tenant has used this minute's tokens (the fair read
+    holds it until the next minute), else "". The submit marker names its entry; the streams are
+    searched for it (the job's stream is not recorded)."""
+    entry = _text(client.get(keys.submitted(job_id)))
+    if entry_ms(entry) is None:
+        return ""
+    streams = [*keys.streams, *model_streams(client, keys)]
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xrange(stream, entry, entry, count=1)
+    for reply in pipe.execute():
+        for _, fields in _entries(reply):
+            if fields.get("id") == job_id:
+                tenant = fields.get("tenant") or DEFAULT_TENANT
+                return "held: quota" if over_quota(client, keys, {tenant}) else ""
+    return ""
+
+
 def delayed(client: redis.Redis, keys: Keys, limit: int,
             found: FoundKeys | None = None) -> list[JobRow]:
     """The delayed jobs, the soonest of each delayed set (the model-less one, each model's)."""

@@ -1,6 +1,7 @@
 """`qworker status JOB_ID`: queued, running, done, error or unknown (docs/protocol.md, "Asking a
-job's status"); with the result when the job has ended. Exits 0, or 1 for a job Redis does not
-know (never submitted, or its output has expired)."""
+job's status"); with the result when the job has ended, and `held: quota` for a queued job its
+tenant's quota holds. Exits 0, or 1 for a job Redis does not know (never submitted, or its output
+has expired)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from qworker_client.cli import (
     report_error,
     reports_redis_errors,
 )
+from qworker_client.jobs import held_detail
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,12 +37,14 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             report_error(str(exc))
             return EXIT_USAGE
+        detail = (held_detail(producer.redis, producer.keys, args.job_id)
+                  if found.status == "queued" else "")
     if args.json:
-        print_json(found.to_dict())
+        print_json({**found.to_dict(), **({"detail": detail} if detail else {})})
     elif found.result is not None:
         print(f"done ({found.result.finish_reason})")
     elif found.error is not None:
         print(f"error: {found.error.code}: {found.error.message}")
     else:
-        print(found.status)
+        print(f"{found.status} ({detail})" if detail else found.status)
     return EXIT_JOB_ERROR if found.status == "unknown" else 0
