@@ -259,6 +259,7 @@ class DecoderModel(nn.Module):
     def _set_module(self, dotted: str, module: QuantLinear) -> None:
         parent, _, name = dotted.rpartition(".")
         setattr(self.get_submodule(parent) if parent else self, name, module)
+        self.decode_graph.reset()
         if dotted == "lm_head":
             module.float_out = True  # logits as its kernels compute them, never rounded to bf16
             self.decode_graph.lm_head = module
