@@ -32,7 +32,7 @@ def run_qworker(model_path: str, dtype: torch.dtype, items: list[WorkItem],
                 config: EngineConfig, weights: str = "dense") -> dict[str, object]:
     model = load_model(model_path, dtype=dtype, weights=weights)
     engine = Engine(model, Tokenizer.load(model_path), config)
-    engine.warm_up()  # the measured kernel choice, as Engine.from_config does
+    engine.prepare()  # the measured kernel choice and the rest, as Engine.from_config does
     engine.generate([items[0].prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
     return {"engine": "qworker", "weights": model.weights_kept(), **run_engine(engine, items)}
 

@@ -110,7 +110,7 @@ def run_config(model: DecoderModel, tokenizer: Tokenizer, name: str, chunk: int,
                           max_batched_tokens=chunk, kv_cache_gb=0.5, decode_stretch=stretch,
                           max_model_len=scenario.long_prompt + 512)
     engine = Engine(model, tokenizer, config)
-    engine.warm_up()  # the measured kernel choice, as `qworker serve` starts
+    engine.prepare()  # the measured kernel choice and the rest, as `qworker serve` starts
     vocab = model.config.vocab_size
     warm_up(engine, vocab)
     decoders = set(add_decoders(engine, scenario, vocab))

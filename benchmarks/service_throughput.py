@@ -167,7 +167,7 @@ def workload_engine(model: str, dtype: str, follow_cores: bool = True) -> Engine
                           prefix_caching=False, follow_cores=follow_cores)
     engine = Engine(load_model(path, dtype=resolve_dtype(dtype, "cpu")), Tokenizer.load(path),
                     config)
-    engine.warm_up()  # as Engine.from_config does for `qworker serve`
+    engine.prepare()  # as Engine.from_config does for `qworker serve`
     engine.generate([standard_workload(seed=0)[0].prompt_ids],
                     SamplingParams(max_tokens=4, ignore_eos=True))
     return engine

@@ -143,8 +143,7 @@ def main() -> None:
     engine = Engine(model, tokenizer, EngineConfig(
         max_num_seqs=1, kv_cache_gb=0.25, prefix_caching=False,
         num_speculative_tokens=args.speculate))
-    engine.warm_up()
-    model.release_weights()
+    engine.prepare()  # as Engine.from_config does
     fixed = args.workload == "random"
     new_tokens = NEW_TOKENS if fixed else args.new_tokens
     if fixed:

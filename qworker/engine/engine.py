@@ -10,6 +10,7 @@ from qworker.engine.block_groups import KVGroup
 from qworker.engine.config import EngineConfig
 from qworker.engine.core import EngineCore, Vocabulary
 from qworker.engine.runner import Runner
+from qworker.engine.step_memory import keep_step_buffers
 from qworker.engine.validation import max_token_chars
 from qworker.model.config import ModelConfig
 from qworker.model.decoder import DecoderModel
@@ -64,10 +65,12 @@ class Engine(EngineCore):
         return engine
 
     def prepare(self) -> None:
-        """Readies a loaded engine as a worker runs it: warms up, then keeps only the packs the
-        chosen kernels run (no weight held twice)."""
+        """Readies a loaded engine as a worker runs it: warms up, keeps only the packs the
+        chosen kernels run (no weight held twice), then, the weights settled, has the steps'
+        buffers reused from step to step (`step_memory`)."""
         self.warm_up()
         self.runner.model.release_weights()
+        keep_step_buffers()
 
     def warm_up(self, step_timer: Timer = one_call) -> None:
         """Chooses each linear layer's matmul by measuring them on this CPU, and where those

@@ -89,6 +89,26 @@ void rope_store(T* qkv, int64_t stride, const T* cos, const T* sin, const int64_
   }
 }
 
+// exp(x) for x in [-80, 80] (callers clamp), within 2 ulp: 2^n * e^r, r = x - n ln 2 in
+// [-ln 2 / 2, ln 2 / 2], e^r = 1 + r + r^2 P(r) (Cephes' expf polynomial). Inline, so that
+// a simd loop keeps it in registers: libmvec's expf, called per vector, took its lanes out of
+// range to a scalar path and made SiLU 6% of a 1.5B model's batched steps.
+inline float exp_in_range(float x) {
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return (p * r * r + r + 1.0f) * scale;
+}
+inline double exp_in_range(double x) { return std::exp(x); }
+
 // gate_up: [n, 2 * inter] -> out: [n, inter] = T(silu(gate)) * up
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
@@ -100,8 +120,10 @@ void silu_mul(const T* gate_up, T* out, int64_t n, int64_t inter) {
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
       const A g = load(gate[i]);
-      // exp clamped: fast-math may not carry its overflow to infinity safely
-      const T activated = round_to<T>(g / (A(1) + std::exp(std::min(-g, A(80)))));
+      // clamped: beyond 80, exp(-|g|) is below float's precision beside 1 (and fast-math
+      // may not carry an overflow to infinity safely)
+      const A e = exp_in_range(std::max(std::min(-g, A(80)), A(-80)));
+      const T activated = round_to<T>(g / (A(1) + e));
       store(out + r * inter + i, load(activated) * load(up[i]));
     }
   }
