@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> None:
 
     name, items = workload(args)
     caching = args.workload == "shared-prefix"
-    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=64,
+    length = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=64, **length,
               max_num_batched_tokens=2048, enable_prefix_caching=caching,
               disable_log_stats=not caching)  # the per-request stats give TTFT
     prompts = [{"prompt_token_ids": item.prompt_ids} for item in items]
@@ -134,6 +135,9 @@ def main() -> None:
     parser.add_argument("--no-preload", action="store_true",
                         help="no tcmalloc/libiomp5 preload and no OpenMP binding")
     parser.add_argument("--workload", choices=("v1", "shared-prefix"), default="v1")
+    parser.add_argument("--max-model-len", type=int,
+                        help="vLLM's max_model_len (default: the model's context, whose one "
+                             "sequence must fit the KV cache: Qwen3's 40,960 needs 4.4 GiB)")
     parser.add_argument("--requests", type=int, default=64,
                         help="how many (v1: the first N only, for a smoke check; not v1 then)")
     shared = parser.add_argument_group("shared-prefix (benchmarks.prefix_cache's defaults)")

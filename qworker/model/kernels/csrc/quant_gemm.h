@@ -411,7 +411,7 @@ inline void team_int_gemm(int type, const float* x, int64_t m, int64_t k, const 
   const ActBlock* xq = shared;
   if (m <= kPrivateRows) {
     thread_local std::vector<ActBlock> mine;
-    mine.resize(static_cast<size_t>(m * blocks));
+    grow(mine, static_cast<size_t>(m * blocks));
     for (int64_t i = 0; i < m; ++i) quantize_row<Wide>(x + i * k, k, mine.data() + i * blocks);
     xq = mine.data();
   } else {
@@ -526,7 +526,7 @@ inline void team_dequant_gemm(int type, const float* x, int64_t m, int64_t k, co
   const int64_t row_bytes = k / format(type).elems * format(type).bytes;
   const int64_t panels = m >= kPanelRows ? n / 16 : 0;
   thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(k * (panels > 0 ? 16 : 1)));
+  grow(buffer, static_cast<size_t>(k * (panels > 0 ? 16 : 1)));
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < panels + (n - panels * 16 + 15) / 16; ++p) {
     const int64_t r0 = p * 16, r1 = std::min(n, r0 + 16);

@@ -480,8 +480,8 @@ inline void team_x8_gemm(int type, const float* x, int64_t m, int64_t k, const u
     thread_local std::vector<ActBlock> mine;
     thread_local std::vector<int32_t> table;
     const bool pre = m < 4;
-    mine.resize(static_cast<size_t>(m * blocks));
-    table.resize(static_cast<size_t>(pre ? m * blocks * 128 : 0));
+    grow(mine, static_cast<size_t>(m * blocks));
+    grow(table, static_cast<size_t>(pre ? m * blocks * 128 : 0));
     for (int64_t i = 0; i < m; ++i) {
       quantize_row<true>(x + i * k, k, mine.data() + i * blocks);
       if (pre) broadcast_pairs(mine.data() + i * blocks, blocks, table.data() + i * blocks * 128);
@@ -578,7 +578,7 @@ template <int T>
 inline void team_x8_dequant_rows(const float* x, int64_t m, int64_t k, const uint8_t* w,
                                  int64_t n, float* out, int64_t ldo) {
   thread_local std::vector<float> panel;
-  panel.resize(static_cast<size_t>(k * 16));
+  grow(panel, static_cast<size_t>(k * 16));
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < n / 16; ++p) {
     x8_float_panel<T>(w, p, k, panel.data());
@@ -677,9 +677,9 @@ inline void team_x8_bf16_rows(const float* x, int64_t m, int64_t k, const uint8_
                               float* out, int64_t ldo) {
   thread_local std::vector<float> panel;  // the 32-value formats' float panel
   thread_local std::vector<bf16> pairs, xb;
-  if constexpr (T != Q4_K && T != Q6_K) panel.resize(static_cast<size_t>(k * 16));
-  pairs.resize(static_cast<size_t>(k * 48));
-  xb.resize(static_cast<size_t>(m * k));  // each thread its own copy: m k roundings, no barrier
+  if constexpr (T != Q4_K && T != Q6_K) grow(panel, static_cast<size_t>(k * 16));
+  grow(pairs, static_cast<size_t>(k * 48));
+  grow(xb, static_cast<size_t>(m * k));  // each thread its own copy: m k roundings, no barrier
   for (int64_t i = 0; i < m * k; i += 16) {
     const __mmask16 lanes = first_lanes(m * k - i);
     const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, x + i));
