@@ -23,9 +23,6 @@ def faults():
 kept = keep_step_buffers() if sys.argv[1] == "keep" else None
 print(json.dumps({"kept": kept, "faults": [faults() for _ in range(6)]}))
 """
-PAGES = (170 << 20) // 4096  # a step's buffers, in pages
-
-
 def _steps(mode: str) -> dict[str, object]:
     out = subprocess.run([sys.executable, "-c", STEP, mode], capture_output=True, text=True,
                          timeout=120, check=True).stdout
@@ -36,5 +33,6 @@ def test_after_the_warm_up_steps_fault_almost_none_of_their_buffers() -> None:
     kept, plain = _steps("keep"), _steps("plain")
     assert kept["kept"] is True
     later_kept, later_plain = kept["faults"][-3:], plain["faults"][-3:]  # type: ignore[index]
-    assert sum(later_plain) > PAGES  # the default: mapped afresh again and again
-    assert sum(later_kept) < PAGES // 10, kept
+    assert sum(later_plain) > 0  # the default: mapped afresh again and again
+    # (counted in faults, not bytes: a machine with transparent huge pages faults 2 MB at once)
+    assert sum(later_kept) * 10 < sum(later_plain), (kept, plain)
