@@ -13,11 +13,13 @@ from pydantic import ValidationError
 
 from qworker_client.found_keys import FoundKeys, delayed_keys
 from qworker_client.protocol import (
+    DEFAULT_GROUP,
     DEFAULT_TENANT,
     Keys,
     RecentJob,
     TokenEvent,
     entry_ms,
+    parse_entry_id,
     parse_event,
 )
 from qworker_client.stats import model_streams
@@ -114,21 +116,36 @@ def over_quota(client: redis.Redis, keys: Keys, tenants: set[str]) -> set[str]:
 
 def held_detail(client: redis.Redis, keys: Keys, job_id: str) -> str:
     """`held: quota` for a queued job whose tenant has used this minute's tokens (the fair read
-    holds it until the next minute), else "". The submit marker names its entry; the streams are
-    searched for it (the job's stream is not recorded)."""
-    entry = _text(client.get(keys.submitted(job_id)))
-    if entry_ms(entry) is None:
-        return ""
-    streams = [*keys.streams, *model_streams(client, keys)]
+    holds it until the next minute), else "". Its entry is found by its submit marker."""
+    names = [s for s in (*keys.streams, *model_streams(client, keys)) if not keys.is_requeue(s)]
+    _, _, fields, _ = find_entry(client, keys, job_id, _text(client.get(keys.submitted(job_id))),
+                                 names)
+    tenant = fields.get("tenant") or DEFAULT_TENANT
+    return "held: quota" if fields and over_quota(client, keys, {tenant}) else ""
+
+
+def find_entry(client: redis.Redis, keys: Keys, job_id: str, marker: str, names: list[str],
+               group: str = DEFAULT_GROUP) -> tuple[str, str, dict[str, str], int | None]:
+    """The job's entry in one of the job streams `names` (by its submit marker's entry id): the
+    stream, the entry id, its fields, its deliveries in `group`; empty when it is not queued
+    there (ended, requeued)."""
+    if parse_entry_id(marker) is None:
+        return "", "", {}, None
     pipe = client.pipeline(transaction=False)
-    for stream in streams:
-        pipe.xrange(stream, entry, entry, count=1)
-    for reply in pipe.execute():
-        for _, fields in _entries(reply):
-            if fields.get("id") == job_id:
-                tenant = fields.get("tenant") or DEFAULT_TENANT
-                return "held: quota" if over_quota(client, keys, {tenant}) else ""
-    return ""
+    for stream in names:
+        pipe.xrange(stream, marker, marker)
+        pipe.xpending_range(stream, group, marker, marker, 1)
+    replies = pipe.execute(raise_on_error=False)
+    for k, stream in enumerate(names):
+        hit, pending = replies[2 * k], replies[2 * k + 1]
+        if isinstance(hit, list) and hit:
+            fields = _entries(hit)[0][1]
+            if (fields.get("id") or marker) != job_id:
+                continue
+            deliveries = (int(pending[0]["times_delivered"])
+                          if isinstance(pending, list) and pending else None)
+            return stream, marker, fields, deliveries
+    return "", "", {}, None
 
 
 def delayed(client: redis.Redis, keys: Keys, limit: int,

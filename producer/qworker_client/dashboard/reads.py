@@ -13,7 +13,6 @@ tests/test_dashboard_reads.py counts them on a real redis-server."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ import redis
 
 from qworker_client import dead as dead_letters
 from qworker_client.found_keys import SCAN_COUNT, FoundKeys, find_keys
-from qworker_client.jobs import JobRow, list_jobs, server_ms
+from qworker_client.jobs import JobRow, find_entry, list_jobs, server_ms
 from qworker_client.protocol import (
     BANDS,
     DEFAULT_GROUP,
@@ -365,11 +364,11 @@ def job(client: redis.Redis, keys: Keys, job_id: str, group: str = DEFAULT_GROUP
     text, tokens, first_ms, ended_ms, done, error = _read_events(events)
     letter = next((dead_letters.DeadLetter(_text(e), _fields(f)) for e, f in dead_raw
                    if (_fields(f).get("id") or _fields(f).get("source_id")) == job_id), None)
-    found_entry = _find_entry(client, keys, job_id, _text(marker), group,
-                              found or find_keys(client, keys))
+    found_entry = find_entry(client, keys, job_id, _text(marker),
+                             _job_streams(keys, found or find_keys(client, keys)), group)
     if marker and not found_entry[0] and found is not None:  # queued to a stream found since?
-        found_entry = _find_entry(client, keys, job_id, _text(marker), group,
-                                  find_keys(client, keys))
+        found_entry = find_entry(client, keys, job_id, _text(marker),
+                                 _job_streams(keys, find_keys(client, keys)), group)
     stream, entry, fields, deliveries = found_entry
     if not fields and letter is not None:
         fields = {k: v for k, v in letter.fields.items()}
@@ -389,28 +388,8 @@ def job(client: redis.Redis, keys: Keys, job_id: str, group: str = DEFAULT_GROUP
                bool(flagged), len(first) >= EVENTS_READ, fields_entry=entry, done=done)
 
 
-def _find_entry(client: redis.Redis, keys: Keys, job_id: str, marker: str, group: str,
-                found: FoundKeys) -> tuple[str, str, dict[str, str], int | None]:
-    """The job's entry in a jobs stream (by its submit marker's entry id): the stream, the
-    entry id, its fields, its deliveries; empty when it is not queued there (ended, requeued)."""
-    if not re.fullmatch(r"[0-9]{1,20}-[0-9]{1,20}", marker):
-        return "", "", {}, None
-    names = [s for s in streams(keys, found) if not keys.is_requeue(s)]
-    pipe = client.pipeline(transaction=False)
-    for stream in names:
-        pipe.xrange(stream, marker, marker)
-        pipe.xpending_range(stream, group, marker, marker, 1)
-    replies = pipe.execute(raise_on_error=False)
-    for k, stream in enumerate(names):
-        hit, pending = replies[2 * k], replies[2 * k + 1]
-        if isinstance(hit, list) and hit:
-            fields = _fields(hit[0][1])
-            if (fields.get("id") or marker) != job_id:
-                continue
-            deliveries = (int(pending[0]["times_delivered"])
-                          if isinstance(pending, list) and pending else None)
-            return stream, marker, fields, deliveries
-    return "", "", {}, None
+def _job_streams(keys: Keys, found: FoundKeys) -> list[str]:
+    return [s for s in streams(keys, found) if not keys.is_requeue(s)]
 
 
 def _read_events(events: list[tuple[str, dict[str, str]]]
