@@ -4,10 +4,11 @@ engine on `--model`), one JSON line of figures.
 
     .venv/bin/python -m benchmarks.fairness [--flood 2000 --delay-s 10 --interactive 20]
         [--workers 4 --slots 8 --step-ms 5] [--window-s 60 --tenants 1000] [--engine real]
+        [--parts flood,alone,weights,many,intake]
 
 - flood: tenant A queues --flood jobs; --delay-s later tenant B queues --interactive short ones
-  at the same band. B's TTFT p50 with fair share, first come first served, and on an idle fleet
-  (target: fair <= 2x idle).
+  at the same band. B's TTFT p50 with fair share (and with it but no fair preemption), first
+  come first served, and on an idle fleet (target: fair <= 2x idle).
 - alone: A alone, the same flood through the fleet: jobs/s with fair share over FIFO (target
   >= 0.97).
 - weights: two tenants 3:1, both backlogged for --window-s: their completion-token shares
@@ -72,8 +73,10 @@ def real_factory(args: argparse.Namespace) -> EngineFactory:
 
 
 @contextlib.contextmanager
-def fleet(url: str, n: int, fair: bool, make: EngineFactory) -> Iterator[list[Worker]]:
+def fleet(url: str, n: int, fair: bool, make: EngineFactory, preemption: bool = True
+          ) -> Iterator[list[Worker]]:
     workers = [Worker(make(), ServiceConfig(redis_url=url, name=f"w{k}", fair_share=fair,
+                                            fair_preemption=preemption,
                                             claim_idle_ms=600_000, drain_timeout=0,
                                             recent_maxlen=1_000_000, model="sim"))
                for k in range(n)]
@@ -123,10 +126,10 @@ def ended_tokens(client: redis.Redis) -> Counter[str]:
 
 
 def interactive_ttft(url: str, args: argparse.Namespace, make: EngineFactory, fair: bool,
-                     flood: bool) -> float:
+                     flood: bool, preemption: bool = True) -> float:
     client = redis.Redis.from_url(url)
     client.flushall()
-    with fleet(url, args.workers, fair, make):
+    with fleet(url, args.workers, fair, make, preemption):
         if flood:
             queue(client, "A", [f"a{k}" for k in range(args.flood)], args.flood_tokens)
             time.sleep(args.delay_s)
@@ -198,40 +201,73 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=60.0)
     parser.add_argument("--tenants", type=int, default=1000)
     parser.add_argument("--intake-tenants", type=int, default=10_000)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {','.join(PARTS)}")
     args = parser.parse_args()
     make = sim_factory(args) if args.engine == "sim" else real_factory(args)
-    with local_redis() as url:
-        idle = interactive_ttft(url, args, make, fair=True, flood=False)
-        fair_ttft = interactive_ttft(url, args, make, fair=True, flood=True)
-        fifo_ttft = interactive_ttft(url, args, make, fair=False, flood=True)
-        fifo_rate = alone_rate(url, args, make, fair=False)
-        fair_rate = alone_rate(url, args, make, fair=True)
-        per_job = args.slots * args.workers * 4  # backlogged through the window
-        weighted = window_tokens(url, args, make, {"heavy": 3.0, "light": 1.0},
-                                 per_job * 20, 16)
-        many = window_tokens(url, args, make, {f"t{k}": 1.0 for k in range(args.tenants)},
-                             max(2, int(args.window_s * 1000 / args.step_ms / 8
-                                        * args.slots * args.workers / args.tenants * 2)), 8)
-        intake_ms = intake_ms_per_job(url, args.intake_tenants)
-    fair_share = sum(many.values()) / args.tenants
-    print(json.dumps({
+    figures: dict[str, Any] = {
         "benchmark": "fairness", "engine": args.engine, "workers": args.workers,
         "slots": args.slots, "step_ms": args.step_ms, "flood": args.flood,
-        "interactive": args.interactive, "delay_s": args.delay_s, "window_s": args.window_s,
-        "b_ttft_ms_p50_idle": round(idle, 1), "b_ttft_ms_p50_fair": round(fair_ttft, 1),
-        "b_ttft_ms_p50_fifo": round(fifo_ttft, 1),
-        "b_ttft_fair_over_idle": round(fair_ttft / idle, 2), "target_fair_over_idle": 2.0,
-        "alone_jobs_per_s_fair": round(fair_rate, 1), "alone_jobs_per_s_fifo": round(fifo_rate, 1),
-        "alone_fair_over_fifo": round(fair_rate / fifo_rate, 3), "target_alone": 0.97,
-        "weights_3_1_token_ratio": round(weighted["heavy"] / max(weighted["light"], 1), 2),
-        "target_ratio": "3.0 +- 10%",
-        "many_tenants": args.tenants, "many_tenants_served": len(many),
-        "many_min_share_of_fair": round(min((many.get(f"t{k}", 0)
-                                             for k in range(args.tenants)),
-                                            default=0) / max(fair_share, 1e-9), 2),
-        "target_min_share": 0.8,
-        "intake_tenants": args.intake_tenants, "intake_ms_per_job": round(intake_ms, 3),
-        "target_intake_ms": 1.0, **machine_info()}), flush=True)
+        "interactive": args.interactive, "delay_s": args.delay_s, "window_s": args.window_s}
+    with local_redis() as url:
+        for part in args.parts.split(","):
+            figures |= PARTS[part](url, args, make)
+    print(json.dumps({**figures, **machine_info()}), flush=True)
+
+
+def flood_part(url: str, args: argparse.Namespace, make: EngineFactory) -> dict[str, Any]:
+    idle = interactive_ttft(url, args, make, fair=True, flood=False)
+    fair_ttft = interactive_ttft(url, args, make, fair=True, flood=True)
+    fifo_ttft = interactive_ttft(url, args, make, fair=False, flood=True)
+    no_preempt = interactive_ttft(url, args, make, fair=True, flood=True, preemption=False)
+    return {"b_ttft_ms_p50_idle": round(idle, 1), "b_ttft_ms_p50_fair": round(fair_ttft, 1),
+            "b_ttft_ms_p50_fair_no_preemption": round(no_preempt, 1),
+            "b_ttft_ms_p50_fifo": round(fifo_ttft, 1),
+            "b_ttft_fair_over_idle": round(fair_ttft / idle, 2), "target_fair_over_idle": 2.0}
+
+
+def alone_part(url: str, args: argparse.Namespace, make: EngineFactory) -> dict[str, Any]:
+    fifo_rate = alone_rate(url, args, make, fair=False)
+    fair_rate = alone_rate(url, args, make, fair=True)
+    return {"alone_jobs_per_s_fair": round(fair_rate, 1),
+            "alone_jobs_per_s_fifo": round(fifo_rate, 1),
+            "alone_fair_over_fifo": round(fair_rate / fifo_rate, 3), "target_alone": 0.97}
+
+
+def weights_part(url: str, args: argparse.Namespace, make: EngineFactory) -> dict[str, Any]:
+    tokens = 16
+    weighted = window_tokens(url, args, make, {"heavy": 3.0, "light": 1.0},
+                             backlog(args, tokens), tokens)
+    return {"weights_3_1_token_ratio": round(weighted["heavy"] / max(weighted["light"], 1), 2),
+            "target_ratio": "3.0 +- 10%"}
+
+
+def many_part(url: str, args: argparse.Namespace, make: EngineFactory) -> dict[str, Any]:
+    many = window_tokens(url, args, make, {f"t{k}": 1.0 for k in range(args.tenants)},
+                         max(2, backlog(args, 8) // args.tenants), 8)
+    fair_share = sum(many.values()) / args.tenants
+    least = min((many.get(f"t{k}", 0) for k in range(args.tenants)), default=0)
+    return {"many_tenants": args.tenants, "many_tenants_served": len(many),
+            "many_min_share_of_fair": round(least / max(fair_share, 1e-9), 2),
+            "target_min_share": 0.8}
+
+
+def intake_part(url: str, args: argparse.Namespace, make: EngineFactory) -> dict[str, Any]:
+    return {"intake_tenants": args.intake_tenants,
+            "intake_ms_per_job": round(intake_ms_per_job(url, args.intake_tenants), 3),
+            "target_intake_ms": 1.0}
+
+
+def backlog(args: argparse.Namespace, tokens: int) -> int:
+    """Jobs per tenant that keep every tenant backlogged through the window: twice what the
+    fleet could run in it were every step as short as --step-ms."""
+    per_job_s = tokens * args.step_ms / 1000
+    return int(2 * args.window_s * args.workers * args.slots / per_job_s)
+
+
+PARTS: dict[str, Callable[[str, argparse.Namespace, EngineFactory], dict[str, Any]]] = {
+    "flood": flood_part, "alone": alone_part, "weights": weights_part, "many": many_part,
+    "intake": intake_part}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from qworker.service.alone import Alone
 from qworker.service.config import ServiceConfig
 from qworker.service.core import ServiceCore
 from qworker.service.deferral import Deferral
+from qworker.service.fair_jump import NORMAL_BAND, OFFER_EVERY_S, Jumps, newest_of, offer
 from qworker.service.heartbeat import Heartbeat
 from qworker.service.intake import BAND_PRIORITY, Intake
 from qworker.service.job import Entry, Reject, Taken, now_ms
@@ -32,6 +33,7 @@ class AdmittingEngine(Protocol):
 
     def encode(self, prompt: Prompt) -> list[int]: ...
     def add(self, request: Request) -> None: ...
+    def abort(self, request_id: str) -> None: ...
     def free_slots(self, priority: int | None = None) -> int: ...
     def has_unfinished(self) -> bool: ...
 
@@ -61,18 +63,29 @@ class Admission:
         self.inbox: list[Entry] = []  # read, not yet started or rejected: owned all the same
         self._last_reclaim = float("-inf")
         self._last_cleanup = time.monotonic()  # dead consumers: first look after a while
+        self._offered_at = float("-inf")  # when a full worker last offered to preempt
 
     def rooms(self) -> dict[str, int]:
         """Per band: how many of its jobs the engine takes now (an urgent one displaces a worse)."""
         return {band: self.engine.free_slots(p) for band, p in BAND_PRIORITY.items()}
 
-    def caps(self, draining: bool) -> list[tuple[str, int]]:
-        """While the engine runs, new entries come with the round trip (within each band's room);
-        with nothing to run, `housekeeping` reads them itself, blocking while idle."""
+    def read_plan(self, draining: bool) -> tuple[list[tuple[str, int]], Jumps | None]:
+        """While the engine runs, new entries come with the round trip (within each band's room,
+        the caps), and a worker with no room for its normal band offers to preempt for a fair
+        share (fair_jump.py); with nothing to run, `housekeeping` reads them itself, blocking
+        while idle."""
         if draining or self.inbox or not self.engine.has_unfinished():
-            return []
+            return [], None
         rooms = self.rooms()
-        return self.intake.caps(rooms) if max(rooms.values()) > 0 else []
+        caps = self.intake.caps(rooms)
+        now = time.monotonic()
+        if (rooms[NORMAL_BAND] <= 0 and self.config.fair_share and self.config.fair_preemption
+                and now - self._offered_at >= OFFER_EVERY_S):
+            jumps = offer(self.core.jobs.values(), self.intake.streams, self.keys)
+            if jumps is not None:
+                self._offered_at = now
+                return caps, jumps
+        return (caps if max(rooms.values()) > 0 else []), None
 
     def housekeeping(self, block_cap_s: float = float("inf")) -> None:
         """Drop dead consumers and reclaim idle entries now and then; with nothing to run, read
@@ -133,6 +146,18 @@ class Admission:
         self.inbox = []
         self.metrics.running.set(len(self.core.jobs))
 
+    def preempt_for(self, tenant: str, job_id: str) -> None:
+        """A fair share's preemption (fair_jump.py): the newest job of `tenant` here goes back to
+        its queue, recomputed where it stopped, to make room for `job_id` (none left: a job of
+        it ended meanwhile and left the room)."""
+        victim = newest_of(list(self.core.jobs.values()), tenant, self.keys)
+        if victim is None:
+            return
+        self.core.requeue(victim, "fair_share")
+        self.engine.abort(victim.job_id)
+        victim.log.info("preempted for a fair share", tokens=victim.next_index, tenant=tenant,
+                        for_job=job_id)
+
     def dead_letter(self, rejects: list[Reject]) -> None:
         for r in rejects:
             self.metrics.dead_letters.labels(r.code).inc()
@@ -148,6 +173,8 @@ class Admission:
         job = self.core.open(t, self.log.bind(job_id=t.job_id))
         if self.core.end_unstarted(job, t, read_ms):
             return None
+        if t.entry.displaces is not None:
+            self.preempt_for(t.entry.displaces, t.job_id)
         if t.entry.deliveries > 1:  # tokenized and added alone: a crash in it is its own
             self.alone.move(t.job_id)  # (a Redis error ends the admission: retried later)
         try:

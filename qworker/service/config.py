@@ -48,6 +48,10 @@ class ServiceConfig:
         "serve the tenants of each band in proportion to their weights, decided in Redis "
         "(docs/protocol.md, \"Tenants and fair share\"); off: each band first come, first "
         "served"))
+    fair_preemption: bool = field(default=True, metadata=_flag(
+        "with fair share: a worker with no room preempts the newest job of the tenant running the "
+        "most over its weight for a job of a tenant below it (requeued and recomputed; "
+        "docs/protocol.md, \"Fair preemption\"); off: a tenant that comes waits for a free slot"))
     claim_idle_ms: int = field(default=30_000, metadata=_flag(
         "reclaim entries idle this long (their worker died or stalled); a thread re-claims a "
         "live worker's entries every claim-idle/4 s (at most 10 s), whatever its steps"))

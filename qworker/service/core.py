@@ -163,10 +163,14 @@ class ServiceCore:
         requeued = self.running()
         for job_id in requeued:
             job = self.jobs[job_id]
-            job.requeue = True
-            self.metrics.requeues.labels("shutdown").inc()
+            self.requeue(job, "shutdown")
             job.log.info("requeued at shutdown", tokens=job.next_index)
         return requeued
+
+    def requeue(self, job: ActiveJob, reason: str) -> None:
+        """A running job goes back to its queue (the caller has the engine let go of it)."""
+        job.requeue = True
+        self.metrics.requeues.labels(reason).inc()
 
     # ------------------------------------------------------------------ a round trip
 

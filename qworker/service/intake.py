@@ -18,6 +18,7 @@ from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_
 from qworker.service.dead_letters import DeadLetters
 from qworker.service.dead_letters import dead_fields as dead_fields
 from qworker.service.errors import job_error
+from qworker.service.fair_jump import mark_jumped, split_jumped
 from qworker.service.fair_share import mark_charged, stale_running
 from qworker.service.job import Entry, Readback, now_ms
 from qworker.service.job import Reject as Reject  # where intake's callers find them
@@ -51,12 +52,15 @@ def _s(value: object) -> str:
 
 def capped_entries(reply: Any, keys: Keys) -> list[Entry]:
     """The entries of a READ script's reply (`Scripts.read`), stream by stream in its order
-    (those the fair read charged marked so); an affinity read's too."""
+    (those the fair read charged marked so, those handed to a full worker with the tenant to
+    preempt for them); an affinity read's too."""
     if is_affinity_reply(reply):
         reply, _ = split_reply(reply)
+    reply, victims = split_jumped(reply)
     entries = [Entry(_s(stream), _s(eid), _pairs(flat))
                for stream, items in reply or () for eid, flat in items]
     mark_charged(reply, entries, keys)
+    mark_jumped(entries, victims)
     return entries
 
 

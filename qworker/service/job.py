@@ -39,6 +39,7 @@ class Entry:
     deliveries: int = 1
     reclaimed: bool = False
     charged: bool = False  # its estimated tokens were added to this minute's when handed out
+    displaces: str | None = None  # handed to a full worker: the tenant to preempt for it
 
 
 @dataclass

@@ -220,12 +220,12 @@ return {reply, AF.wake}
 # The fair read (lua_fair.py) with offers. KEYS: as FAIR_READ's, but after its first three come
 # offers and readers, and each stream's keys end with its affinity hash and affinity_seen set.
 # ARGV: as FAIR_READ's first five, then the offered consumer, bound ms, live window ms, session
-# TTL ms, beat (1/0), then per stream its cap. A stream's offers are taken first, then its fair
-# turn; what that hands out for another live reader is offered, and the turn taken again for the
-# room left (at most 4 turns a stream).
+# TTL ms, beat (1/0), then per stream its cap, then the offer to preempt (as FAIR_READ's). A
+# stream's offers are taken first, then its fair turn; what that hands out for another live reader
+# is offered, and the turn taken again for the room left (at most 4 turns a stream).
 # Returns {FAIR_READ's reply, wake} (wake as AFFINITY_READ's).
 FAIR_AFFINITY_READ = FAIR_FUNCS + AFFINITY_FUNCS + r"""
-local ready_prefix, CHARGED = ARGV[5], '~charged'
+local ready_prefix, CHARGED, JUMPED = ARGV[5], '~charged', '~jumped'
 aff_setup(KEYS[4], KEYS[5], 6)
 local taken, reply, k, a = 0, {}, 6, 11
 while k <= #KEYS do
@@ -252,6 +252,12 @@ while k <= #KEYS do
     for _, e in ipairs(aff_claim_offers(AF.late, key, want - #entries)) do
       entries[#entries + 1] = e
     end
+  elseif fair and J.at[a - 10] and J.most > 0 then
+    local got = jump(key, KEYS[k + 1], KEYS[k + 2])
+    if got.err then return got end
+    for _, e in ipairs(got) do
+      if e[2] and #e[2] > 0 then entries[#entries + 1] = e end  -- deleted while parked: gone
+    end
   end
   if #entries > 0 then
     aff_record(KEYS[last - 1], KEYS[last], entries)
@@ -261,6 +267,7 @@ while k <= #KEYS do
   k = last + 1
   a = a + 1
 end
+if #J.victims > 0 then reply[#reply + 1] = {JUMPED, J.victims} end
 if quotas then reply[#reply + 1] = {CHARGED, {}} end  -- what came from job streams was charged
 return {reply, AF.wake}
 """

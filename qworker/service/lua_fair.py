@@ -24,6 +24,7 @@ from __future__ import annotations
 from qworker_client.protocol import PARKED_CONSUMER as PARKED_CONSUMER  # its home
 
 CHARGED = "~charged"  # the fair read's last reply element when it charged what it handed out
+JUMPED = "~jumped"  # the reply element of the jobs handed to a full worker (fair_jump.py)
 
 # KEYS: the tenants' hash, this minute's tokens (tpm hash), the running set (members
 # `<tenant>\0<stream>\0<entry id>`, score 0: counted per tenant by ZLEXCOUNT), then the work streams
@@ -31,13 +32,15 @@ CHARGED = "~charged"  # the fair read's last reply element when it charged what 
 # set, vtime hash and held set (a requeue stream alone: read as it came, requeued work had its
 # turn). ARGV: group, consumer, the parked consumer, the most entries parked per stream per call,
 # the prefix of ready sets (`<prefix>:ready`: which keys follow a job stream), then per stream its
-# cap (the most entries taken in all once it is read; caps never grow along KEYS). Quotas are looked
+# cap (the most entries taken in all once it is read; caps never grow along KEYS), then a full
+# worker's offer to preempt for a fair share (fair_jump.py; `0`: none). Quotas are looked
 # at when the tenants' hash has the field `:quotas` (some tenant has a tokens-per-minute quota);
 # then the reply ends with `{'~charged', {}}`: the entries of job streams were charged. With quotas,
 # entries of a tenant over its quota move to the held set (`<prefix>:held...`) with their tags, and
 # back to the ready set once the tenant is within it again; what is handed out is added to this
 # minute's tokens at once (its cost: the worker corrects it at the job's end). Returns {{stream,
-# {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries.
+# {{id, {field, value, ...}}, ...}}, ...} for the streams that gave entries, then `{'~jumped', {id,
+# tenant, ...}}` when the offer handed out jobs (each with the tenant to preempt for it).
 FAIR_FUNCS = r"""
 local group, consumer, parked, batch = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local tenants_key, tpm_key, running_key = KEYS[1], KEYS[2], KEYS[3]
@@ -200,6 +203,29 @@ local function pick_within_quota(ready, held, want)
   return out, last
 end
 
+-- members taken off a ready set go to this worker: charged to a quota, the stream's virtual time
+-- moved to `last` (the last one's tag; nil: kept), their entries claimed from the parked consumer
+local function hand_out(key, vtime, members, last)
+  local ids, reserve = {}, {}
+  for j, m in ipairs(members) do
+    local id, t, charge = string.match(m, '^(%S+) (%S+) %S+ (%S+)$')
+    ids[j] = id
+    reserve[t] = (reserve[t] or 0) + tonumber(charge)
+  end
+  if quotas then  -- this minute's tokens, the jobs running: what is handed out counts now
+    for t, n in pairs(reserve) do redis.call('HINCRBY', tpm_key, t, n) end
+    redis.call('EXPIRE', tpm_key, 120)
+    local run = {}
+    for j, m in ipairs(members) do
+      run[#run + 1] = 0
+      run[#run + 1] = string.match(m, '^%S+ (%S+)') .. '\0' .. key .. '\0' .. ids[j]
+    end
+    redis.call('ZADD', running_key, unpack(run))
+  end
+  if last then redis.call('HSET', vtime, ':v', last) end
+  return claim(key, ids)
+end
+
 local function take_fair(key, ready, vtime, held, want)
   local new, missing = read_new(key, parked, math.max(batch, want))
   if new.err or missing then return new end
@@ -219,30 +245,80 @@ local function take_fair(key, ready, vtime, held, want)
     for j = 1, #popped, 2 do members[#members + 1] = popped[j]; last = popped[j + 1] end
   end
   if #members == 0 then return {} end
-  local ids, reserve = {}, {}
-  for j, m in ipairs(members) do
-    local id, t, charge = string.match(m, '^(%S+) (%S+) %S+ (%S+)$')
-    ids[j] = id
-    reserve[t] = (reserve[t] or 0) + tonumber(charge)
+  return hand_out(key, vtime, members, last)
+end
+
+-- Fair preemption (fair_jump.py): a full worker's offer is the read's last ARGV, `<most> <stream
+-- positions> <tenant> <running> ...`: the most jobs to hand over, the positions (comma-separated,
+-- 1-based in the read's order) of the job streams it applies to, and per tenant its jobs of that
+-- band running on the worker. At such a stream with no room, the first entries of the fair order
+-- are handed over whose tenant, one job more, would still run no more over its weight than the
+-- tenant running the most over its weight, one job fewer; the worker preempts one of that
+-- tenant's jobs for each (requeued, recomputed). J.victims: {entry id, tenant to preempt, ...}.
+local J = {most = 0, at = {}, running = {}, victims = {}, weight = {}}
+local JUMP_SCAN = 16  -- the entries of the fair order looked at for one
+do
+  local words = {}
+  for w in string.gmatch(ARGV[#ARGV] or '', '%S+') do words[#words + 1] = w end
+  J.most = tonumber(words[1] or '0') or 0
+  for p in string.gmatch(words[2] or '', '%d+') do J.at[tonumber(p)] = true end
+  for j = 3, #words - 1, 2 do J.running[words[j]] = tonumber(words[j + 1]) or 0 end
+end
+
+local function weight(t)
+  if not J.weight[t] then
+    local names = {t}  -- the first asked: every running tenant's in one call
+    for u in pairs(J.running) do if u ~= t and not J.weight[u] then names[#names + 1] = u end end
+    local ws = redis.call('HMGET', tenants_key, unpack(names))
+    for k, u in ipairs(names) do J.weight[u] = weight_of(ws[k]) end
   end
-  if quotas then  -- this minute's tokens, the jobs running: what is handed out counts now
-    for t, n in pairs(reserve) do redis.call('HINCRBY', tpm_key, t, n) end
-    redis.call('EXPIRE', tpm_key, 120)
-    local run = {}
-    for j, m in ipairs(members) do
-      run[#run + 1] = 0
-      run[#run + 1] = string.match(m, '^%S+ (%S+)') .. '\0' .. key .. '\0' .. ids[j]
+  return J.weight[t]
+end
+
+-- the tenant to preempt for a job of `t`, or nil (the most running over its weight, ties by name)
+local function victim_for(t)
+  local victim, over = nil, -1
+  for u, n in pairs(J.running) do
+    local share = n / weight(u)
+    if u ~= t and n > 0 and (share > over or (share == over and u < victim)) then
+      victim, over = u, share
     end
-    redis.call('ZADD', running_key, unpack(run))
   end
-  redis.call('HSET', vtime, ':v', last)
-  return claim(key, ids)
+  if victim and ((J.running[t] or 0) + 1) / weight(t) <= (J.running[victim] - 1) / weight(victim)
+  then return victim end
+  return nil
+end
+
+local function jump(key, ready, vtime)
+  local new, missing = read_new(key, parked, batch)
+  if new.err or missing then return new end
+  if #new > 0 then park(new, ready, vtime) end
+  local members = {}
+  -- the first of the fair order whose tenant is below its share here, in that order (a tenant at
+  -- or over it waits for a free slot, where the plain turn takes its jobs)
+  for _, m in ipairs(redis.call('ZRANGE', ready, 0, JUMP_SCAN - 1)) do
+    if J.most <= 0 then break end
+    local id, t = string.match(m, '^(%S+) (%S+)')
+    local victim = victim_for(t)
+    -- a tenant over its quota is not handed anything: a plain read moves its entries aside
+    if victim and not (quotas and not within(quota_state({t}), t)) then
+      members[#members + 1] = m
+      J.running[t] = (J.running[t] or 0) + 1
+      J.running[victim] = J.running[victim] - 1
+      J.most = J.most - 1
+      J.victims[#J.victims + 1] = id
+      J.victims[#J.victims + 1] = victim
+    end
+  end
+  if #members == 0 then return {} end
+  redis.call('ZREM', ready, unpack(members))
+  return hand_out(key, vtime, members, nil)  -- taken out of turn: the virtual time stays
 end
 """
 
 # the fair read's main loop, stream by stream (lua_affinity.py has the one with offers)
 FAIR_MAIN = r"""
-local ready_prefix, CHARGED = ARGV[5], '~charged'
+local ready_prefix, CHARGED, JUMPED = ARGV[5], '~charged', '~jumped'
 local taken, reply, k, a = 0, {}, 4, 6
 while k <= #KEYS do
   local key, want = KEYS[k], tonumber(ARGV[a]) - taken
@@ -251,8 +327,10 @@ while k <= #KEYS do
   if want > 0 then
     if fair then got = take_fair(key, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], want)
     else got = read_new(key, consumer, want) end
-    if got.err then return got end
+  elseif fair and J.at[a - 5] and J.most > 0 then
+    got = jump(key, KEYS[k + 1], KEYS[k + 2])
   end
+  if got.err then return got end
   local entries = {}
   for _, e in ipairs(got) do
     if e[2] and #e[2] > 0 then entries[#entries + 1] = e end  -- deleted while parked: gone
@@ -264,6 +342,7 @@ while k <= #KEYS do
   if fair then k = k + 4 else k = k + 1 end
   a = a + 1
 end
+if #J.victims > 0 then reply[#reply + 1] = {JUMPED, J.victims} end
 if quotas then reply[#reply + 1] = {CHARGED, {}} end  -- what came from job streams was charged
 return reply
 """

@@ -12,6 +12,7 @@ from typing import Any, cast
 import redis
 
 from qworker.service.affinity import Affinity
+from qworker.service.fair_jump import NO_JUMPS, Jumps
 from qworker.service.lua import (
     APPEND,
     BEAT,
@@ -109,13 +110,15 @@ class Scripts:
             client.script_load(text)
 
     def read(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,
-             caps: Sequence[tuple[str, int]], fair: Keys | None = None) -> Any:
+             caps: Sequence[tuple[str, int]], fair: Keys | None = None,
+             jumps: Jumps | None = None) -> Any:
         """New entries of the (stream, cap) pairs in order, within the caps (READ; with `fair`,
         the keys of the fair share, FAIR_READ: each job stream's tenants in proportion to their
         weights, within their tokens per minute when some have a quota); on a pipeline the reply
         comes with the pipeline's (`intake.capped_entries` reads it). With `self.affinity`,
         the reads that offer a session's job to its worker first (lua_affinity.py): their reply
-        is {that reply, wake ms} (`affinity.split_reply`)."""
+        is {that reply, wake ms} (`affinity.split_reply`). `jumps`: a full worker's offer to
+        preempt for a fair share (fair_jump.py; the fair reads only)."""
         affinity = self.affinity
         if fair is None:
             return self._plain_read(client, group, consumer, caps)
@@ -133,6 +136,7 @@ class Scripts:
             if affinity is not None:
                 keys += affinity.stream_keys(stream)
             args.append(cap)
+        args.append(jumps.arg() if jumps is not None else NO_JUMPS)
         sha = self.fair_read_sha if affinity is None else self.fair_affinity_read_sha
         return client.evalsha(sha, len(keys), *keys, *args)
 
