@@ -92,6 +92,24 @@ def test_the_rule_counts_weights_and_holds_after_the_swap(client: redis.Redis) -
     assert jump_read(client, {"A": 2, "B": 2}) == []
 
 
+def test_an_offer_that_hands_nothing_costs_redis_5_commands(client: redis.Redis) -> None:
+    for k in range(20):
+        submit(client, KEYS, "A", f"a{k}")
+    park(client)
+    it = intake(client, KEYS, "full")
+    jumps = Jumps(tuple(k for k, (s, _) in enumerate(it.caps(0), start=1) if s == KEYS.jobs),
+                  {"A": 4})
+    client.config_resetstat()
+    for _ in range(10):
+        assert it.jump(jumps) == []
+    stats = client.info("commandstats")
+    calls = sum(int(v["calls"]) for k, v in stats.items()
+                if k not in ("cmdstat_info", "cmdstat_config|resetstat"))
+    # EVALSHA, the quota flag's HEXISTS, the parking XREADGROUP, a ZRANGE of the first 16, one
+    # HMGET of the weights
+    assert calls <= 10 * 5, stats
+
+
 def test_no_offer_where_no_preemption_could_make_one() -> None:
     def running(tenant: str, stream: str) -> ActiveJob:
         job = Job(id=f"{tenant}-{stream}", prompt="x", tenant=tenant)

@@ -111,8 +111,11 @@ def test_fair_share_off_is_first_come_first_served(client: redis.Redis) -> None:
 
 
 def _commands_per_job(url: str, fair: bool, jobs: int) -> float:
+    """(Fair preemption's offers cost by the time a worker is full, not by the job: counted in
+    test_fair_preemption.py.)"""
     return commands_per_job(url, [{"id": f"j{k}", "tenant": f"t{k % 3}", "prompt": "count me",
-                                   "max_tokens": "4"} for k in range(jobs)], fair_share=fair)
+                                   "max_tokens": "4"} for k in range(jobs)], fair_share=fair,
+                            fair_preemption=False)
 
 
 def test_the_fair_read_costs_at_most_3_more_commands_a_job(redis_url: str) -> None:

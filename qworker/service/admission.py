@@ -14,7 +14,7 @@ from qworker.service.alone import Alone
 from qworker.service.config import ServiceConfig
 from qworker.service.core import ServiceCore
 from qworker.service.deferral import Deferral
-from qworker.service.fair_jump import NORMAL_BAND, OFFER_EVERY_S, Jumps, newest_of, offer
+from qworker.service.fair_jump import NORMAL_BAND, OFFER_EVERY_S, newest_of, offer
 from qworker.service.heartbeat import Heartbeat
 from qworker.service.intake import BAND_PRIORITY, Intake
 from qworker.service.job import Entry, Reject, Taken, now_ms
@@ -69,23 +69,13 @@ class Admission:
         """Per band: how many of its jobs the engine takes now (an urgent one displaces a worse)."""
         return {band: self.engine.free_slots(p) for band, p in BAND_PRIORITY.items()}
 
-    def read_plan(self, draining: bool) -> tuple[list[tuple[str, int]], Jumps | None]:
-        """While the engine runs, new entries come with the round trip (within each band's room,
-        the caps), and a worker with no room for its normal band offers to preempt for a fair
-        share (fair_jump.py); with nothing to run, `housekeeping` reads them itself, blocking
-        while idle."""
+    def caps(self, draining: bool) -> list[tuple[str, int]]:
+        """While the engine runs, new entries come with the round trip (within each band's room);
+        with nothing to run, `housekeeping` reads them itself, blocking while idle."""
         if draining or self.inbox or not self.engine.has_unfinished():
-            return [], None
+            return []
         rooms = self.rooms()
-        caps = self.intake.caps(rooms)
-        now = time.monotonic()
-        if (rooms[NORMAL_BAND] <= 0 and self.config.fair_share and self.config.fair_preemption
-                and now - self._offered_at >= OFFER_EVERY_S):
-            jumps = offer(self.core.jobs.values(), self.intake.streams, self.keys)
-            if jumps is not None:
-                self._offered_at = now
-                return caps, jumps
-        return (caps if max(rooms.values()) > 0 else []), None
+        return self.intake.caps(rooms) if max(rooms.values()) > 0 else []
 
     def housekeeping(self, block_cap_s: float = float("inf")) -> None:
         """Drop dead consumers and reclaim idle entries now and then; with nothing to run, read
@@ -100,6 +90,8 @@ class Admission:
             self.metrics.consumers_removed.inc(self.intake.drop_dead_consumers())
         rooms = self.rooms()
         self.metrics.free_slots.set(self.engine.free_slots())
+        if rooms[NORMAL_BAND] <= 0:
+            self.offer_to_preempt(now)
         if max(rooms.values()) <= 0:
             return
         entries: list[Entry] = []
@@ -115,6 +107,19 @@ class Admission:
             entries += self.intake.read(
                 {band: room - len(entries) for band, room in rooms.items()}, block)
         self.admit(entries)
+
+    def offer_to_preempt(self, now: float) -> None:
+        """A worker with no room for its normal band takes, between two steps, the jobs of
+        tenants below their share on it that fair preemption hands it (fair_jump.py), at most
+        every OFFER_EVERY_S: one round trip, so they start in the next step."""
+        if (not (self.config.fair_share and self.config.fair_preemption)
+                or now - self._offered_at < OFFER_EVERY_S):
+            return
+        self._offered_at = now
+        jumps = offer(self.core.jobs.values(), self.intake.streams, self.keys)
+        entries = self.intake.jump(jumps) if jumps is not None else []
+        if entries:
+            self.admit(entries)
 
     def admit(self, entries: Sequence[Entry] = ()) -> None:
         """Screen, take and start the inbox with `entries` (just read): each stays in it, kept

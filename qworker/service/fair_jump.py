@@ -1,13 +1,13 @@
 """Fair preemption: a tenant that comes while another fills the fleet starts at once, not when the
 other's jobs end.
 
-A worker whose engine has no room for its normal band still offers, with each round trip, to take
-the head of that band's fair order (lua_fair.py, `jump`): the read hands it over when its tenant,
-one job more, would still run no more over its weight on this worker than the tenant that runs
-the most over its weight, one job fewer. The worker then preempts the newest of that tenant's
-jobs here (requeued, recomputed where it stopped: nothing is lost) and starts the new one. A
-tenant alone never preempts itself, and two tenants never trade jobs back and forth: the rule
-holds after the swap. The high band already displaces the normal one in the engine (priority);
+A worker whose engine has no room for its normal band still offers, between two steps, to take
+jobs from the front of that band's fair order (lua_fair.py, `jump`): the read hands one over when
+its tenant, one job more, would still run no more over its weight on this worker than the tenant
+that runs the most over its weight, one job fewer. The worker then preempts the newest of that
+tenant's jobs here (requeued, recomputed where it stopped: nothing is lost) and starts the new
+one. A tenant alone never preempts itself, and two tenants never trade jobs back and forth: the
+rule holds after the swap. The high band already displaces the normal one in the engine (priority);
 the low band preempts nothing.
 """
 
@@ -22,10 +22,10 @@ from qworker.service.job import ActiveJob, Entry
 from qworker.service.lua_fair import JUMPED
 from qworker_client.protocol import Keys
 
-JUMPS_PER_READ = 4  # the most jobs one read hands a full worker
-# a full worker offers at most this often (a round trip each step would cost Redis a few
-# commands a step for nothing while one tenant runs alone)
-OFFER_EVERY_S = 0.025
+JUMPS_PER_READ = 16  # the most jobs one read hands a full worker (lua_fair looks at 16)
+# a full worker offers at most this often: a round trip between two steps (each step would cost
+# Redis a few commands a step, and the loop a round trip, for nothing while one tenant runs alone)
+OFFER_EVERY_S = 0.05
 NORMAL_BAND = ""
 
 

@@ -18,7 +18,7 @@ from qworker.service.dead_letters import MAX_DEAD_VALUE_BYTES as MAX_DEAD_VALUE_
 from qworker.service.dead_letters import DeadLetters
 from qworker.service.dead_letters import dead_fields as dead_fields
 from qworker.service.errors import job_error
-from qworker.service.fair_jump import mark_jumped, split_jumped
+from qworker.service.fair_jump import Jumps, mark_jumped, split_jumped
 from qworker.service.fair_share import mark_charged, stale_running
 from qworker.service.job import Entry, Readback, now_ms
 from qworker.service.job import Reject as Reject  # where intake's callers find them
@@ -145,6 +145,13 @@ class Intake:
                                       consumer=self.consumer, caps=caps, fair=self.fair)
         wake_ms = split_reply(reply)[1] if is_affinity_reply(reply) else -1
         return capped_entries(reply, self.keys), wake_ms
+
+    def jump(self, jumps: Jumps) -> list[Entry]:
+        """The jobs fair preemption hands a full worker (fair_jump.py), each with the tenant
+        to preempt for it."""
+        reply = self.scripts.read(self.client, group=self.config.group, consumer=self.consumer,
+                                  caps=self.caps(0), fair=self.keys, jumps=jumps)
+        return capped_entries(reply, self.keys)
 
     def leave(self) -> None:
         """A worker that stops is offered nothing more (its offers go to others at once)."""

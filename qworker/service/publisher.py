@@ -16,7 +16,6 @@ import redis
 from qworker.service.config import ServiceConfig
 from qworker.service.errors import CannotWork, job_error
 from qworker.service.event_fields import event_fields
-from qworker.service.fair_jump import Jumps
 from qworker.service.intake import capped_entries
 from qworker.service.job import ActiveJob, Entry
 from qworker.service.lease import AppendLease
@@ -46,19 +45,17 @@ class Publisher:
 
     def flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
               read_caps: Sequence[tuple[str, int]] = (),
-              on_read: Callable[[list[Entry]], None] = lambda entries: None,
-              jumps: Jumps | None = None) -> FlushResult:
+              on_read: Callable[[list[Entry]], None] = lambda entries: None) -> FlushResult:
         """Write every outbox, requeue what asks for it, read the cancel flags of `cancel_check`
-        and the new entries `read_caps` (and a full worker's `jumps`, fair_jump.py) allow
-        (`Admission.read_plan`), handed to `on_read` as soon as they are read (the heartbeat
-        keeps them owned from then on). Everything written is idempotent, so after a connection
-        error the caller just retries (entries read by a round trip whose reply is lost stay
-        pending to this consumer, for a reclaim)."""
+        and the new entries `read_caps` allow (`Intake.caps`), handed to `on_read` as soon as
+        they are read (the heartbeat keeps them owned from then on). Everything written is
+        idempotent, so after a connection error the caller just retries (entries read by a round
+        trip whose reply is lost stay pending to this consumer, for a reclaim)."""
         try:
-            result = self._flush(jobs, cancel_check, read_caps, jumps)
+            result = self._flush(jobs, cancel_check, read_caps)
         except redis.exceptions.NoScriptError:
             Scripts.load(self.client)  # Redis restarted (or flushed its script cache)
-            result = self._flush(jobs, cancel_check, read_caps, jumps)
+            result = self._flush(jobs, cancel_check, read_caps)
         on_read(result.entries)
         self.lease.keep_only([*(job.job_id for job in jobs if job.in_engine), *cancel_check])
         self.recent.add(jobs, result.status)
@@ -66,7 +63,7 @@ class Publisher:
         return result
 
     def _flush(self, jobs: Sequence[ActiveJob], cancel_check: Sequence[str],
-               read_caps: Sequence[tuple[str, int]], jumps: Jumps | None) -> FlushResult:
+               read_caps: Sequence[tuple[str, int]]) -> FlushResult:
         pipe = self.client.pipeline(transaction=False)
         appending = [job for job in jobs if job.outbox]
         requeueing = [job for job in jobs if job.requeue]
@@ -79,8 +76,7 @@ class Publisher:
             pipe.mget([self.keys.cancel(job_id) for job_id in cancel_check])
         if read_caps:
             self.scripts.read(pipe, group=self.config.group, consumer=self.config.name,
-                              caps=read_caps, fair=self.keys if self.config.fair_share else None,
-                              jumps=jumps)
+                              caps=read_caps, fair=self.keys if self.config.fair_share else None)
         result = FlushResult()
         if not appending and not requeueing and not cancel_check and not read_caps:
             return result

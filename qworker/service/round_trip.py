@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from qworker.service.fair_jump import Jumps
 from qworker.service.job import ActiveJob, Entry
 from qworker.service.outcome import FlushResult
 from qworker.service.publisher import Publisher
@@ -30,12 +29,12 @@ class RoundTrip:
         self._flight: Flight | None = None
 
     def launch(self, jobs: Sequence[ActiveJob], running: Sequence[str],
-               caps: Sequence[tuple[str, int]], jumps: Jumps | None = None) -> None:
+               caps: Sequence[tuple[str, int]]) -> None:
         """Write `jobs`' outboxes (copies) and requeues, read the cancel flags of `running` and
-        the new entries `caps` (and `jumps`, fair_jump.py) allow; nothing to do: no round trip."""
+        the new entries `caps` allow; nothing to do: no round trip."""
         if not jobs and not running and not caps:
             return
-        reply = self._thread.submit(self.publisher.flush, jobs, running, caps, self.hold, jumps)
+        reply = self._thread.submit(self.publisher.flush, jobs, running, caps, self.hold)
         self._flight = Flight({job.job_id: len(job.outbox) for job in jobs}, reply)
 
     def land(self) -> tuple[FlushResult, dict[str, int]] | None:

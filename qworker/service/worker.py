@@ -312,8 +312,8 @@ class Worker:
         if not self.interval.due(now, self.active.values(), busy):
             return
         self.interval.launched(now)
-        caps, jumps = self.admission.read_plan(self.draining)
-        self.trip.launch(self.core.outgoing(), self.core.running(), caps, jumps)
+        self.trip.launch(self.core.outgoing(), self.core.running(),
+                         self.admission.caps(self.draining))
 
     def _land(self) -> None:
         """Settle the round trip under way (its reply awaited if still out; its error raised for
