@@ -64,6 +64,7 @@ class Runner:
                 need_logits=seq.reaches_end(n),
                 all_logits=bool(seq.draft) or bool(seq.prompt_logprob_positions(n)),
                 window_table=seq.window_table if two_groups else None,
+                as_decodes=bool(seq.draft),
             )
             for seq, n in work
         ]

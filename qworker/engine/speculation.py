@@ -1,10 +1,11 @@
 """Speculative decoding by prompt lookup: drafts from a sequence's own tokens, verified exactly.
 
-Drafting. A decoding sequence whose last n tokens (n = 3, then 2, then 1) occurred before, in its
-prompt or its output, is given the tokens that followed their latest occurrence as a draft, up to
-k (`num_speculative_tokens`): code edits, extraction and JSON that repeats its input copy long
-spans. The step then computes the sequence's pending token and its draft in one forward, one
-query row each (the chunked-prefill path: a chunk attended after the cached context).
+Drafting. A decoding sequence whose last n tokens (n = 3, then 2) occurred before, in its prompt
+or its output, is given the tokens that followed their latest occurrence as a draft, up to k
+(`num_speculative_tokens`): code edits, extraction and JSON that repeats its input copy long
+spans (a single token that came before is too weak a sign: SmolLM2's acceptance on copy prompts
+was 0.45 with 1-token matches, 0.71 without). The step then computes the sequence's pending token
+and its draft in one forward, one query row each, attended as decodes (`as_decodes` in batch.py).
 
 Acceptance. The runner samples every row as if the draft before it had been accepted (its
 context, penalties, bans and the uniform of that token index), and the draft is accepted up to the
@@ -38,7 +39,7 @@ from qworker.engine.block_manager import BlockManager
 from qworker.engine.scheduler import ScheduledStep
 from qworker.engine.sequence import Sequence
 
-NGRAM_MAX, NGRAM_MIN = 3, 1
+NGRAM_MAX, NGRAM_MIN = 3, 2
 RATE_WEIGHT = 0.25  # of the newest verify in a sequence's recent acceptance rate
 FIRST_PAUSE, LONGEST_PAUSE = 16, 512  # output tokens without drafts after the rate fell
 

@@ -29,6 +29,10 @@ class SequenceInput:
     # the blocks of the model's windowed KV group (kv_cache.KVLayout), where it has two: as long
     # as block_table, the entries behind the window null (never read)
     window_table: list[int] | None = None
+    # its tokens attended as decodes, one row each (a speculative draft's verification): every
+    # layer writes all rows' keys and values before it attends, so row i reads the rows before
+    # it as a chunk would, and the step stays one the decode kernels (and graph) serve
+    as_decodes: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,11 @@ def _build(
             logits_rows.extend(range(start, start + n))
         elif seq.need_logits:
             logits_rows.append(start + n - 1)
-        if n == 1:
-            decode_rows.append(start)
-            decode_tables.append(seq.block_table[: -(-total // block_size)])
-            decode_lens.append(total)
+        if n == 1 or seq.as_decodes:
+            for row, length in enumerate(range(seq.num_cached + 1, total + 1), start=start):
+                decode_rows.append(row)
+                decode_tables.append(seq.block_table[: -(-length // block_size)])
+                decode_lens.append(length)
         else:
             table = torch.tensor(seq.block_table[: -(-total // block_size)], dtype=torch.long)
             prefills.append(PrefillChunk(start, start + n, seq.num_cached, table.to(device)))
