@@ -45,7 +45,7 @@ def offline_tokens() -> dict[str, list[int]]:
 def test_a_speculating_worker_publishes_the_same_tokens_one_event_each(redis_url: str) -> None:
     want = offline_tokens()
     engine = sim_engine(num_speculative_tokens=4, speculate_max_batch=8,
-                        speculate_min_acceptance=0.0)
+                        speculate_min_acceptance=0.0, speculate_measured=False)
     assert engine.speculator is not None
     drafted: list[str] = []
 

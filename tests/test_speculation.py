@@ -29,7 +29,8 @@ from qworker.model.tokenizer.tokenizer import Tokenizer
 from qworker.service.metrics import Metrics
 from tests.engine_fixtures import tiny_engine, tiny_model
 
-SPEC = dict(num_speculative_tokens=5, speculate_max_batch=8, speculate_min_acceptance=0.0)
+SPEC = dict(num_speculative_tokens=5, speculate_max_batch=8, speculate_min_acceptance=0.0,
+            speculate_measured=False)  # every step drafts: the rule is under test, not the gate
 Result = tuple[list[int], str | None]
 
 

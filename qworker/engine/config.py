@@ -82,9 +82,12 @@ class EngineConfig:
         "help": "speculative decoding: draft up to this many tokens per decode step from the "
                 "job's own prompt and output (n-gram lookup), verified in one forward; same "
                 "output, faster where answers copy their input (default 0: off)"})
-    # a guess, to be measured on the CPU at hand (docs/engine.md, "Speculative decoding")
+    # the most; within it, where speculation pays is measured as it runs (speculation_gate.py)
     speculate_max_batch: int = field(default=4, metadata={
         "help": "speculate only in steps of at most this many decoding sequences"})
+    speculate_measured: bool = field(default=True, metadata={
+        "help": "draft only at batch sizes where steps with drafts were measured to make tokens "
+                "at least as fast as steps without (off: every small enough step drafts)"})
     speculate_min_acceptance: float = field(default=0.3, metadata={
         "help": "a sequence whose recent share of accepted draft tokens falls below this pauses "
                 "speculating (for longer each time)"})

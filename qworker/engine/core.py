@@ -118,7 +118,8 @@ class EngineCore:
                       if config.decode_stretch else None)
         self.speculator = (Speculator(
             SpeculationLimits(config.num_speculative_tokens, config.speculate_max_batch,
-                              config.speculate_min_acceptance, int(config.watermark * num_blocks)),
+                              config.speculate_min_acceptance, int(config.watermark * num_blocks),
+                              config.speculate_measured),
             self.blocks, self.max_seq_len)
             if config.num_speculative_tokens and isinstance(self.blocks, BlockManager) else None)
         self.num_preemptions = 0
@@ -328,8 +329,12 @@ class EngineCore:
                 outputs += [self._fail(seq, exc) for seq, exc in failed.items()]
                 work = [(seq, n) for seq, n in work if seq not in failed]
             else:
+                seconds = time.perf_counter() - started
                 if self.pacer and not drafted:  # a verify step is no decode step's measure
-                    self.pacer.observe(decodes, step.prefill_tokens, time.perf_counter() - started)
+                    self.pacer.observe(decodes, step.prefill_tokens, seconds)
+                if self.speculator is not None and decodes == len(work):
+                    made = sum(1 + seq.num_accepted for seq, _ in work)
+                    self.speculator.observe(decodes, drafted, seconds, made)
             for seq, n in work:
                 seq.num_computed += n - len(seq.draft)  # a draft counts once accepted
                 self.blocks.commit(seq)

@@ -22,7 +22,9 @@ past the accepted ones alone, and the blocks past its tokens are freed (`BlockMa
 Prefix caching registers only blocks of committed tokens, as ever.
 
 When. Only in steps of at most `speculate_max_batch` decoding sequences (a small batch is bound by
-reading the weights, so a few more rows cost little), never for one that opted out
+reading the weights, so a few more rows cost little), at batch sizes where drafted steps measured
+on this CPU make tokens at least as fast as plain ones (speculation_gate.py), never for one that
+opted out
 (`SamplingParams.speculate`); a sequence whose recent acceptance falls below
 `speculate_min_acceptance` pauses, for longer each time. A constrained (structured output)
 sequence's draft is cut at the first token its grammar refuses, and each of its rows is masked
@@ -38,6 +40,7 @@ from weakref import WeakKeyDictionary
 from qworker.engine.block_manager import BlockManager
 from qworker.engine.scheduler import ScheduledStep
 from qworker.engine.sequence import Sequence
+from qworker.engine.speculation_gate import SpeculationGate
 
 NGRAM_MAX, NGRAM_MIN = 3, 2
 RATE_WEIGHT = 0.25  # of the newest verify in a sequence's recent acceptance rate
@@ -81,6 +84,7 @@ class SpeculationLimits:
     max_batch: int  # speculate only in steps of at most this many decoding sequences
     min_acceptance: float  # a sequence whose recent acceptance rate falls below it pauses
     reserve_blocks: int = 0  # free blocks a draft leaves (the watermark)
+    measured: bool = True  # the gate decides where within max_batch (speculation_gate.py)
 
 
 @dataclass
@@ -104,12 +108,20 @@ class Speculator:
         self.proposer = proposer or self._lookup
         self.drafted = 0  # draft tokens verified, in all
         self.accepted = 0  # of those, accepted
+        self.gate = SpeculationGate()
         self._states: WeakKeyDictionary[Sequence, _Drafting] = WeakKeyDictionary()
 
     def wants(self, decodes: int) -> bool:
         """Whether a step of this many decoding sequences speculates: small batches only (their
-        step is bound by reading the weights, so a few more rows cost little)."""
-        return 0 < decodes <= self.limits.max_batch
+        step is bound by reading the weights, so a few more rows cost little), and where the
+        gate has measured that it pays (speculation_gate.py)."""
+        return 0 < decodes <= self.limits.max_batch and (
+            not self.limits.measured or self.gate.allows(decodes))
+
+    def observe(self, decodes: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A decode-only step's time and the tokens it made, for the gate."""
+        if decodes <= self.limits.max_batch:
+            self.gate.observe(decodes, drafted, seconds, tokens)
 
     def draft(self, step: ScheduledStep) -> bool:
         """Gives the step's eligible decodes a draft (`Sequence.draft`): each one's work grows to
