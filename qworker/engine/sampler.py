@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from qworker.engine.request import SamplingParams
+from qworker.model.kernels import native
 
 MASK64 = (1 << 64) - 1
 
@@ -60,7 +61,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: Allowed | None 
             logits += bias  # every row constrained
         else:
             logits.index_add_(0, torch.tensor(allowed.rows, device=logits.device), bias)
-    chosen = logits.max(dim=-1).indices  # argmax's first maximum; 2.7x faster on the CPU
+    chosen = native.argmax(logits)  # the first maximum, in one vectorized pass
+    if chosen is None:
+        chosen = logits.max(dim=-1).indices  # the same; 2.7x faster than argmax on the CPU
     random_rows = [r for r, row in enumerate(rows) if not row.params.greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)

@@ -122,6 +122,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qw_quant_rows_x8.restype = ctypes.c_int
     lib.qw_route.argtypes = [_P, _I, _I, _I, _I, _P, _P]
     lib.qw_logprobs_f32.argtypes = [_P, _I, _P, _I, _I, _P, _I, _P, _P, _P]
+    lib.qw_argmax_f32.argtypes = [_P, _I, _I, _I, _P]
     for name in ("qw_decode_step_f32", "qw_decode_step_bf16"):
         getattr(lib, name).argtypes = [_P, ctypes.POINTER(DecodeLayer), _I, _P,
                                        ctypes.POINTER(DecodeProj), _P, _I, _P,
@@ -403,6 +404,19 @@ def decode_step(
         None if window_tables is None else window_tables.data_ptr(), x.shape[0], dims, eps,
         scale)
     return logits if done else None
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's first maximum of float32 logits [n, vocab] (csrc/argmax.cpp), as
+    `logits.max(dim=-1).indices`; None where the kernel does not serve them."""
+    lib = library()
+    if (lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] >= 2**31):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.qw_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+                      out.data_ptr())
+    return out
 
 
 def logprobs(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, k: int
