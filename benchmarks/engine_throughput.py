@@ -1,7 +1,7 @@
 """Engine throughput on standard workload v1, in-process, beside transformers' static batching.
 
     .venv/bin/python -m benchmarks.engine_throughput [--dtype bfloat16 float32] [--no-baseline]
-        [--weights dense quantized] [--speculate-tokens 0 4]
+        [--weights dense quantized auto] [--speculate-tokens 0 4]
 
 Prints one JSON line per (engine, dtype): useful output tokens/s (each request counts exactly
 the tokens it asked for), total tokens/s, steps, mean batch size, preemptions, and the share of
@@ -96,8 +96,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--weights", nargs="+", default=["dense"], choices=("dense", "quantized"),
-                        help="quantized: the GGUF's blocks kept (native quantized kernels)")
+    parser.add_argument("--weights", nargs="+", default=["dense"],
+                        choices=("dense", "quantized", "auto"),
+                        help="quantized: the GGUF's blocks kept (native quantized kernels); auto: "
+                             "as `qworker serve` chooses (weights_auto.py)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)

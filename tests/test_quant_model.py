@@ -151,6 +151,7 @@ def test_the_weights_kept_and_their_bytes_are_reported(tmp_path: Path) -> None:
 
 def test_auto_keeps_the_blocks_where_every_batch_runs_as_fast_or_expanding_costs_too_much(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weights_auto, "head_seconds", lambda f, d: (1.0, 1.0))  # a tie: kept
     path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_K, others={"ffn_down": Q.Q6_K})
     sample = weights_auto.sample_tensor(path)
     assert (sample.tensor_type.name, tuple(sample.shape)) == ("Q4_K", (256, 256))  # most bytes
@@ -185,6 +186,7 @@ def test_auto_times_once_and_a_restart_reads_the_timing(
     path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q4_K, others={"ffn_down": Q.Q6_K})
     cache = tmp_path / "kernels"
     timed: list[Path] = []
+    monkeypatch.setattr(weights_auto, "head_seconds", lambda f, d: (1.0, 1.0))  # a tie: kept
     monkeypatch.setattr(weights_auto, "bucket_seconds",
                         lambda f, d: timed.append(f) or ([1.0] * 5, [2.0] * 5))
     monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # busy, nothing cached
@@ -192,12 +194,44 @@ def test_auto_times_once_and_a_restart_reads_the_timing(
     assert not timed and not cache.exists()  # nothing timed, nothing written
     monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.5)
     assert isinstance(load_model(path, weights="auto", cache_dir=cache).lm_head, QuantLinear)
-    assert len(timed) == 1 and len(list(cache.glob("weights-*.json"))) == 1
+    assert len(timed) == 1 and len(list(cache.glob("weights-*.json"))) == 2  # and the head's
     monkeypatch.setattr(kernel_choice, "machine_load", lambda: 1.5)  # busy again: the cache
     assert isinstance(load_model(path, weights="auto", cache_dir=cache).lm_head, QuantLinear)
     assert len(timed) == 1
     assert not isinstance(load_model(path, weights="auto", dtype=torch.bfloat16,
                                      cache_dir=cache).lm_head, QuantLinear)  # bf16: not timed
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_auto_expands_a_head_measured_slower_kept_and_keeps_the_layers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool) -> None:
+    path = write_tiny_gguf(tmp_path / "q.gguf", Q.Q8_0, tied=tied)
+    head = weights_auto.head_tensor(path)
+    assert head is not None and head.name == ("token_embd.weight" if tied else "output.weight")
+    kept_s, expanded_s = weights_auto.head_seconds(head, torch.float32)  # really timed
+    assert kept_s > 0 and expanded_s > 0
+    monkeypatch.setattr(kernel_choice, "machine_load", lambda: 0.5)
+    monkeypatch.setattr(weights_auto, "bucket_seconds", lambda f, d, r=512: ([1.0] * 5,
+                                                                             [2.0] * 5))
+    cache = tmp_path / "kernels"
+    timed: list[str] = []
+    monkeypatch.setattr(weights_auto, "head_seconds",
+                        lambda f, d: timed.append(f.name) or (2.0, 1.0))  # the head loses kept
+    model = load_model(path, weights="auto", cache_dir=cache)
+    assert not isinstance(model.lm_head, QuantLinear)  # the head expanded
+    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)  # the layers kept
+    assert (model.embed_tokens.quant is None) == tied  # a tied head's embedding is it
+    kept = load_model(path, weights="quantized")
+    tokens = list(range(SIZES["vocab"] - 9, SIZES["vocab"]))
+    want = _logits(kept, tokens)
+    assert (_logits(model, tokens) - want).abs().max() <= 5e-4 * want.abs().max()
+    assert load_model(path, weights="auto", cache_dir=cache).lm_head is not None
+    assert timed == [head.name]  # timed once: the restart read the cache
+    monkeypatch.setattr(weights_auto, "head_seconds", lambda f, d: (1.04, 1.0))  # within TIE
+    assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
+    monkeypatch.setattr(weights_auto, "head_seconds", lambda f, d: (2.0, 1.0))
+    monkeypatch.setattr(weights_auto, "EXPANSION_ALLOWANCE", 0)  # past the allowance: kept
+    assert isinstance(load_model(path, weights="auto").lm_head, QuantLinear)
 
 
 def test_a_tied_embedding_reads_the_repacked_head(tmp_path: Path,

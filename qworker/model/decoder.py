@@ -216,13 +216,17 @@ class DecoderModel(nn.Module):
         weighed = [v.describe() for v in self.step_verdicts.values()]
         return f"{report}; weighed by whole steps: {', '.join(weighed)}" if weighed else report
 
-    def load_hf_weights(self, weights: Mapping[str, Weight]) -> None:
+    def load_hf_weights(self, weights: Mapping[str, Weight], dense_head: bool = False) -> None:
         """Load tensors named as in a Hugging Face Llama checkpoint (fusing q/k/v and gate/up).
         A `QuantWeight` stays in its blocks: its layer becomes a `QuantLinear` (an embedding, a
         quantized row lookup, shared with a tied LM head); nothing else is allocated for it. A
         norm whose architecture scales by offset + w holds offset + w (so every norm kernel runs
-        it), added in float32."""
+        it), added in float32. `dense_head`: the LM head's matrix (or the embedding a tied head
+        shares) is expanded all the same (`weights_auto.expand_head`)."""
         given = _fused(weights, self.config)
+        head = "lm_head.weight" if "lm_head.weight" in given else "embed_tokens.weight"
+        if dense_head and isinstance(quant_head := given.get(head), QuantWeight):
+            given[head] = quant_head.dequantize()
         offset = self.config.arch.norm_offset
         for name, tensor in given.items():
             if offset and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
@@ -324,17 +328,18 @@ def load_model(
 ) -> DecoderModel:
     """Build a model from a HF folder, a .gguf file or a known model name. weights="quantized"
     keeps a GGUF's block-quantized matrices in their blocks ("auto": so for a quantized file, on
-    the CPU, unless expanding it adds at most 256 MB and measures faster; `loading/
-    weights_auto.py`, its timing cached in `cache_dir`); anything else dequantizes them to
-    `dtype`."""
+    the CPU, unless expanding it adds at most 256 MB and measures faster, the LM head weighed
+    apart; `loading/weights_auto.py`, its timing cached in `cache_dir`); anything else
+    dequantizes them to `dtype`."""
     from qworker.model.loading.checkpoint import load_checkpoint
     from qworker.model.loading.hub import resolve_model
-    from qworker.model.loading.weights_auto import keep_quantized
+    from qworker.model.loading.weights_auto import expand_head, keep_quantized
 
     path = resolve_model(str(name_or_path))
-    keep = weights == "quantized" or (weights == "auto" and torch.device(device).type == "cpu"
-                                      and keep_quantized(path, dtype, cache_dir))
+    auto = weights == "auto" and torch.device(device).type == "cpu"
+    keep = weights == "quantized" or (auto and keep_quantized(path, dtype, cache_dir))
+    dense_head = keep and auto and expand_head(path, dtype, cache_dir)
     config, weights_ = load_checkpoint(path, keep_quantized=keep)
     model = DecoderModel(config, dtype=dtype, device=device, init_weights=False)
-    model.load_hf_weights(weights_)
+    model.load_hf_weights(weights_, dense_head=dense_head)
     return model

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 TIE = 1.05  # kept this much slower than expanded at a bucket still counts as as fast (noise)
 EXPANSION_ALLOWANCE = 256 * 2**20  # the most resident bytes expanding may add to the blocks
+HEAD_ROWS = 32  # the rows the LM head's choice is timed at (a busy worker's decode step)
 
 
 def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None = None) -> bool:
@@ -96,6 +97,57 @@ def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None 
     return keep
 
 
+def expand_head(path: str | Path, dtype: torch.dtype, cache_dir: Path | None = None) -> bool:
+    """With the blocks kept (`keep_quantized`): whether the LM head (the output matrix, or the
+    embedding it is tied to) is expanded to `dtype` all the same. A vocabulary of 150k tokens
+    makes the head a quarter of a 0.6B model's weights and its largest matmul, and its kernels
+    (Q6_K in a Q4_K_M file) lose to the dense GEMM from 8 rows (1.2-1.4x slower on Zen 5) while
+    they tie at one; so it is expanded where that adds no more than the allowance and the
+    expanded head is faster (beyond TIE) at HEAD_ROWS rows, a busy worker's decode step. Timed
+    and cached as the layers are; on a busy machine with nothing cached it stays kept."""
+    file = quantized_gguf(path)
+    head = None if file is None or dtype == torch.float64 else head_tensor(file)
+    if head is None or head.tensor_type.name not in TYPE_IDS:
+        return False
+    extra = int(head.n_elements) * torch.empty(0, dtype=dtype).element_size() - head.n_bytes
+    if extra > EXPANSION_ALLOWANCE or 2 * extra > 0.5 * available_memory():
+        return False
+    sample = f"head {head.tensor_type.name} {head.shape[1]}x{head.shape[0]}"
+    cached = _cache_path(cache_dir, sample, dtype)
+    timed = read_cached(cached) if cached is not None else None
+    if not _is_head_timing(timed):
+        if kernel_choice.machine_load() > kernel_choice.BUSY_LOAD:
+            log.info("weights_auto_head", chose="quantized", why="too busy to measure")
+            return False
+        kept, expanded = head_seconds(head, dtype)
+        timed = {"rows": HEAD_ROWS, "kept_us_per_row": round(kept * 1e6, 3),
+                 "expanded_us_per_row": round(expanded * 1e6, 3)}
+        if cached is not None:
+            write_cached(cached, timed)
+    assert isinstance(timed, dict)
+    expand = timed["kept_us_per_row"] > TIE * timed["expanded_us_per_row"]
+    log.info("weights_auto_head", chose=_name(dtype) if expand else "quantized", sample=sample,
+             **timed)
+    return expand
+
+
+def head_seconds(tensor: GGUFTensor, dtype: torch.dtype) -> tuple[float, float]:
+    """Seconds per row of the head at HEAD_ROWS rows: kept in its blocks, expanded to `dtype`."""
+    kept, expanded = bucket_seconds(tensor, dtype, HEAD_ROWS)
+    return kept[-1], expanded[-1]
+
+
+def head_tensor(file: Path) -> GGUFTensor | None:
+    """The LM head's matrix: the output one, or the embedding a tied head shares."""
+    tensors = {t.name: t for t in open_gguf(file).tensors}
+    return tensors.get("output.weight", tensors.get("token_embd.weight"))
+
+
+def _is_head_timing(data: object) -> bool:
+    return isinstance(data, dict) and data.get("rows") == HEAD_ROWS and all(
+        isinstance(data.get(k), float | int) for k in ("kept_us_per_row", "expanded_us_per_row"))
+
+
 def sample_tensor(file: Path) -> GGUFTensor:
     """The file's most common kind of layer matrix: the (type, shape) holding the most bytes."""
     groups: dict[tuple[str, tuple[int, ...]], list[GGUFTensor]] = defaultdict(list)
@@ -105,14 +157,15 @@ def sample_tensor(file: Path) -> GGUFTensor:
     return max(groups.values(), key=lambda g: len(g) * g[0].n_bytes)[0]
 
 
-def bucket_seconds(tensor: GGUFTensor, dtype: torch.dtype) -> tuple[list[float], list[float]]:
-    """Seconds per row at each of the kernel choice's buckets of this matrix kept in its blocks
-    and expanded to `dtype` (each its fastest kernel at each bucket)."""
+def bucket_seconds(tensor: GGUFTensor, dtype: torch.dtype,
+                   max_rows: int = kernel_choice.BUCKETS[-1]) -> tuple[list[float], list[float]]:
+    """Seconds per row at each of the kernel choice's buckets (up to `max_rows`) of this matrix
+    kept in its blocks and expanded to `dtype` (each its fastest kernel at each bucket)."""
     weight, blocks = (gguf_tensor(tensor, keep_quantized=keep) for keep in (False, True))
     assert isinstance(weight, torch.Tensor) and isinstance(blocks, QuantWeight)
     dense = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     dense.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-    return per_row(QuantLinear(blocks, None, dtype)), per_row(dense)
+    return per_row(QuantLinear(blocks, None, dtype), max_rows), per_row(dense, max_rows)
 
 
 def _cache_path(cache_dir: Path | None, sample: str, dtype: torch.dtype) -> Path | None:
@@ -133,8 +186,10 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def per_row(layer: Linear | QuantLinear) -> list[float]:
-    """The layer's fastest kernel at each bucket, its seconds per row."""
-    timings = kernel_choice.measure(layer, kernel_choice.BUCKETS[-1])
+def per_row(layer: Linear | QuantLinear, max_rows: int = kernel_choice.BUCKETS[-1]
+            ) -> list[float]:
+    """The layer's fastest kernel at each bucket up to `max_rows`, its seconds per row."""
+    timings = kernel_choice.measure(layer, max_rows)
+    buckets = [rows for rows in kernel_choice.BUCKETS if rows <= max_rows]
     return [min(x for t in timings.values() if (x := t[b]) is not None) / rows
-            for b, rows in enumerate(kernel_choice.BUCKETS)]
+            for b, rows in enumerate(buckets)]
