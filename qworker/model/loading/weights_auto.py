@@ -26,8 +26,9 @@ blocks regardless (a single stream at a time: 1-row steps, where the blocks win 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -77,19 +78,17 @@ def keep_quantized(path: str | Path, dtype: torch.dtype, cache_dir: Path | None 
     tensor = sample_tensor(file)
     sample = f"{tensor.tensor_type.name} {tensor.shape[1]}x{tensor.shape[0]}"
     cached = _cache_path(cache_dir, sample, dtype)
-    timed = read_cached(cached) if cached is not None else None
-    if not _is_timing(timed):
-        load = kernel_choice.machine_load()
-        if load > kernel_choice.BUSY_LOAD:  # a busy machine's timings decide nothing
-            log.info("weights_auto", chose=_name(dtype), load=round(load, 2),
-                     why="too busy to measure: expanded, as the weights fit")
-            return False
+
+    def measure() -> dict[str, object]:
         kept, expanded = bucket_seconds(tensor, dtype)
-        timed = {"kept_us_per_row": [round(t * 1e6, 3) for t in kept],
-                 "expanded_us_per_row": [round(t * 1e6, 3) for t in expanded]}
-        if cached is not None:
-            write_cached(cached, timed)
-    assert isinstance(timed, dict)
+        return {"kept_us_per_row": [round(t * 1e6, 3) for t in kept],
+                "expanded_us_per_row": [round(t * 1e6, 3) for t in expanded]}
+
+    timed = _cached_timing(cached, _is_timing, measure)
+    if timed is None:
+        log.info("weights_auto", chose=_name(dtype),
+                 why="too busy to measure: expanded, as the weights fit")
+        return False
     keep = all(k <= TIE * e for k, e in zip(timed["kept_us_per_row"],
                                             timed["expanded_us_per_row"], strict=True))
     log.info("weights_auto", chose="quantized" if keep else _name(dtype), sample=sample,
@@ -114,21 +113,37 @@ def expand_head(path: str | Path, dtype: torch.dtype, cache_dir: Path | None = N
         return False
     sample = f"head {head.tensor_type.name} {head.shape[1]}x{head.shape[0]}"
     cached = _cache_path(cache_dir, sample, dtype)
-    timed = read_cached(cached) if cached is not None else None
-    if not _is_head_timing(timed):
-        if kernel_choice.machine_load() > kernel_choice.BUSY_LOAD:
-            log.info("weights_auto_head", chose="quantized", why="too busy to measure")
-            return False
+
+    def measure() -> dict[str, object]:
         kept, expanded = head_seconds(head, dtype)
-        timed = {"rows": HEAD_ROWS, "kept_us_per_row": round(kept * 1e6, 3),
-                 "expanded_us_per_row": round(expanded * 1e6, 3)}
-        if cached is not None:
-            write_cached(cached, timed)
-    assert isinstance(timed, dict)
+        return {"rows": HEAD_ROWS, "kept_us_per_row": round(kept * 1e6, 3),
+                "expanded_us_per_row": round(expanded * 1e6, 3)}
+
+    timed = _cached_timing(cached, _is_head_timing, measure)
+    if timed is None:
+        log.info("weights_auto_head", chose="quantized", why="too busy to measure")
+        return False
     expand = timed["kept_us_per_row"] > TIE * timed["expanded_us_per_row"]
     log.info("weights_auto_head", chose=_name(dtype) if expand else "quantized", sample=sample,
              **timed)
     return expand
+
+
+def _cached_timing(cached: Path | None, valid: Callable[[object], bool],
+                   measure: Callable[[], dict[str, object]]) -> dict[str, Any] | None:
+    """A timing read from `cached`, else measured now and written there; None on a machine too
+    busy to time anything (the kernel choice's load guard: its timings would decide nothing),
+    and nothing written."""
+    timed = read_cached(cached) if cached is not None else None
+    if valid(timed):
+        assert isinstance(timed, dict)
+        return timed
+    if kernel_choice.machine_load() > kernel_choice.BUSY_LOAD:
+        return None
+    timed = measure()
+    if cached is not None:
+        write_cached(cached, timed)
+    return timed
 
 
 def head_seconds(tensor: GGUFTensor, dtype: torch.dtype) -> tuple[float, float]:
