@@ -178,8 +178,6 @@ class Admission:
         job = self.core.open(t, self.log.bind(job_id=t.job_id))
         if self.core.end_unstarted(job, t, read_ms):
             return None
-        if t.entry.displaces is not None:
-            self.preempt_for(t.entry.displaces, t.job_id)
         if t.entry.deliveries > 1:  # tokenized and added alone: a crash in it is its own
             self.alone.move(t.job_id)  # (a Redis error ends the admission: retried later)
         try:
@@ -200,6 +198,8 @@ class Admission:
             code = INVALID_REQUEST if isinstance(exc, (ValueError, KeyError)) else INTERNAL
             return Reject(t.entry, code, f"could not start: {exc}", t.job_id, drop_owner=True,
                           job=t.job)
+        if t.entry.displaces is not None:  # added: its room is made (a refused job takes none)
+            self.preempt_for(t.entry.displaces, t.job_id)
         source = "reclaimed" if t.entry.reclaimed else (
             "requeue" if self.keys.is_requeue(t.entry.stream) else "jobs")
         self.core.started(job, t, source, len(prompt))
