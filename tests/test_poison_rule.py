@@ -14,7 +14,7 @@ from qworker.service.config import ServiceConfig
 from qworker.service.intake import Intake, Taken
 from qworker.service.job import Entry, Readback
 from qworker.service.scripts import Scripts, alone_key
-from qworker_client.protocol import Job
+from qworker_client.protocol import Job, Keys
 from tests.service_harness import (
     KEYS,
     check_stream,
@@ -48,7 +48,7 @@ def test_a_death_is_charged_to_the_job_run_alone_and_excused_for_the_others(
     for job in ("culprit", "bystander"):
         client.hset(KEYS.owner(job), "worker", "dead/1")
     client.hset(KEYS.owner("requeued"), "worker", "")  # a drained worker let it go
-    client.set(alone_key("qw", "dead/1"), "culprit")  # it died stepping `culprit` alone
+    client.set(alone_key(Keys("qw"), "dead/1"), "culprit")  # it died stepping `culprit` alone
     taken = _take(_intake(redis_url), "culprit", "bystander", "requeued", "fresh")
     assert {j: (t.crashes, t.excused) for j, t in taken.items()} == {
         "culprit": (1, 0), "bystander": (0, 1), "requeued": (0, 0), "fresh": (0, 0)}
@@ -65,7 +65,7 @@ def test_a_dead_worker_that_ran_nothing_alone_charges_and_excuses_nobody(redis_u
     t = _take(_intake(redis_url), "j")["j"]  # dead/2 left no alone key
     assert (t.crashes, t.excused) == (2, 1)
     client.hset(KEYS.owner("j"), "worker", "dead/3")
-    client.hset(alone_key("qw", "dead/3"), "not", "a string")  # a foreign key is nobody
+    client.hset(alone_key(Keys("qw"), "dead/3"), "not", "a string")  # a foreign key is nobody
     t = _take(_intake(redis_url), "j")["j"]
     assert (t.crashes, t.excused) == (2, 1)
 
@@ -104,7 +104,7 @@ def test_the_worker_names_the_job_it_steps_alone_before_each_such_step(redis_url
     holder: list[str] = []
 
     def run(work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
-        alone = client.get(alone_key("qw", holder[0]))
+        alone = client.get(alone_key(Keys("qw"), holder[0]))
         seen.append(([s.request_id for s, _ in work], any(s.isolate for s, _ in work), alone))
         return real_run(work)
 
@@ -121,7 +121,7 @@ def test_the_worker_names_the_job_it_steps_alone_before_each_such_step(redis_url
     assert {ids[0] for ids, _ in alone_steps} == {"orphan0", "orphan1", "orphan2"}
     assert all(len(ids) == 1 and key == ids[0].encode() for ids, key in alone_steps), seen
     assert all(key is None for _, isolated, key in seen if not isolated), seen
-    assert client.exists(alone_key("qw", holder[0])) == 0
+    assert client.exists(alone_key(Keys("qw"), holder[0])) == 0
     for job in jobs:
         assert check_stream(client, job).completion_tokens == 5
 
@@ -141,7 +141,7 @@ def test_a_step_alone_waits_while_the_alone_key_cannot_be_written(redis_url: str
     holder: list[str] = []
 
     def run(work: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
-        steps.append((time.monotonic(), client.get(alone_key("qw", holder[0]))))
+        steps.append((time.monotonic(), client.get(alone_key(Keys("qw"), holder[0]))))
         return real_run(work)
 
     engine.runner.run = run  # type: ignore[method-assign]

@@ -14,6 +14,7 @@ import redis
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
+from qworker_client.protocol import Keys
 from qworker_client.redis_clients import sync_redis
 from tests.service_harness import KEYS, ROOT, checkout_env, spawn_worker, wait_for
 
@@ -22,12 +23,14 @@ RQ_SERIALIZER = "rq.serializers.JSONSerializer"
 
 @contextmanager
 def sim_worker(url: str, name: str = "sim-1", *args: str, model: str = "sim:step_ms=2",
-               log_path: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """`qworker serve` on the simulated engine, live when the block starts."""
+               log_path: Path | None = None, keys: Keys = KEYS
+               ) -> Iterator[subprocess.Popen[bytes]]:
+    """`qworker serve` on the simulated engine, live when the block starts (its liveness key
+    among `keys`: on a Cluster, those of its model's slot)."""
     proc = spawn_worker(url, name, "--model", model, *args, log_path=log_path)
     client = sync_redis(url, socket_timeout=5)  # any URL a worker takes (Sentinel too)
     try:
-        wait_for(lambda: proc.poll() is not None or client.exists(KEYS.worker(name)),
+        wait_for(lambda: proc.poll() is not None or client.exists(keys.worker(name)),
                  timeout=60, what=f"worker {name} to start")
         assert proc.poll() is None, f"worker {name} exited with {proc.returncode}"
         yield proc

@@ -10,7 +10,14 @@ from typing import Any
 
 import redis.asyncio
 
-from qworker_client.connect import READ_COUNT, ClientOptions, async_client, redis_url_from_env
+from qworker_client.connect import (
+    READ_COUNT,
+    ClientOptions,
+    async_client,
+    is_cluster_client,
+    redis_url_from_env,
+    slot_keys,
+)
 from qworker_client.fields import JobInput, job_fields
 from qworker_client.protocol import (
     DEFAULT_GROUP,
@@ -53,6 +60,11 @@ class AsyncProducer:
         self.redis = client or async_client(redis_url or redis_url_from_env(), self.options)
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
+        self.cluster = is_cluster_client(self.redis)  # a job's keys then live in its model's slot
+
+    def keys_for(self, model: str | None) -> Keys:
+        """The keys of a job of `model` (on a Cluster, a ValueError for a model-less job)."""
+        return slot_keys(self.keys, self.cluster, model)
 
     async def submit(
         self,
@@ -75,15 +87,20 @@ class AsyncProducer:
                               ) -> list[AsyncJob]:
         """`submit_many` of jobs already made wire fields (`job_fields`'s (id, fields))."""
         handles: dict[int, AsyncJob] = {}
-        for stream, positions in by_stream(self.keys, prepared).items():
+        streams = by_stream(self.keys, prepared)
+        for stream in streams:  # a model-less job on a Cluster: refused before anything is sent
+            self.keys_for(self.keys.stream_model(stream))
+        for stream, positions in streams.items():
+            model = self.keys.stream_model(stream)
             group = [prepared[k] for k in positions]
             for k, s in zip(positions, await self._queue(stream, group), strict=True):
-                handles[k] = AsyncJob(self, prepared[k][0], s.entry_id, new=s.new)
+                handles[k] = AsyncJob(self, prepared[k][0], s.entry_id, new=s.new, model=model)
         return [handles[k] for k in range(len(prepared))]
 
     async def _queue(self, stream: str, jobs: list[tuple[str, dict[str, str]]]
                      ) -> list[Submitted]:
-        keys, args = submit_call(self.keys, jobs, self.options.result_ttl_s, stream)
+        keys, args = submit_call(self.keys_for(self.keys.stream_model(stream)), jobs,
+                                 self.options.result_ttl_s, stream)
         backoff = Backoff(give_up_s=self.options.reconnect_give_up_s)
         while True:
             try:
@@ -91,28 +108,30 @@ class AsyncProducer:
             except TRANSIENT_ERRORS as exc:
                 await asyncio.sleep(backoff.failed(exc))
 
-    def job(self, job_id: str, after: str = START_ID) -> AsyncJob:
-        """A handle on an existing job, reading its output after entry `after` (default: all)."""
+    def job(self, job_id: str, after: str = START_ID, model: str | None = None) -> AsyncJob:
+        """A handle on an existing job, reading its output after entry `after` (default: all);
+        on a Cluster, `model` names the job's model (its keys live in that model's slot)."""
         if not is_valid_id(job_id):
             raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
-        job = AsyncJob(self, job_id)
+        job = AsyncJob(self, job_id, model=model)
         job.state.last_id = after
         return job
 
-    async def cancel(self, job_id: str, ttl_s: int | None = None) -> bool:
+    async def cancel(self, job_id: str, ttl_s: int | None = None,
+                     model: str | None = None) -> bool:
         """See `Producer.cancel`."""
-        keys, args = cancel_call(self.keys, job_id, self.options.cancel_ttl(ttl_s))
+        keys, args = cancel_call(self.keys_for(model), job_id, self.options.cancel_ttl(ttl_s))
         return bool(await self._cancel(keys=keys, args=args))
 
     async def stats(self, group: str = DEFAULT_GROUP) -> Stats:
         return await collect_stats_async(self.redis, self.keys, group)
 
-    async def status(self, job_id: str) -> JobStatus:
+    async def status(self, job_id: str, model: str | None = None) -> JobStatus:
         """Queued, running, done (with its result), error, or unknown (docs/protocol.md,
         "Asking a job's status")."""
         if not is_valid_id(job_id):
             raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
-        return await job_status_async(self.redis, self.keys, job_id)
+        return await job_status_async(self.redis, self.keys_for(model), job_id)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -131,9 +150,11 @@ class AsyncJob:
     """See `qworker_client.client.Job`."""
 
     def __init__(self, producer: AsyncProducer, job_id: str, entry_id: str | None = None,
-                 new: bool = True) -> None:
+                 new: bool = True, model: str | None = None) -> None:
         self.producer = producer
         self.id = job_id
+        self.model = model  # its keys' slot on a Cluster
+        self.keys = producer.keys_for(model)
         self.entry_id = entry_id
         self.new = new
         self.state = OutputState(job_id)
@@ -172,12 +193,12 @@ class AsyncJob:
         return self.state.result()
 
     async def cancel(self, ttl_s: int | None = None) -> bool:
-        return await self.producer.cancel(self.id, ttl_s)
+        return await self.producer.cancel(self.id, ttl_s, self.model)
 
     async def _read(self, deadline: float | None, timeout: float | None) -> list[tuple[str, Any]]:
         options = self.producer.options
         backoff = Backoff(give_up_s=options.reconnect_give_up_s)
-        key = self.producer.keys.out(self.id)
+        key = self.keys.out(self.id)
         while True:
             block = options.block_for(deadline)
             if block is None:

@@ -9,7 +9,14 @@ from typing import Any
 
 import redis
 
-from qworker_client.connect import READ_COUNT, ClientOptions, redis_url_from_env, sync_client
+from qworker_client.connect import (
+    READ_COUNT,
+    ClientOptions,
+    is_cluster_client,
+    redis_url_from_env,
+    slot_keys,
+    sync_client,
+)
 from qworker_client.fields import JobInput, job_fields
 from qworker_client.protocol import (
     DEFAULT_GROUP,
@@ -62,6 +69,11 @@ class Producer:
         self.redis = client or sync_client(redis_url or redis_url_from_env(), self.options)
         self._submit = self.redis.register_script(SUBMIT_SCRIPT)
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
+        self.cluster = is_cluster_client(self.redis)  # a job's keys then live in its model's slot
+
+    def keys_for(self, model: str | None) -> Keys:
+        """The keys of a job of `model` (on a Cluster, a ValueError for a model-less job)."""
+        return slot_keys(self.keys, self.cluster, model)
 
     def submit(
         self,
@@ -91,14 +103,19 @@ class Producer:
         drop work."""
         prepared = [job_fields(job) for job in jobs]
         handles: dict[int, Job] = {}
-        for stream, positions in by_stream(self.keys, prepared).items():
+        streams = by_stream(self.keys, prepared)
+        for stream in streams:  # a model-less job on a Cluster: refused before anything is sent
+            self.keys_for(self.keys.stream_model(stream))
+        for stream, positions in streams.items():
+            model = self.keys.stream_model(stream)
             group = [prepared[k] for k in positions]
             for k, s in zip(positions, self._queue(stream, group), strict=True):
-                handles[k] = Job(self, prepared[k][0], s.entry_id, new=s.new)
+                handles[k] = Job(self, prepared[k][0], s.entry_id, new=s.new, model=model)
         return [handles[k] for k in range(len(prepared))]
 
     def _queue(self, stream: str, jobs: list[tuple[str, dict[str, str]]]) -> list[Submitted]:
-        keys, args = submit_call(self.keys, jobs, self.options.result_ttl_s, stream)
+        keys, args = submit_call(self.keys_for(self.keys.stream_model(stream)), jobs,
+                                 self.options.result_ttl_s, stream)
         backoff = Backoff(give_up_s=self.options.reconnect_give_up_s)
         while True:
             try:
@@ -106,29 +123,31 @@ class Producer:
             except TRANSIENT_ERRORS as exc:  # safe to repeat: the script queues each id once
                 time.sleep(backoff.failed(exc))
 
-    def job(self, job_id: str, after: str = START_ID) -> Job:
-        """A handle on an existing job, reading its output after entry `after` (default: all)."""
+    def job(self, job_id: str, after: str = START_ID, model: str | None = None) -> Job:
+        """A handle on an existing job, reading its output after entry `after` (default: all);
+        on a Cluster, `model` names the job's model (its keys live in that model's slot)."""
         if not is_valid_id(job_id):
             raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
-        job = Job(self, job_id)
+        job = Job(self, job_id, model=model)
         job.state.last_id = after
         return job
 
-    def cancel(self, job_id: str, ttl_s: int | None = None) -> bool:
+    def cancel(self, job_id: str, ttl_s: int | None = None,
+               model: str | None = None) -> bool:
         """Flag the job for cancelling, for `ttl_s` (at most, and by default, `result_ttl_s`).
         A job that has already ended is left alone: False."""
-        keys, args = cancel_call(self.keys, job_id, self.options.cancel_ttl(ttl_s))
+        keys, args = cancel_call(self.keys_for(model), job_id, self.options.cancel_ttl(ttl_s))
         return bool(self._cancel(keys=keys, args=args))
 
     def stats(self, group: str = DEFAULT_GROUP) -> Stats:
         return collect_stats(self.redis, self.keys, group)
 
-    def status(self, job_id: str) -> JobStatus:
+    def status(self, job_id: str, model: str | None = None) -> JobStatus:
         """Queued, running, done (with its result), error, or unknown (docs/protocol.md,
         "Asking a job's status")."""
         if not is_valid_id(job_id):
             raise ValueError(f"invalid job id {job_id!r} (want {ID_PATTERN})")
-        return job_status(self.redis, self.keys, job_id)
+        return job_status(self.redis, self.keys_for(model), job_id)
 
     def close(self) -> None:
         self.redis.close()
@@ -147,9 +166,11 @@ class Job:
     """One submitted job. Reading resumes where the last read stopped (`last_id`)."""
 
     def __init__(self, producer: Producer, job_id: str, entry_id: str | None = None,
-                 new: bool = True) -> None:
+                 new: bool = True, model: str | None = None) -> None:
         self.producer = producer
         self.id = job_id
+        self.model = model  # its keys' slot on a Cluster
+        self.keys = producer.keys_for(model)
         self.entry_id = entry_id  # the `<prefix>:jobs` entry, when this handle submitted it
         self.new = new  # False: the id was already submitted; this handle follows that job
         self.state = OutputState(job_id)
@@ -198,12 +219,12 @@ class Job:
 
     def cancel(self, ttl_s: int | None = None) -> bool:
         """Ask the workers to stop this job; it ends with `finish_reason` `cancelled`."""
-        return self.producer.cancel(self.id, ttl_s)
+        return self.producer.cancel(self.id, ttl_s, self.model)
 
     def _read(self, deadline: float | None, timeout: float | None) -> list[tuple[str, Any]]:
         options = self.producer.options
         backoff = Backoff(give_up_s=options.reconnect_give_up_s)
-        key = self.producer.keys.out(self.id)
+        key = self.keys.out(self.id)
         while True:
             block = options.block_for(deadline)
             if block is None:

@@ -12,9 +12,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from qworker_client.cluster_url import CLUSTER_SCHEMES, is_cluster_url, parse_cluster_url
+from qworker_client.protocol import Keys
 from qworker_client.redis_clients import async_redis, sync_redis
 from qworker_client.sentinel_url import SENTINEL_SCHEMES, is_sentinel_url, parse_sentinel_url
 
@@ -25,7 +29,7 @@ DEFAULT_BLOCK_MS = 5_000
 # markers and cancel flags live no longer, so a job id can be used again once its output is gone.
 DEFAULT_RESULT_TTL_S = 3_600
 READ_COUNT = 512  # entries per XREAD: a whole burst of tokens in one round trip
-URL_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)
+URL_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES)
 _USERINFO = re.compile(r"([^/:@]*):[^@/]*@")
 _PASSWORD_OPTION = re.compile(r"([?&](?:sentinel_)?password=)[^&#]*")
 
@@ -97,6 +101,17 @@ class ClientOptions:
         }
 
 
+def is_cluster_client(client: object) -> bool:
+    """Whether `client` talks to a Redis Cluster (redis-py's cluster clients, sync or asyncio)."""
+    return isinstance(client, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster))
+
+
+def slot_keys(keys: Keys, cluster: bool, model: str | None) -> Keys:
+    """The keys of a job of `model`: on a Cluster those of its model's hash slot (a ValueError
+    for a model-less job there), else `keys` as they are."""
+    return keys.in_slot(model) if cluster else keys
+
+
 def sync_client(url: str, options: ClientOptions) -> redis.Redis:
     return sync_redis(url, **options.kwargs())
 
@@ -128,6 +143,8 @@ def checked_url(url: str) -> str:
     try:
         if is_sentinel_url(url):
             parse_sentinel_url(url)
+        elif is_cluster_url(url):
+            parse_cluster_url(url)
         else:
             redis.connection.parse_url(url)
     except ValueError as exc:

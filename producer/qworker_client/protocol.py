@@ -676,9 +676,33 @@ def band_of_fields(fields: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis key of the protocol, under one prefix: nothing is written outside it."""
+    """Every Redis key of the protocol, under one prefix: nothing is written outside it.
+
+    `slot`, on a Redis Cluster: the model whose hash slot holds every key of this view. Each key
+    that a script may touch with others then carries the hash tag `{<model>}` after its kind
+    (`qw:out:{M}:<id>`, `qw:tenants:{M}`; the work streams have it anyway), and there are no
+    model-less streams (docs/protocol.md, "Redis Cluster"). None: one Redis, keys as in v1."""
 
     prefix: str = DEFAULT_PREFIX
+    slot: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.slot is not None:
+            _checked_model(self.slot)
+
+    def in_slot(self, model: str | None) -> Keys:
+        """The same keys in `model`'s hash slot (a Cluster's view of one model's keys)."""
+        if model is None:
+            raise ValueError("on a Redis Cluster every job names its model (its keys live in "
+                             "that model's hash slot)")
+        return Keys(self.prefix, model)
+
+    def _key(self, kind: str, rest: str | None = None) -> str:
+        """`<prefix>:<kind>`, then `:{<slot>}` on a Cluster, then `:<rest>`."""
+        key = f"{self.prefix}:{kind}"
+        if self.slot is not None:
+            key += f":{{{self.slot}}}"
+        return key if rest is None else f"{key}:{rest}"
 
     @property
     def jobs(self) -> str:
@@ -690,7 +714,7 @@ class Keys:
 
     @property
     def dead(self) -> str:
-        return f"{self.prefix}:dead"
+        return self._key("dead")
 
     @property
     def recent(self) -> str:
@@ -709,18 +733,18 @@ class Keys:
         """The tenants' weights and quotas, a hash: tenant -> `weight tokens_per_minute
         concurrent_jobs` (0: no limit); absent: weight 1, no limits (written by the gateway from
         its keys file, or by hand)."""
-        return f"{self.prefix}:tenants"
+        return self._key("tenants")
 
     def tpm(self, minute: int) -> str:
         """Tokens (prompt + completion) each tenant's jobs made in one minute (unix time // 60),
         a hash: tenant -> tokens; counted by the workers as the tokens are written, kept 2 min."""
-        return f"{self.prefix}:tpm:{minute}"
+        return self._key("tpm", str(minute))
 
     @property
     def running(self) -> str:
         """The jobs the fair read handed out under quotas and not yet ended, a sorted set of
         members `<tenant>\\0<stream>\\0<entry id>` (score 0): a tenant's concurrent jobs."""
-        return f"{self.prefix}:running"
+        return self._key("running")
 
     def usage(self, day: str) -> str:
         """One UTC day's usage (`YYYY-MM-DD`), a hash: `<tenant>|<model>|<counter>` -> count
@@ -732,39 +756,47 @@ class Keys:
         return f"{self.prefix}:tput:{minute}"
 
     def out(self, job_id: str) -> str:
-        return f"{self.prefix}:out:{job_id}"
+        return self._key("out", job_id)
 
     def cancel(self, job_id: str) -> str:
-        return f"{self.prefix}:cancel:{job_id}"
+        return self._key("cancel", job_id)
 
     def submitted(self, job_id: str) -> str:
         """Submit marker (the first entry id, TTL result_ttl): a job id is queued only once."""
-        return f"{self.prefix}:sub:{job_id}"
+        return self._key("sub", job_id)
 
     def owner(self, job_id: str) -> str:
         """Hash of the job's current owner (fencing token) and first-queued / started times."""
-        return f"{self.prefix}:owner:{job_id}"
+        return self._key("owner", job_id)
 
     def worker(self, name: str) -> str:
         """A live worker's key (JSON `WorkerInfo`, with a TTL the worker keeps renewing)."""
-        return f"{self.prefix}:worker:{name}"
+        return self._key("worker", name)
 
     @property
     def worker_pattern(self) -> str:
-        """SCAN pattern matching every live worker's key."""
+        """SCAN pattern matching every live worker's key (on a Cluster, from a view with no
+        slot: every model's)."""
         return self.worker("*")
+
+    def worker_name(self, key: str) -> str:
+        """The worker named by a key that `worker_pattern` matched (its slot's tag dropped)."""
+        name = key.removeprefix(f"{self.prefix}:worker:")
+        if name.startswith("{") and "}:" in name:
+            name = name[name.index("}:") + 2:]
+        return name
 
     @property
     def offers(self) -> str:
         """Entries offered to their session's worker, a sorted set: `<worker> <stream> <entry
         id>` -> the offer's expiry (unix ms)."""
-        return f"{self.prefix}:offers"
+        return self._key("offers")
 
     @property
     def readers(self) -> str:
         """The workers that read with room lately, a sorted set: name -> its last read (unix ms):
         who may be offered a session's job."""
-        return f"{self.prefix}:readers"
+        return self._key("readers")
 
     def affinity_of(self, stream: str) -> str:
         """The sessions of a work stream's model (or of the model-less streams), a hash: session
@@ -782,27 +814,27 @@ class Keys:
     def alone(self, token: str) -> str:
         """The job the worker with fencing token `token` runs alone right now (see
         docs/operating.md, "Poison jobs"; the worker's `scripts.alone_key`)."""
-        return f"{self.prefix}:alone:{token}"
+        return self._key("alone", token)
 
     def lease(self, token: str) -> str:
         """The append lease of the worker with fencing token `token` (a string with a TTL): the
         value the worker's last append set, so its next append knows that nothing it wrote was
         lost or rolled back since (see docs/protocol.md, "Fencing once a step")."""
-        return f"{self.prefix}:lease:{token}"
+        return self._key("lease", token)
 
     @property
     def takeovers(self) -> str:
         """How many times a job was taken from another worker (an integer): any take makes
         every worker check its jobs' owners on its next append."""
-        return f"{self.prefix}:takeovers"
+        return self._key("takeovers")
 
     def batch(self, batch_id: str) -> str:
         """The batch runner's hash of the jobs one batch submitted (job id -> entry id)."""
-        return f"{self.prefix}:batch:{batch_id}"
+        return self._key("batch", batch_id)
 
     def gateway_job(self, job_id: str) -> str:
         """The gateway's record of a job it submitted (JSON: its response's shape, its owner)."""
-        return f"{self.prefix}:gw:{job_id}"
+        return self._key("gw", job_id)
 
     def response(self, response_id: str) -> str:
         """The gateway's record of a Responses API response (JSON: its request, input, chain
@@ -892,6 +924,8 @@ class Keys:
         """One band's streams that a worker serving `model` reads, in order."""
         if model is None:
             return (self.requeue_of(None, band), self.jobs_of(None, band))
+        if self.slot is not None:  # a Cluster has no model-less streams
+            return (self.requeue_of(model, band), self.jobs_of(model, band))
         return (self.requeue_of(model, band), self.requeue_of(None, band),
                 self.jobs_of(model, band), self.jobs_of(None, band))
 

@@ -223,7 +223,7 @@ def _workers(keys: Keys, names: list[str], values: Sequence[bytes | str | None]
     for name, raw in zip(names, values, strict=True):
         if raw is None:  # expired between SCAN and MGET
             continue
-        workers.append(_worker_info(name.removeprefix(keys.worker("")), raw))
+        workers.append(_worker_info(keys.worker_name(name), raw))
     return workers
 
 

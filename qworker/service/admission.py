@@ -25,7 +25,7 @@ from qworker.service.sampling import (
     sampling_params,
     tool_calling,
 )
-from qworker_client.protocol import INTERNAL, INVALID_REQUEST, Job, Keys
+from qworker_client.protocol import INTERNAL, INVALID_REQUEST, Job
 
 
 class AdmittingEngine(Protocol):
@@ -56,7 +56,7 @@ class Admission:
         self.alone = alone
         self.metrics = metrics
         self.config = config
-        self.keys = Keys(config.prefix)
+        self.keys = config.keys
         self.log = log
         self.prompt_ids = prompt_ids  # the worker's: where tests time it
         self.track = track  # tells the heartbeat what the worker holds

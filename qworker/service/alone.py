@@ -6,12 +6,13 @@ from __future__ import annotations
 import redis
 
 from qworker.service.scripts import alone_key
+from qworker_client.protocol import Keys
 
 
 class Alone:
-    def __init__(self, client: redis.Redis, prefix: str, token: str, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, token: str, ttl_s: int) -> None:
         self.client = client
-        self.key = alone_key(prefix, token)
+        self.key = alone_key(keys, token)
         self.ttl_s = ttl_s
         self.job_id: str | None = None  # the job the key names (None: no key)
 

@@ -7,11 +7,13 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from qworker_client.cluster_url import is_cluster_url
 from qworker_client.protocol import (
     DEFAULT_GROUP,
     DEFAULT_PREFIX,
     MODEL_PATTERN,
     Job,
+    Keys,
     is_valid_model,
 )
 
@@ -121,6 +123,9 @@ class ServiceConfig:
         if self.served_model is not None and not is_valid_model(self.served_model):
             raise ValueError(f"the served model name {self.served_model!r} cannot name a job "
                              f"stream (want {MODEL_PATTERN}): give --served-model-name")
+        if self.cluster and self.served_model is None:
+            raise ValueError("on a Redis Cluster a worker serves a named model (its keys live in "
+                             "that model's hash slot): give --model or --served-model-name")
 
     def result_ttl_of(self, job: Job | None) -> int:
         """How long a job's output lives after its last event: its own result_ttl_s, within
@@ -128,6 +133,17 @@ class ServiceConfig:
         if job is None or job.result_ttl_s is None:
             return self.result_ttl
         return min(job.result_ttl_s, self.max_result_ttl)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether Redis is a Cluster (`redis+cluster://`): every key in the served model's slot."""
+        return is_cluster_url(self.redis_url)
+
+    @property
+    def keys(self) -> Keys:
+        """The keys this worker uses: on a Cluster, those of its model's hash slot."""
+        keys = Keys(self.prefix)
+        return keys.in_slot(self.served_model) if self.cluster else keys
 
     @property
     def served_model(self) -> str | None:

@@ -310,7 +310,7 @@ class Intake:
         for entry, job in items:
             job_id = job.id or entry.entry_id
             self.scripts.take_owner(pipe, owner=self.keys.owner(job_id), token=self.token,
-                                    job_id=job_id, prefix=self.keys.prefix, stream=entry.stream,
+                                    job_id=job_id, keys=self.keys, stream=entry.stream,
                                     group=self.config.group, consumer=self.consumer,
                                     entry_id=entry.entry_id, t0_ms=entry_ms(entry.entry_id) or now,
                                     now_ms=now, ttl_s=self.config.owner_ttl_s)

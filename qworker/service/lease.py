@@ -47,7 +47,7 @@ class AppendLease:
         self._held = ""
         pipe = client.pipeline(transaction=False)
         pipe.set(self.key, "", px=self.ttl_ms)
-        pipe.mget(self.key, self.takeovers_key)
+        pipe.execute_command("MGET", self.key, self.takeovers_key)  # see Publisher.flush
         pipe.execute()
 
     def next_call(self) -> Lease:

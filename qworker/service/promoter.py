@@ -25,7 +25,8 @@ class Promoter:
                  scripts: Scripts) -> None:
         self.client = client
         self.scripts = scripts
-        models = [config.served_model, None] if config.served_model else [None]
+        models = ([keys.slot] if keys.slot is not None  # a Cluster: only its model's slot
+                  else [config.served_model, None] if config.served_model else [None])
         self.sets = [(keys.delayed_of(m), keys.delayed_jobs_of(m),
                       tuple(keys.jobs_of(m, band) for band in BANDS)) for m in models]
         self.poll_s = config.delayed_poll_ms / 1000

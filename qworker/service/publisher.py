@@ -73,7 +73,8 @@ class Publisher:
         for job in requeueing:
             self._requeue(pipe, job)
         if cancel_check:
-            pipe.mget([self.keys.cancel(job_id) for job_id in cancel_check])
+            # MGET by name: a Cluster's pipeline refuses `mget`, though these keys share a slot
+            pipe.execute_command("MGET", *(self.keys.cancel(job_id) for job_id in cancel_check))
         if read_caps:
             self.scripts.read(pipe, group=self.config.group, consumer=self.config.name,
                               caps=read_caps, fair=self.keys if self.config.fair_share else None)

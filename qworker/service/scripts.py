@@ -33,10 +33,10 @@ from qworker_client.protocol import LOST_STATE, ErrorEvent, Keys, WireFields, ev
 PARK_BATCH = 256
 
 
-def alone_key(prefix: str, token: str) -> str:
+def alone_key(keys: Keys, token: str) -> str:
     """Names the job that the worker with fencing token `token` does something with alone now
     (starts it as a reclaimed job, or steps it alone); absent when none. Set before it begins."""
-    return Keys(prefix).alone(token)
+    return keys.alone(token)
 
 
 def _sha(text: str) -> str:
@@ -192,12 +192,12 @@ class Scripts:
         pipe.evalsha(self.dead_letter_sha, len(keys), *keys, *args)
 
     def take_owner(self, pipe: redis.client.Pipeline, *, owner: str, token: str, job_id: str,
-                   prefix: str, stream: str, group: str, consumer: str, entry_id: str,
+                   keys: Keys, stream: str, group: str, consumer: str, entry_id: str,
                    t0_ms: int, now_ms: int, ttl_s: int) -> None:
         """Reply: [crashes, excused, t0, started, 1 if first started now] of the job, the
         previous owner's death counted; None when another consumer holds the entry."""
-        pipe.evalsha(self.take_owner_sha, 3, owner, stream, Keys(prefix).takeovers, token,
-                     job_id, alone_key(prefix, ""), group, consumer, entry_id, t0_ms, now_ms,
+        pipe.evalsha(self.take_owner_sha, 3, owner, stream, keys.takeovers, token,
+                     job_id, alone_key(keys, ""), group, consumer, entry_id, t0_ms, now_ms,
                      ttl_s)
 
     def beat(self, client: redis.Redis | redis.client.Pipeline, *, group: str, consumer: str,

@@ -62,7 +62,7 @@ from qworker.service.sampling import default_seed as default_seed
 from qworker.service.sampling import sampling_params as sampling_params
 from qworker.service.scripts import Scripts
 from qworker.service.stream_interval import StreamInterval
-from qworker_client.protocol import Job, Keys, WorkerInfo
+from qworker_client.protocol import Job, WorkerInfo
 from qworker_client.redis_clients import sync_redis
 
 
@@ -83,7 +83,7 @@ class Worker:
         self.on_done = on_done  # RQ callback of finished jobs (--on-done-rq-*)
         self.config = config
         self.client = client or connect(config)
-        self.keys = Keys(config.prefix)
+        self.keys = config.keys
         self.token = f"{config.name}/{uuid.uuid4().hex[:12]}"  # fencing token of this process
         self.metrics = metrics or Metrics()
         self.log = get_logger(worker=config.name)
@@ -97,7 +97,7 @@ class Worker:
         self.groups = Groups(self.client, self.intake.streams, config.group, self.log)
         self.kernels = engine.kernel_report()  # what runs each op: logged, exported, shown
         self.core = ServiceCore(self.metrics, engine.token_text)
-        self.alone = Alone(self.client, config.prefix, self.token, config.owner_ttl_s)
+        self.alone = Alone(self.client, self.keys, self.token, config.owner_ttl_s)
         self.drain = Drain(config.drain_timeout, self.log)
         self.promoter = Promoter(self.client, self.keys, config, scripts)
         deferral = Deferral(self.client, self.keys, config, scripts)
