@@ -56,32 +56,34 @@ def submit(client: redis.Redis, job_id: str, **fields: Any) -> str:
     return job_id
 
 
-def events(client: redis.Redis, job_id: str) -> list[TokenEvent | DoneEvent | ErrorEvent]:
-    return [parse_event(f) for _, f in client.xrange(KEYS.out(job_id))]
+def events(client: redis.Redis, job_id: str, keys: Keys = KEYS
+           ) -> list[TokenEvent | DoneEvent | ErrorEvent]:
+    return [parse_event(f) for _, f in client.xrange(keys.out(job_id))]
 
 
-def terminal(client: redis.Redis, job_id: str) -> DoneEvent | ErrorEvent | None:
-    last = client.xrevrange(KEYS.out(job_id), count=1)
+def terminal(client: redis.Redis, job_id: str, keys: Keys = KEYS
+             ) -> DoneEvent | ErrorEvent | None:
+    last = client.xrevrange(keys.out(job_id), count=1)
     if not last:
         return None
     ev = parse_event(last[0][1])
     return ev if isinstance(ev, (DoneEvent, ErrorEvent)) else None
 
 
-def wait_terminal(client: redis.Redis, ids: Iterable[str], timeout: float = 60.0
-                  ) -> dict[str, DoneEvent | ErrorEvent]:
+def wait_terminal(client: redis.Redis, ids: Iterable[str], timeout: float = 60.0,
+                  keys: Keys = KEYS) -> dict[str, DoneEvent | ErrorEvent]:
     ids = list(ids)
 
     def all_done() -> dict[str, DoneEvent | ErrorEvent] | None:
-        got = {i: terminal(client, i) for i in ids}
+        got = {i: terminal(client, i, keys) for i in ids}
         return got if all(v is not None for v in got.values()) else None
 
     return wait_for(all_done, timeout, what=f"{len(ids)} jobs to finish")
 
 
-def check_stream(client: redis.Redis, job_id: str) -> DoneEvent:
+def check_stream(client: redis.Redis, job_id: str, keys: Keys = KEYS) -> DoneEvent:
     """Indices 0..n-1 exactly once, one terminal `done` last, joined texts == final text."""
-    evs = events(client, job_id)
+    evs = events(client, job_id, keys)
     assert evs and isinstance(evs[-1], DoneEvent), (job_id, evs[-3:])
     tokens = evs[:-1]
     assert all(isinstance(e, TokenEvent) for e in tokens), job_id

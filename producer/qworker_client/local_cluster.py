@@ -64,7 +64,8 @@ class LocalCluster:
                                     + (result.stderr or result.stdout).strip()[-500:])
 
     def wait_ok(self, timeout: float) -> None:
-        """Returns once every running node says `cluster_state:ok` and knows every slot."""
+        """Returns once every running node says `cluster_state:ok` and knows every slot, and
+        every running replica is in sync with its master."""
         deadline = time.monotonic() + timeout
         while not all(self._node_ok(node) for node in self.running()):
             if time.monotonic() > deadline:
@@ -76,10 +77,13 @@ class LocalCluster:
         try:
             with redis.Redis(port=node.port, socket_timeout=2, decode_responses=True) as client:
                 info = client.cluster("info")
+                replication = client.info("replication")
         except redis.RedisError:
             return False
         return bool(info.get("cluster_state") == "ok"
-                    and int(info.get("cluster_slots_ok", 0)) == 16384)
+                    and int(info.get("cluster_slots_ok", 0)) == 16384
+                    and (replication["role"] == "master"
+                         or replication.get("master_link_status") == "up"))
 
     def running(self) -> list[RedisProcess]:
         return [node for node in self.nodes if node.proc is not None]
@@ -93,6 +97,13 @@ class LocalCluster:
                     port = int(master[1])
                     return next(n for n in self.nodes if n.port == port)
         raise RedisProcessError(f"no node serves {key!r}")
+
+    def kill(self, node: RedisProcess) -> None:
+        """SIGKILL to one node we started (by its PID): a crash, nothing saved."""
+        proc, node.proc = node.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
     def stop(self) -> None:
         for node in self.nodes:

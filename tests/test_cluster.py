@@ -1,0 +1,262 @@
+"""Redis Cluster: `redis+cluster://` URLs, and workers, producers and the CLI on a real cluster of
+our own on loopback (3 masters, one replica each; local_cluster.py).
+
+On a cluster every key of a model's work carries the model's hash tag (`qw:out:{M}:<id>`): each
+script touches one slot, a model's traffic lives on the master that serves its slot, and several
+models spread over the masters. What a master's crash may lose is what Redis replication loses
+(it is asynchronous): the tests make every submit reach the replica first (WAIT), so no job may
+vanish; a job in flight ends complete and exact, or with `lost_state` (docs/operating.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.cluster import key_slot
+
+from qworker.service.config import ServiceConfig
+from qworker_client.client import Producer
+from qworker_client.cluster_url import parse_cluster_url
+from qworker_client.connect import RedisURLError, checked_url
+from qworker_client.local_cluster import LocalCluster, local_cluster
+from qworker_client.local_redis import RedisProcess
+from qworker_client.protocol import BANDS, LOST_STATE, DoneEvent, ErrorEvent, Keys
+from qworker_client.redis_clients import sync_redis
+from tests.service_harness import (
+    ROOT,
+    check_stream,
+    events,
+    expected,
+    stop_process,
+    terminal,
+    wait_for,
+    wait_terminal,
+)
+from tests.worker_process import sim_worker
+
+SIM = "sim:step_ms=20"
+FAST_RECLAIM = ("--claim-idle-ms", "1000")
+# refusals a script or a multi-key command on keys of several slots gets (redis-py's, Redis')
+CROSS_SLOT = ("CROSSSLOT", "must map to the same key slot", "non local key")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with local_cluster(masters=3, replicas=1) as running:
+        yield running
+
+
+def models_on_each_master(cluster: LocalCluster, stem: str) -> list[str]:
+    """One model name per master: their work streams' slots are served by three masters."""
+    found: dict[int, str] = {}
+    for k in range(1000):
+        model = f"{stem}-{k}"
+        found.setdefault(cluster.master_of(Keys().jobs_of(model)).port, model)
+        if len(found) == cluster.masters:
+            return list(found.values())
+    raise AssertionError("no model names found for every master")
+
+
+def worker(cluster: LocalCluster, name: str, model: str, log_path: Path, *args: str) -> Any:
+    """`qworker serve --redis-url redis+cluster://...` on the simulated engine, serving `model`."""
+    return sim_worker(cluster.url, name, *FAST_RECLAIM, "--served-model-name", model, *args,
+                      model=SIM, log_path=log_path, keys=Keys().in_slot(model))
+
+
+def no_cross_slot(*logs: Path) -> None:
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert not any(refusal in text for refusal in CROSS_SLOT), log
+
+
+def test_a_cluster_url_names_its_nodes_and_their_settings() -> None:
+    target = parse_cluster_url("rediss+cluster://app:s3cret@10.0.0.1:7000,10.0.0.2,[::1]:7001"
+                               "?ssl_cert_reqs=none")
+    assert target.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7001))
+    assert {k: target.node_kwargs[k] for k in ("username", "password", "ssl", "ssl_cert_reqs")} \
+        == {"username": "app", "password": "s3cret", "ssl": True, "ssl_cert_reqs": "none"}
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("redis+cluster://", "no cluster node address"),
+    ("redis+cluster://h:port", "is not host[:port]"),
+    ("redis+cluster://h:70000", "out of range"),
+    ("redis+cluster://h:7000/3", "only database 0"),
+])
+def test_a_malformed_cluster_url_is_refused_saying_why(url: str, why: str) -> None:
+    with pytest.raises(RedisURLError) as raised:
+        checked_url(url)
+    assert why in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_every_key_of_a_models_slot_hashes_to_that_slot() -> None:
+    keys, model = Keys("qw").in_slot("llama-3:8b"), "llama-3:8b"
+    slot = key_slot(b"qw:jobs:{llama-3:8b}")
+    names = [keys.out("j1"), keys.cancel("j1"), keys.submitted("j1"), keys.owner("j1"),
+             keys.worker("w/1"), keys.alone("t/1"), keys.lease("t/1"), keys.takeovers,
+             keys.tenants, keys.tpm(123), keys.running, keys.dead, keys.offers, keys.readers,
+             keys.delayed_of(model), keys.delayed_jobs_of(model)]
+    for stream in keys.streams_for(model):
+        names.append(stream)
+        if not keys.is_requeue(stream):
+            names += [keys.ready_of(stream), keys.vtime_of(stream), keys.held_of(stream)]
+        names += [keys.affinity_of(stream), keys.affinity_seen_of(stream)]
+    assert {name: key_slot(name.encode()) for name in names} == {name: slot for name in names}
+    assert len(keys.streams_for(model)) == 2 * len(BANDS)  # no model-less streams
+    assert keys.out("j1") == "qw:out:{llama-3:8b}:j1" and Keys("qw").out("j1") == "qw:out:j1"
+    assert keys.worker_name(keys.worker("w/1")) == "w/1"
+
+
+def test_a_worker_on_a_cluster_must_serve_a_named_model() -> None:
+    with pytest.raises(ValueError, match="serves a named model"):
+        ServiceConfig(redis_url="redis+cluster://127.0.0.1:7000")
+    assert ServiceConfig(redis_url="redis+cluster://127.0.0.1:7000", model="m").keys.slot == "m"
+
+
+def test_a_model_less_job_is_refused_before_anything_is_sent(cluster: LocalCluster) -> None:
+    with Producer(cluster.url) as producer:
+        with pytest.raises(ValueError, match="every job names its model"):
+            producer.submit_many([{"prompt": "m", "model": "m-x"}, {"prompt": "no model"}])
+        assert not any(producer.redis.scan_iter(match="qw:jobs*"))
+
+
+def test_workers_of_three_models_run_on_three_masters(cluster: LocalCluster,
+                                                      tmp_path: Path) -> None:
+    models = models_on_each_master(cluster, "spread")
+    jobs = {f"spread-{m}-{k}": {"prompt": f"job {k} of {m}", "max_tokens": 12, "seed": k,
+                                "model": m} for m in models for k in range(4)}
+    logs = [tmp_path / f"w{i}.log" for i in range(3)]
+    with ExitStack() as stack:
+        for i, model in enumerate(models):
+            stack.enter_context(worker(cluster, f"spread-w{i}", model, logs[i]))
+        producer = stack.enter_context(Producer(cluster.url))
+        handles = producer.submit_many([{"id": job_id, **fields}
+                                        for job_id, fields in jobs.items()])
+        texts = {h.id: (r.text, r.finish_reason)
+                 for h in handles for r in [h.result(timeout=60)]}
+        for model in models:  # each model's outputs live on the master of its slot
+            master = cluster.master_of(Keys().jobs_of(model))
+            with redis.Redis(port=master.port, socket_timeout=5) as node:
+                assert node.exists(Keys().in_slot(model).out(f"spread-{model}-0")) == 1
+    assert texts == expected(jobs)
+    no_cross_slot(*logs)
+
+
+def test_every_script_runs_on_a_cluster(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Fair share with tenants, a session's affinity, a delayed job, priorities, a cancel, a dead
+    letter, a drain that requeues: each a script of the worker's, none refused as cross-slot."""
+    model = "scripts"
+    keys = Keys().in_slot(model)
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    client = sync_redis(cluster.url, socket_timeout=5)
+    jobs = {f"scr-{k}": {"prompt": f"script {k}", "max_tokens": 60, "seed": k, "model": model,
+                         "tenant": f"t{k % 3}", "session": f"s{k % 2}",
+                         "priority": (k % 3) - 1} for k in range(9)}
+    jobs["scr-later"] = {"prompt": "later", "max_tokens": 5, "model": model,
+                         "not_before_ms": int(time.time() * 1000) + 1500}
+    client.hset(keys.tenants, "t0", "3 0 0")
+    with Producer(cluster.url) as producer:
+        with worker(cluster, "scr-a", model, logs[0], "--drain-timeout", "0") as first:
+            handles = producer.submit_many([{"id": k, **v} for k, v in jobs.items()])
+            producer.submit(id="scr-cancel", prompt="cancel me", max_tokens=500, model=model)
+            client.xadd(keys.jobs_of(model), {"id": "scr-bad", "max_tokens": "many"})
+            wait_for(lambda: len(events(client, "scr-0", keys)) >= 3, what="tokens")
+            assert producer.cancel("scr-cancel", model=model)
+            stop_process(first, sig=15)  # SIGTERM, no drain time: what runs is requeued
+        with worker(cluster, "scr-b", model, logs[1]):
+            ends = wait_terminal(client, [*jobs, "scr-cancel", "scr-bad"], keys=keys)
+            texts = {h.id: (r.text, r.finish_reason)
+                     for h in handles for r in [h.result(timeout=60)]}
+    assert texts == expected(jobs)
+    assert isinstance(ends["scr-cancel"], DoneEvent)
+    assert ends["scr-cancel"].finish_reason == "cancelled"
+    assert isinstance(ends["scr-bad"], ErrorEvent) and client.xlen(keys.dead) == 1
+    first_log = logs[0].read_text()
+    assert '"requeued at shutdown"' in first_log and '"delayed"' in first_log
+    for job_id in jobs:
+        check_stream(client, job_id, keys)
+    client.close()
+    no_cross_slot(*logs)
+
+
+def test_a_killed_workers_jobs_are_reclaimed_on_a_cluster(cluster: LocalCluster,
+                                                          tmp_path: Path) -> None:
+    model = "chaos"
+    keys = Keys().in_slot(model)
+    jobs = {f"chaos-{k}": {"prompt": f"chaos {k}", "max_tokens": 80, "seed": k, "model": model}
+            for k in range(6)}
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    client = sync_redis(cluster.url, socket_timeout=5)
+    with worker(cluster, "chaos-a", model, logs[0]) as doomed, Producer(cluster.url) as producer:
+        producer.submit_many([{"id": k, **v} for k, v in jobs.items()])
+        wait_for(lambda: len(events(client, "chaos-0", keys)) >= 10, what="tokens")
+        stop_process(doomed)  # SIGKILL
+        with worker(cluster, "chaos-b", model, logs[1]):
+            wait_terminal(client, jobs, keys=keys)
+    done = {k: check_stream(client, k, keys) for k in jobs}
+    assert {k: (d.text, d.finish_reason) for k, d in done.items()} == expected(jobs)
+    client.close()
+    no_cross_slot(*logs)
+
+
+def test_a_worker_follows_a_masters_failover(tmp_path: Path) -> None:
+    model = "failover"
+    keys = Keys().in_slot(model)
+    with local_cluster(masters=3, replicas=1) as cluster:
+        master = cluster.master_of(keys.jobs_of(model))
+        jobs = {f"pre-{k}": {"prompt": f"before {k}", "max_tokens": 150, "seed": k,
+                             "model": model} for k in range(4)}
+        log = tmp_path / "w.log"
+        with worker(cluster, "fo-w", model, log) as proc, Producer(cluster.url) as producer:
+            client = sync_redis(cluster.url, socket_timeout=5)
+            producer.submit_many([{"id": k, **v} for k, v in jobs.items()])
+            replicated(master)  # no submit may be lost: only what the worker wrote since
+            wait_for(lambda: len(events(client, "pre-0", keys)) >= 10, what="tokens")
+            assert terminal(client, "pre-0", keys) is None  # in flight when its master dies
+            cluster.kill(master)
+            cluster.wait_ok(30)
+            assert cluster.master_of(keys.jobs_of(model)) is not master
+            after = {f"post-{k}": {"prompt": f"after {k}", "max_tokens": 20, "seed": k,
+                                   "model": model} for k in range(4)}
+            producer.submit_many([{"id": k, **v} for k, v in after.items()])
+            ends = wait_terminal(client, [*jobs, *after], timeout=60, keys=keys)
+            assert proc.poll() is None, "the worker died in the failover"
+            want = expected({**jobs, **after})
+            for job_id in after:
+                done = check_stream(client, job_id, keys)
+                assert (done.text, done.finish_reason) == want[job_id]
+            for job_id in jobs:  # complete and exact, or ended as Redis lost its state
+                end = ends[job_id]
+                if isinstance(end, ErrorEvent):
+                    assert end.code == LOST_STATE, (job_id, end)
+                else:
+                    done = check_stream(client, job_id, keys)
+                    assert (done.text, done.finish_reason) == want[job_id], job_id
+            client.close()
+    no_cross_slot(log)
+
+
+def replicated(master: RedisProcess) -> None:
+    """Returns once the master's replica has every write it took so far (WAIT)."""
+    with redis.Redis(port=master.port, socket_timeout=5) as client:
+        assert client.wait(1, 3000) == 1, "the replica did not catch up"
+
+
+def test_the_cli_submits_and_follows_a_job_on_a_cluster(cluster: LocalCluster,
+                                                        tmp_path: Path) -> None:
+    model = "cli"
+    with worker(cluster, "cli-w", model, tmp_path / "w.log"):
+        proc = subprocess.run([sys.executable, "-m", "qworker_client", "submit", "hello there",
+                               "--model", model, "--max-tokens", "8", "--redis-url",
+                               cluster.url, "--wait"],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), proc.stdout
