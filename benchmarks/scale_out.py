@@ -56,9 +56,11 @@ import redis
 from benchmarks.chat_turns import ChatWorkload, prefix_cache_counts, run_chat
 from benchmarks.local_redis import local_redis
 from benchmarks.machine import machine_info
+from benchmarks.redis_target import RedisTarget, redis_target
 from qworker_client import Producer
 from qworker_client.local_redis import free_port
 from qworker_client.protocol import Keys
+from qworker_client.redis_clients import sync_redis
 
 KEYS = Keys()
 POLL_S = 0.05
@@ -80,11 +82,16 @@ class Settings:
 
 @dataclass(frozen=True)
 class CpuSample:
-    """CPU seconds so far: per worker, redis-server, and the whole machine (busy, all users)."""
+    """CPU seconds so far: per worker, per redis-server (each master of a cluster), and the whole
+    machine (busy, all users)."""
 
     workers: dict[int, float]
-    redis: float
+    redis_nodes: list[float]
     machine: float
+
+    @property
+    def redis(self) -> float:
+        return sum(self.redis_nodes)
 
 
 def stream_ms(entry_id: bytes | str) -> int:
@@ -139,11 +146,13 @@ def workers(url: str, k: int, settings: Settings, logdir: Path,
         stop_workers(procs)
 
 
-def wait_live(client: redis.Redis, procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
+def wait_live(client: redis.Redis, procs: list[subprocess.Popen], timeout_s: float = 120,
+              target: RedisTarget | None = None) -> None:
     """Until every worker has written its liveness key (it reached its loop and Redis)."""
-    names = [KEYS.worker(f"w{i}") for i in range(len(procs))]
+    names = [KEYS.worker(f"w{i}") if target is None
+             else target.keys_of(target.model_of(i)).worker(f"w{i}") for i in range(len(procs))]
     deadline = time.monotonic() + timeout_s
-    while client.exists(*names) < len(names):
+    while sum(client.exists(name) for name in names) < len(names):
         dead = [f"w{i}" for i, p in enumerate(procs) if p.poll() is not None]
         if dead or time.monotonic() > deadline:
             raise RuntimeError(f"workers not live (exited: {dead})")
@@ -172,87 +181,118 @@ def machine_busy_s() -> float:
     return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_sample(client: redis.Redis, procs: list[subprocess.Popen]) -> CpuSample:
-    info = client.info("cpu")
+def cpu_sample(nodes: list[redis.Redis], procs: list[subprocess.Popen]) -> CpuSample:
+    infos = [node.info("cpu") for node in nodes]
     return CpuSample({p.pid: proc_cpu_s(p.pid) for p in procs},
-                     info["used_cpu_user"] + info["used_cpu_sys"], machine_busy_s())
+                     [i["used_cpu_user"] + i["used_cpu_sys"] for i in infos], machine_busy_s())
 
 
-def commands(client: redis.Redis) -> tuple[int, Counter[str]]:
-    """total_commands_processed (this INFO call included) and calls per command."""
-    total = client.info("stats")["total_commands_processed"]
-    stats = client.info("commandstats")
-    return total, Counter({name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()})
+def commands(nodes: list[redis.Redis]) -> tuple[int, Counter[str]]:
+    """total_commands_processed (these INFO calls included) and calls per command, over every
+    node."""
+    total, calls = 0, Counter[str]()
+    for node in nodes:
+        total += node.info("stats")["total_commands_processed"]
+        calls.update({name.removeprefix("cmdstat_"): v["calls"]
+                      for name, v in node.info("commandstats").items()})
+    return total, calls
 
 
 # ---------------------------------------------------------------------- one K
 
 
-def submit(url: str, k: int, settings: Settings) -> list[str]:
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    model: str | None
+    entry_id: str
+
+
+def submit(target: RedisTarget, k: int, settings: Settings) -> list[Submitted]:
+    """The jobs, dealt to the workers' models in turn (one model-less stream on one Redis)."""
     rng = random.Random(0)
     specs = [dict(id=f"k{k}-{j}", max_tokens=settings.max_tokens, ignore_eos=True,
-                  prompt_token_ids=[rng.randrange(32, 127) for _ in range(settings.prompt_tokens)])
+                  prompt_token_ids=[rng.randrange(32, 127) for _ in range(settings.prompt_tokens)],
+                  model=target.model_of(j % k))
              for j in range(settings.jobs_per_worker * k)]
-    with Producer(url) as producer:
+    with Producer(target.url) as producer:
         jobs = producer.submit_many(specs)
-    return [job.entry_id for job in jobs]  # type: ignore[misc]
+    return [Submitted(job.id, job.model, job.entry_id or "") for job in jobs]
 
 
-def wait_drained(client: redis.Redis, procs: list[subprocess.Popen], timeout_s: float) -> int:
+def wait_drained(client: redis.Redis, target: RedisTarget, procs: list[subprocess.Popen],
+                 timeout_s: float) -> int:
     """Polls until the job streams are empty (every job acked); returns the polls' commands."""
     deadline, polls = time.monotonic() + timeout_s, 0
+    streams = [stream for m in dict.fromkeys(target.models)
+               for stream in (target.keys_of(m).jobs_of(m), target.keys_of(m).requeue_of(m))]
     while True:
         pipe = client.pipeline(transaction=False)
-        pipe.xlen(KEYS.jobs)
-        pipe.xlen(KEYS.requeue)
+        for stream in streams:
+            pipe.xlen(stream)
         polls += 1
         if sum(pipe.execute()) == 0:
-            return 2 * polls
+            return len(streams) * polls
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             raise RuntimeError("workers exited or timed out before the queue drained")
         time.sleep(POLL_S)
 
 
-def last_done_ms(client: redis.Redis, ids: list[str], max_tokens: int) -> int:
+def last_done_ms(client: redis.Redis, target: RedisTarget, jobs: list[Submitted],
+                 max_tokens: int) -> int:
     """Checks every job ended `done` with all its tokens; the latest done entry's time."""
     pipe = client.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.xrevrange(KEYS.out(job_id), count=1)
+    for job in jobs:
+        pipe.xrevrange(target.keys_of(job.model).out(job.job_id), count=1)
     latest = 0
-    for job_id, reply in zip(ids, pipe.execute(), strict=True):
+    for job, reply in zip(jobs, pipe.execute(), strict=True):
         entry_id, fields = reply[0]
         if fields.get(b"type") != b"done" or int(fields[b"completion_tokens"]) != max_tokens:
-            raise RuntimeError(f"job {job_id} did not finish with {max_tokens} tokens: {fields}")
+            raise RuntimeError(f"job {job.job_id} did not finish with {max_tokens} tokens: "
+                               f"{fields}")
         latest = max(latest, stream_ms(entry_id))
     return latest
 
 
-def run_k(url: str, k: int, settings: Settings) -> dict[str, object]:
-    client = redis.Redis.from_url(url, socket_timeout=30)
-    client.flushall()
+def run_k(target: RedisTarget, k: int, settings: Settings) -> dict[str, object]:
+    target.flush()
+    client = sync_redis(target.url, socket_timeout=30)
+    served = [["--served-model-name", model] if model else [] for model in
+              (target.model_of(i) for i in range(k))]
     with tempfile.TemporaryDirectory() as tmp, \
-            workers(url, k, settings, Path(tmp)) as procs:
-        wait_live(client, procs)
-        cmd0, stats0 = commands(client)
-        cpu0 = cpu_sample(client, procs)
-        entry_ids = submit(url, k, settings)
-        ids = [f"k{k}-{j}" for j in range(len(entry_ids))]
-        polled = wait_drained(client, procs, settings.timeout_s)
-        cpu1 = cpu_sample(client, procs)
-        cmd1, stats1 = commands(client)
-        end_ms = last_done_ms(client, ids, settings.max_tokens)
+            workers(target.url, k, settings, Path(tmp), served) as procs:
+        wait_live(client, procs, target=target)
+        cmd0, stats0 = commands(target.nodes)
+        cpu0 = cpu_sample(target.nodes, procs)
+        jobs = submit(target, k, settings)
+        polled = wait_drained(client, target, procs, settings.timeout_s)
+        cpu1 = cpu_sample(target.nodes, procs)
+        cmd1, stats1 = commands(target.nodes)
+        end_ms = last_done_ms(client, target, jobs, settings.max_tokens)
         taken = jobs_taken(Path(tmp), k)
-    wall_s = (end_ms - min(stream_ms(e) for e in entry_ids)) / 1000
-    tokens = len(ids) * settings.max_tokens
-    own = polled + 4  # the polls and the INFO calls (stats, commandstats, cpu twice)
+    client.close()
+    wall_s = (end_ms - min(stream_ms(job.entry_id) for job in jobs)) / 1000
+    tokens = len(jobs) * settings.max_tokens
+    infos = 4 * len(target.nodes)  # INFO stats, commandstats, cpu twice, on each node
     stats = stats1 - stats0
-    stats.subtract({"xlen": polled, "info": 4})  # the benchmark's own
-    return {"k": k, "jobs": len(ids), "tokens": tokens, "wall_s": round(wall_s, 3),
+    stats.subtract({"xlen": polled, "info": infos})  # the benchmark's own
+    return {"k": k, "redis_masters": len(target.nodes) if target.cluster else 0,
+            "jobs": len(jobs), "tokens": tokens, "wall_s": round(wall_s, 3),
             "tok_s": round(tokens / wall_s, 1),
-            "commands_per_token": round((cmd1 - cmd0 - own) / tokens, 3),
+            "commands_per_token": round((cmd1 - cmd0 - polled - infos) / tokens, 3),
             "commands_per_token_by_name": {name: round(n / tokens, 3)
                                            for name, n in stats.most_common(6) if n > 0},
-            **cpu_figures(cpu0, cpu1, wall_s), "jobs_per_worker": taken}
+            **cpu_figures(cpu0, cpu1, wall_s), **redis_capacity(cpu0, cpu1, tokens),
+            "jobs_per_worker": taken}
+
+
+def redis_capacity(before: CpuSample, after: CpuSample, tokens: int) -> dict[str, object]:
+    """Tokens per CPU second of Redis in all, and of the busiest node: what the fleet could
+    make were each node given a core of its own and Redis the bottleneck."""
+    used = [b - a for a, b in zip(before.redis_nodes, after.redis_nodes, strict=True)]
+    return {"redis_cpu_s_by_node": [round(u, 3) for u in used],
+            "tokens_per_redis_cpu_s": round(tokens / max(sum(used), 1e-9)),
+            "tokens_per_busiest_node_cpu_s": round(tokens / max(max(used), 1e-9))}
 
 
 def run_chat_k(url: str, k: int, settings: Settings, workload: ChatWorkload,
@@ -261,15 +301,16 @@ def run_chat_k(url: str, k: int, settings: Settings, workload: ChatWorkload,
     pulls first takes each job: random pulling): tokens/s and the fleet's prefix-cache hit rate."""
     client = redis.Redis.from_url(url, socket_timeout=30)
     client.flushall()
+    nodes = [client]
     ports = [free_port() for _ in range(k)]
     per_worker = [["--metrics-port", str(port), "--affinity-ms", str(affinity_ms)]
                   for port in ports]
     with tempfile.TemporaryDirectory() as tmp, \
             workers(url, k, settings, Path(tmp), per_worker) as procs:
         wait_live(client, procs)
-        cpu0 = cpu_sample(client, procs)
+        cpu0 = cpu_sample(nodes, procs)
         run = run_chat(url, workload, f"k{k}a{affinity_ms}", settings.timeout_s)
-        cpu1 = cpu_sample(client, procs)
+        cpu1 = cpu_sample(nodes, procs)
         time.sleep(0.5)  # the counters are exported once a loop turn: an idle turn ends by then
         queries, hits = prefix_cache_counts(ports)
         taken = jobs_taken(Path(tmp), k)
@@ -335,6 +376,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per K")
     parser.add_argument("--stream-interval-ms", type=int, default=0,
                         help="the workers' --stream-interval-ms")
+    parser.add_argument("--cluster", type=int, default=0, metavar="MASTERS",
+                        help="uniform: run each K on one Redis and on a Redis Cluster of this "
+                             "many masters (one model a master), side by side")
     parser.add_argument("--quick", action="store_true", help="smoke run: K = 1, 2; 64 jobs each")
     parser.add_argument("--workload", choices=("uniform", "chat"), default="uniform",
                         help="chat: multi-turn sessions, closed loop, with prefix affinity and "
@@ -358,22 +402,43 @@ def main() -> None:
                         args.max_tokens, args.timeout, args.stream_interval_ms)
     signal.signal(signal.SIGTERM, on_sigterm)
     if args.workload == "chat":
+        if args.cluster:
+            parser.error("--cluster runs the uniform workload only")
         return chat_main(args, settings)
+    if args.cluster:
+        return cluster_main(args, settings)
     base: float | None = None
-    with local_redis() as url:
+    with redis_target(0) as target:
         for k in args.workers:
-            row = run_k(url, k, settings)
+            row = run_k(target, k, settings)
             base = base or float(row["tok_s"]) / k  # type: ignore[arg-type]
-            speedup = float(row["tok_s"]) / base  # type: ignore[arg-type]
-            ideal = k * settings.max_num_seqs * 1000 / settings.step_ms
-            print(json.dumps({"step_ms": settings.step_ms,
-                              "stream_interval_ms": settings.stream_interval_ms, **row,
-                              "speedup": round(speedup, 2), "efficiency": round(speedup / k, 3),
-                              "step_bound_tok_s": round(ideal, 1),
-                              "share_of_step_bound": round(float(row["tok_s"]) / ideal, 3),
-                              **machine_info()}),
-                  flush=True)
+            print(json.dumps(uniform_row(row, k, base, settings)), flush=True)
 
+
+def uniform_row(row: dict[str, object], k: int, base: float,
+                settings: Settings) -> dict[str, object]:
+    speedup = float(row["tok_s"]) / base  # type: ignore[arg-type]
+    ideal = k * settings.max_num_seqs * 1000 / settings.step_ms
+    return {"step_ms": settings.step_ms, "stream_interval_ms": settings.stream_interval_ms,
+            **row, "speedup": round(speedup, 2), "efficiency": round(speedup / k, 3),
+            "step_bound_tok_s": round(ideal, 1),
+            "share_of_step_bound": round(float(row["tok_s"]) / ideal, 3), **machine_info()}
+
+
+def cluster_main(args: argparse.Namespace, settings: Settings) -> None:
+    """Per K, the fleet on one Redis and on a cluster of `--cluster` masters (one model a
+    master), one after the other: tokens/s of each, and the Redis capacity of each (tokens per
+    CPU second of the one Redis, and of the cluster's busiest master)."""
+    with redis_target(0) as one, redis_target(args.cluster) as cluster:
+        for k in args.workers:
+            rows = {"one_redis": run_k(one, k, settings), "cluster": run_k(cluster, k, settings)}
+            ratio = float(rows["cluster"]["tok_s"]) / float(rows["one_redis"]["tok_s"])  # type: ignore[arg-type]
+            capacity = (float(rows["cluster"]["tokens_per_busiest_node_cpu_s"])  # type: ignore[arg-type]
+                        / float(rows["one_redis"]["tokens_per_redis_cpu_s"]))  # type: ignore[arg-type]
+            print(json.dumps({"k": k, "step_ms": settings.step_ms, **rows,
+                              "cluster_vs_one_redis_tok_s": round(ratio, 3),
+                              "cluster_vs_one_redis_capacity": round(capacity, 3),
+                              **machine_info()}), flush=True)
 
 if __name__ == "__main__":
     try:

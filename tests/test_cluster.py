@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import redis
-from redis.cluster import key_slot
+from redis.crc import key_slot
 
 from qworker.service.config import ServiceConfig
 from qworker_client.client import Producer
@@ -52,17 +52,6 @@ CROSS_SLOT = ("CROSSSLOT", "must map to the same key slot", "non local key")
 def cluster() -> Iterator[LocalCluster]:
     with local_cluster(masters=3, replicas=1) as running:
         yield running
-
-
-def models_on_each_master(cluster: LocalCluster, stem: str) -> list[str]:
-    """One model name per master: their work streams' slots are served by three masters."""
-    found: dict[int, str] = {}
-    for k in range(1000):
-        model = f"{stem}-{k}"
-        found.setdefault(cluster.master_of(Keys().jobs_of(model)).port, model)
-        if len(found) == cluster.masters:
-            return list(found.values())
-    raise AssertionError("no model names found for every master")
 
 
 def worker(cluster: LocalCluster, name: str, model: str, log_path: Path, *args: str) -> Any:
@@ -130,7 +119,7 @@ def test_a_model_less_job_is_refused_before_anything_is_sent(cluster: LocalClust
 
 def test_workers_of_three_models_run_on_three_masters(cluster: LocalCluster,
                                                       tmp_path: Path) -> None:
-    models = models_on_each_master(cluster, "spread")
+    models = cluster.models_on_each_master("spread")
     jobs = {f"spread-{m}-{k}": {"prompt": f"job {k} of {m}", "max_tokens": 12, "seed": k,
                                 "model": m} for m in models for k in range(4)}
     logs = [tmp_path / f"w{i}.log" for i in range(3)]

@@ -98,6 +98,23 @@ class LocalCluster:
                     return next(n for n in self.nodes if n.port == port)
         raise RedisProcessError(f"no node serves {key!r}")
 
+    def masters_now(self) -> list[RedisProcess]:
+        """The running nodes that serve slots now, in slot order."""
+        with redis.Redis(port=self.running()[0].port, socket_timeout=2) as client:
+            ports = [int(master[1]) for _, _, master, *_ in sorted(client.cluster("slots"))]
+        return [next(n for n in self.nodes if n.port == port) for port in dict.fromkeys(ports)]
+
+    def models_on_each_master(self, stem: str) -> list[str]:
+        """One model name per master (`<stem>-<k>`): their keys' slots are served by every
+        master, one model each (a model's keys live in the slot of `{<model>}`)."""
+        found: dict[int, str] = {}
+        for k in range(10_000):
+            model = f"{stem}-{k}"
+            found.setdefault(self.master_of(f"{{{model}}}").port, model)
+            if len(found) == self.masters:
+                return list(found.values())
+        raise RedisProcessError("no model names found for every master")
+
     def kill(self, node: RedisProcess) -> None:
         """SIGKILL to one node we started (by its PID): a crash, nothing saved."""
         proc, node.proc = node.proc, None
