@@ -239,13 +239,24 @@ def replicated(master: RedisProcess) -> None:
         assert client.wait(1, 3000) == 1, "the replica did not catch up"
 
 
-def test_the_cli_submits_and_follows_a_job_on_a_cluster(cluster: LocalCluster,
-                                                        tmp_path: Path) -> None:
+def cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qworker_client", *args, "--redis-url",
+                           cluster.url], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_the_cli_submits_follows_and_asks_of_a_job_on_a_cluster(cluster: LocalCluster,
+                                                                 tmp_path: Path) -> None:
     model = "cli"
     with worker(cluster, "cli-w", model, tmp_path / "w.log"):
-        proc = subprocess.run([sys.executable, "-m", "qworker_client", "submit", "hello there",
-                               "--model", model, "--max-tokens", "8", "--redis-url",
-                               cluster.url, "--wait"],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip(), proc.stdout
+        submitted = cli(cluster, "submit", "hello there", "--model", model, "--max-tokens", "8",
+                        "--id", "cli-1", "--wait")
+        tailed = cli(cluster, "tail", "cli-1", "--model", model)
+        status = cli(cluster, "status", "cli-1", "--model", model)
+        no_model = [cli(cluster, verb, "cli-1") for verb in ("tail", "status", "cancel")]
+        model_less = cli(cluster, "submit", "no model", "--no-wait")
+    assert submitted.returncode == 0 and submitted.stdout.strip(), submitted.stderr
+    assert tailed.returncode == 0 and tailed.stdout == submitted.stdout, tailed.stderr
+    assert status.returncode == 0 and status.stdout.startswith("done"), status.stderr
+    for proc in [*no_model, model_less]:
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "names its model" in proc.stderr, proc.stderr

@@ -58,11 +58,17 @@ EXIT_INTERRUPTED = 130
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url", default=None,
-        help="redis://, rediss:// or redis+sentinel://host:port[,...]/service_name URL, may "
-             "carry user:password "
+        help="redis://, rediss://, redis+sentinel://host:port[,...]/service_name or "
+             "redis+cluster://host:port[,...] URL, may carry user:password "
              "(default: $REDIS_URL, $QWORKER_REDIS_URL, else redis://localhost:6379/0)",
     )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix (default: qw)")
+
+
+def add_job_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="on a Redis Cluster: the job's model (its keys live in that "
+                             "model's hash slot); elsewhere not needed")
 
 
 def connect(args: argparse.Namespace) -> Producer:

@@ -10,6 +10,7 @@ from qworker_client.cli import (
     EXIT_JOB_ERROR,
     EXIT_USAGE,
     add_connection_args,
+    add_job_model_arg,
     connect,
     report_error,
     reports_redis_errors,
@@ -23,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Cancel queued or running jobs: each ends with finish_reason cancelled. A "
                     "job that has already ended is left alone (exit 1).")
     parser.add_argument("job_ids", nargs="+", metavar="JOB_ID")
+    add_job_model_arg(parser)
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
@@ -35,8 +37,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     code = 0
     with connect(args) as producer:
+        try:
+            producer.keys_for(args.model)
+        except ValueError as exc:
+            report_error(str(exc))
+            return EXIT_USAGE
         for job_id in args.job_ids:
-            if producer.cancel(job_id):
+            if producer.cancel(job_id, model=args.model):
                 print(f"{job_id}: cancelling")
             else:
                 report_error(f"{job_id}: has already ended, left alone")

@@ -11,6 +11,7 @@ from qworker_client.cli import (
     EXIT_JOB_ERROR,
     EXIT_USAGE,
     add_connection_args,
+    add_job_model_arg,
     connect,
     print_json,
     report_error,
@@ -25,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("job_id")
     parser.add_argument("--json", action="store_true", help="the status object, as JSON")
+    add_job_model_arg(parser)
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
@@ -33,11 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with connect(args) as producer:
         try:
-            found = producer.status(args.job_id)
+            found = producer.status(args.job_id, args.model)
         except ValueError as exc:
             report_error(str(exc))
             return EXIT_USAGE
-        detail = (held_detail(producer.redis, producer.keys, args.job_id)
+        detail = (held_detail(producer.redis, producer.keys_for(args.model), args.job_id)
                   if found.status == "queued" else "")
     if args.json:
         print_json({**found.to_dict(), **({"detail": detail} if detail else {})})

@@ -194,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         report_error(f"invalid job: {exc}")
         return EXIT_USAGE
     with connect(args) as producer:
+        try:
+            producer.keys_for(spec.get("model"))  # a Cluster: the job must name its model
+        except ValueError as exc:
+            report_error(str(exc))
+            return EXIT_USAGE
         workers = visible_workers(producer.redis, producer.keys)  # None: this user may not look
         if workers is not None and _sent_plain(args, workers, spec.get("model")):
             spec.update(_raw_prompt(spec))

@@ -11,6 +11,7 @@ from qworker_client.cli import (
     EXIT_REDIS,
     EXIT_USAGE,
     add_connection_args,
+    add_job_model_arg,
     connect,
     follow,
     report_error,
@@ -36,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--wait", action="store_true",
                         help="follow the job even when Redis does not know it yet (exit 1 "
                              "otherwise) or no worker is live (exit 3 otherwise)")
+    add_job_model_arg(parser)
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
@@ -44,11 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with connect(args) as producer:
         try:
-            job = producer.job(args.job_id, after=args.from_id)
+            job = producer.job(args.job_id, after=args.from_id, model=args.model)
         except ValueError as exc:
             report_error(str(exc))
             return EXIT_USAGE
-        status = producer.status(args.job_id).status
+        status = producer.status(args.job_id, args.model).status
         if status == "unknown" and not args.wait:
             report_error(f"job {args.job_id} is unknown: never submitted, expired, or written "
                          "with a plain XADD and not started yet (--wait to follow it anyway)")
