@@ -10,6 +10,7 @@ vanish; a job in flight ends complete and exact, or with `lost_state` (docs/oper
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -260,3 +261,29 @@ def test_the_cli_submits_follows_and_asks_of_a_job_on_a_cluster(cluster: LocalCl
     for proc in [*no_model, model_less]:
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and "names its model" in proc.stderr, proc.stderr
+
+
+def test_stats_and_dead_letters_of_several_models_on_a_cluster(cluster: LocalCluster,
+                                                               tmp_path: Path) -> None:
+    models = cluster.models_on_each_master("dead")[:2]
+    client = sync_redis(cluster.url, socket_timeout=5)
+    with ExitStack() as stack:
+        for i, model in enumerate(models):
+            stack.enter_context(worker(cluster, f"dead-w{i}", model, tmp_path / f"{i}.log"))
+        before = json.loads(cli(cluster, "stats", "--json").stdout)["dead_letters"]
+        for model in models:
+            client.xadd(Keys().jobs_of(model), {"id": f"bad-{model}", "max_tokens": "many"})
+        wait_terminal(client, [f"bad-{models[0]}"], keys=Keys().in_slot(models[0]))
+        wait_terminal(client, [f"bad-{models[1]}"], keys=Keys().in_slot(models[1]))
+        stats = cli(cluster, "stats", "--json")
+        listed = cli(cluster, "dead", "list", "--model", models[1], "--json")
+        unnamed = cli(cluster, "dead", "list")
+    client.close()
+    assert stats.returncode == 0, stats.stderr
+    found = json.loads(stats.stdout)
+    assert found["dead_letters"] == before + 2  # one in each model's slot
+    assert sorted(w["served_model_name"] for w in found["workers"]) == sorted(models)
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line)["job_id"] for line in listed.stdout.splitlines()] == \
+        [f"bad-{models[1]}"]
+    assert unnamed.returncode == 2 and "names its model" in unnamed.stderr, unnamed.stderr

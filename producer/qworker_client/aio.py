@@ -124,7 +124,7 @@ class AsyncProducer:
         return bool(await self._cancel(keys=keys, args=args))
 
     async def stats(self, group: str = DEFAULT_GROUP) -> Stats:
-        return await collect_stats_async(self.redis, self.keys, group)
+        return await collect_stats_async(self.redis, self.keys, group, self.cluster)
 
     async def status(self, job_id: str, model: str | None = None) -> JobStatus:
         """Queued, running, done (with its result), error, or unknown (docs/protocol.md,

@@ -28,6 +28,7 @@ from qworker_client.protocol import (
     DEFAULT_PREFIX,
     DoneEvent,
     ErrorEvent,
+    ModelNeededError,
     PromptLogprobsEvent,
     TokenEvent,
 )
@@ -65,10 +66,10 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix (default: qw)")
 
 
-def add_job_model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="on a Redis Cluster: the job's model (its keys live in that "
-                             "model's hash slot); elsewhere not needed")
+def add_job_model_arg(parser: argparse.ArgumentParser,
+                      help: str = "on a Redis Cluster: the job's model (its keys live in that "
+                                  "model's hash slot); elsewhere not needed") -> None:
+    parser.add_argument("--model", default=None, help=help)
 
 
 def connect(args: argparse.Namespace) -> Producer:
@@ -126,7 +127,7 @@ def reports_redis_errors(run: Callable[[argparse.Namespace], int]) -> Callable[.
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return run(args)
-        except RedisURLError as exc:
+        except (RedisURLError, ModelNeededError) as exc:
             report_error(str(exc))
             return EXIT_USAGE
         except RedisUnreachable as exc:

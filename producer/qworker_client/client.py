@@ -140,7 +140,7 @@ class Producer:
         return bool(self._cancel(keys=keys, args=args))
 
     def stats(self, group: str = DEFAULT_GROUP) -> Stats:
-        return collect_stats(self.redis, self.keys, group)
+        return collect_stats(self.redis, self.keys, group, self.cluster)
 
     def status(self, job_id: str, model: str | None = None) -> JobStatus:
         """Queued, running, done (with its result), error, or unknown (docs/protocol.md,

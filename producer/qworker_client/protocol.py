@@ -674,6 +674,11 @@ def band_of_fields(fields: Mapping[str, str]) -> str:
         return ""
 
 
+class ModelNeededError(ValueError):
+    """A job's keys asked for without its model, on a Redis Cluster (where they live in the
+    model's hash slot)."""
+
+
 @dataclass(frozen=True)
 class Keys:
     """Every Redis key of the protocol, under one prefix: nothing is written outside it.
@@ -693,8 +698,8 @@ class Keys:
     def in_slot(self, model: str | None) -> Keys:
         """The same keys in `model`'s hash slot (a Cluster's view of one model's keys)."""
         if model is None:
-            raise ValueError("on a Redis Cluster every job names its model (its keys live in "
-                             "that model's hash slot)")
+            raise ModelNeededError("on a Redis Cluster every job names its model (its keys live "
+                                   "in that model's hash slot)")
         return Keys(self.prefix, model)
 
     def _key(self, kind: str, rest: str | None = None) -> str:
@@ -1030,7 +1035,7 @@ __all__ = [
     "INVALID_REQUEST", "LOST_STATE", "MAX_LOGPROBS", "MODEL_PATTERN", "PROMPT_TOO_LONG",
     "PROTOCOL_VERSION", "TERMINAL_TYPES", "TOO_MANY_DELIVERIES", "AnyEvent", "ChatMessage",
     "DoneEvent", "ErrorEvent", "FunctionCall", "FunctionTool", "NamedToolChoice", "Tool",
-    "ToolCall", "ToolChoice",
+    "ModelNeededError", "ToolCall", "ToolChoice",
     "Event", "FinishReason", "Job", "JobValidationError", "Keys", "PromptLogprobsEvent",
     "RecentJob",
     "TokenEvent", "TokenLogprob", "TopLogprob", "WorkerInfo", "encode_value", "entry_ms",

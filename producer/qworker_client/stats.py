@@ -12,7 +12,14 @@ import redis
 import redis.asyncio
 from pydantic import ValidationError
 
-from qworker_client.found_keys import SCAN_COUNT, model_stream_keys, worker_keys
+from qworker_client.found_keys import (
+    SCAN_COUNT,
+    dead_keys,
+    model_stream_keys,
+    values_of,
+    values_of_async,
+    worker_keys,
+)
 from qworker_client.protocol import (
     BANDS,
     DEFAULT_GROUP,
@@ -82,13 +89,16 @@ class Stats:
                 "unfinished": self.unfinished}
 
 
-def collect_stats(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP) -> Stats:
+def collect_stats(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP,
+                  cluster: bool = False) -> Stats:
+    """`cluster`: Redis is a Cluster (dead letters are per model there)."""
+    streams = model_streams(client, keys)
     return Stats(
         jobs=stream_stats(client, keys.jobs, group),
         requeue=stream_stats(client, keys.requeue, group),
-        dead_letters=int(client.xlen(keys.dead)),
+        dead_letters=sum(int(client.xlen(key)) for key in dead_keys(keys, cluster, streams)),
         workers=live_workers(client, keys),
-        models=[stream_stats(client, key, group) for key in model_streams(client, keys)],
+        models=[stream_stats(client, key, group) for key in streams],
     )
 
 
@@ -107,7 +117,7 @@ def streams_in_order(keys: Keys, found: Sequence[bytes | str]) -> list[str]:
 
 
 async def collect_stats_async(
-    client: redis.asyncio.Redis, keys: Keys, group: str = DEFAULT_GROUP
+    client: redis.asyncio.Redis, keys: Keys, group: str = DEFAULT_GROUP, cluster: bool = False
 ) -> Stats:
     """`collect_stats` over `redis.asyncio`."""
 
@@ -122,15 +132,17 @@ async def collect_stats_async(
 
     names = sorted([n async for n in client.scan_iter(match=keys.worker_pattern,
                                                       count=SCAN_COUNT)])
-    values = await client.mget(names) if names else []
+    values = await values_of_async(client, names)
     found = [key for pattern in keys.model_stream_patterns
              async for key in client.scan_iter(match=pattern, count=SCAN_COUNT, _type="stream")]
+    streams = streams_in_order(keys, found)
     return Stats(
         jobs=await stream(keys.jobs),
         requeue=await stream(keys.requeue),
-        dead_letters=int(await client.xlen(keys.dead)),
+        dead_letters=sum([int(await client.xlen(key))
+                          for key in dead_keys(keys, cluster, streams)]),
         workers=_workers(keys, names, values),
-        models=[await stream(key) for key in streams_in_order(keys, found)],
+        models=[await stream(key) for key in streams],
     )
 
 
@@ -154,7 +166,7 @@ def live_workers(client: redis.Redis, keys: Keys,
                  found: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Every live worker's info; `found`: the liveness keys as found before (else by SCAN)."""
     names = list(worker_keys(client, keys) if found is None else found)
-    return _workers(keys, names, client.mget(names) if names else [])
+    return _workers(keys, names, values_of(client, names))
 
 
 def visible_workers(client: redis.Redis, keys: Keys) -> list[dict[str, Any]] | None:

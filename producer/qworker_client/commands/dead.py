@@ -10,6 +10,7 @@ from qworker_client.cli import (
     EXIT_JOB_ERROR,
     EXIT_USAGE,
     add_connection_args,
+    add_job_model_arg,
     connect,
     print_json,
     report_error,
@@ -59,14 +60,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     purge.add_argument("--yes", action="store_true", help="delete them")
     purge.set_defaults(func=run_purge)
     for sub in (listing, show, retry, purge):
+        add_job_model_arg(sub, "the dead letters of this model (on a Redis Cluster, where "
+                               "each model has its own; elsewhere not needed)")
         add_connection_args(sub)
 
 
 @reports_redis_errors
 def run_list(args: argparse.Namespace) -> int:
     with connect(args) as producer:
-        letters = dead.newest(producer.redis, producer.keys, _bounded(args.limit, MAX_LIST),
-                              args.code)
+        letters = dead.newest(producer.redis, producer.keys_for(args.model),
+                              _bounded(args.limit, MAX_LIST), args.code)
         now = server_ms(producer.redis)
     if args.json:
         for letter in letters:
@@ -82,7 +85,7 @@ def run_list(args: argparse.Namespace) -> int:
 @reports_redis_errors
 def run_show(args: argparse.Namespace) -> int:
     with connect(args) as producer:
-        letter = dead.find(producer.redis, producer.keys, args.ref)
+        letter = dead.find(producer.redis, producer.keys_for(args.model), args.ref)
     if letter is None:
         report_error(f"no dead letter {args.ref!r}")
         return EXIT_JOB_ERROR
@@ -100,13 +103,13 @@ def run_retry(args: argparse.Namespace) -> int:
     code = 0
     with connect(args) as producer:
         for ref in args.refs:
-            letter = dead.find(producer.redis, producer.keys, ref)
+            letter = dead.find(producer.redis, producer.keys_for(args.model), ref)
             if letter is None:
                 report_error(f"no dead letter {ref!r}")
                 code = EXIT_JOB_ERROR
                 continue
             try:
-                done = dead.retry(producer.redis, producer.keys, letter,
+                done = dead.retry(producer.redis, producer.keys_for(args.model), letter,
                                   producer.options.result_ttl_s)
             except ValueError as exc:
                 report_error(str(exc).splitlines()[0])
@@ -121,8 +124,9 @@ def run_purge(args: argparse.Namespace) -> int:
     with connect(args) as producer:
         now = server_ms(producer.redis)
         before = None if args.older_than is None else now - int(args.older_than * 1000)
-        chosen = dead.purge(producer.redis, producer.keys, _bounded(args.limit, MAX_PURGE),
-                            args.code, before, dry_run=not args.yes)
+        chosen = dead.purge(producer.redis, producer.keys_for(args.model),
+                            _bounded(args.limit, MAX_PURGE), args.code, before,
+                            dry_run=not args.yes)
     if not args.yes:
         report_error(f"would purge {len(chosen)} dead letter(s); run again with --yes to delete "
                      "them")

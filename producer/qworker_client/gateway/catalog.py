@@ -14,7 +14,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from qworker_client.found_keys import SCAN_COUNT
+from qworker_client.found_keys import SCAN_COUNT, values_of_async
 from qworker_client.gateway.errors import APIError
 from qworker_client.protocol import Keys
 from qworker_client.stats import live_models as live_models  # the batch runner's (no cache)
@@ -55,7 +55,7 @@ class Catalog:
     async def _refresh(self) -> None:
         names = [n async for n in self.client.scan_iter(match=self.keys.worker_pattern,
                                                        count=SCAN_COUNT)]
-        values = await self.client.mget(names) if names else []
+        values = await values_of_async(self.client, names)
         infos = [_info(v) for v in values if v is not None]
         models = dict(self._declared)
         for info in infos:
