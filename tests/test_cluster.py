@@ -19,8 +19,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 import redis
+from openai import OpenAI
 from redis.crc import key_slot
 
 from qworker.service.config import ServiceConfig
@@ -31,6 +33,7 @@ from qworker_client.local_cluster import LocalCluster, local_cluster
 from qworker_client.local_redis import RedisProcess
 from qworker_client.protocol import BANDS, LOST_STATE, DoneEvent, ErrorEvent, Keys
 from qworker_client.redis_clients import sync_redis
+from tests.gateway_harness import gateway
 from tests.service_harness import (
     ROOT,
     check_stream,
@@ -287,3 +290,36 @@ def test_stats_and_dead_letters_of_several_models_on_a_cluster(cluster: LocalClu
     assert [json.loads(line)["job_id"] for line in listed.stdout.splitlines()] == \
         [f"bad-{models[1]}"]
     assert unnamed.returncode == 2 and "names its model" in unnamed.stderr, unnamed.stderr
+
+
+def test_the_gateway_serves_models_of_several_masters(cluster: LocalCluster,
+                                                      tmp_path: Path) -> None:
+    """Chat completions (whole and streamed), a stored response, a job's status and its stream
+    resumed by id: each model's keys on its own master, read through the gateway's per-slot
+    connections."""
+    models = cluster.models_on_each_master("gw")[:2]
+    with ExitStack() as stack:
+        for i, model in enumerate(models):
+            stack.enter_context(worker(cluster, f"gw-w{i}", model, tmp_path / f"{i}.log"))
+        base = stack.enter_context(gateway(cluster.url))
+        sdk = stack.enter_context(OpenAI(base_url=f"{base}/v1", api_key="unused",
+                                         max_retries=0, timeout=60))
+        for model in models:
+            whole = sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, seed=1)
+            assert whole.choices[0].finish_reason == "length" and whole.choices[0].message.content
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                               sdk.chat.completions.create(
+                                   model=model, messages=[{"role": "user", "content": "hi"}],
+                                   max_tokens=12, seed=1, stream=True) if chunk.choices)
+            assert streamed == whole.choices[0].message.content
+            response = sdk.responses.create(model=model, input="hello", max_output_tokens=8)
+            assert sdk.responses.retrieve(response.id).output_text == response.output_text
+        raw = httpx2.post(f"{base}/v1/completions", timeout=60, json={
+            "model": models[1], "prompt": "resume me", "max_tokens": 10, "seed": 3})
+        job_id = raw.headers["x-qworker-job-id"]
+        status = httpx2.get(f"{base}/v1/jobs/{job_id}", timeout=30).json()
+        resumed = httpx2.get(f"{base}/v1/jobs/{job_id}/stream", timeout=30).text
+    assert status["status"] == "done", status
+    assert raw.json()["choices"][0]["text"] and "data: [DONE]" in resumed
+    no_cross_slot(*(tmp_path / f"{i}.log" for i in range(2)))

@@ -28,5 +28,10 @@ _DRIVER = redis.DriverInfo()  # redis-py's name and version, for CLIENT SETINFO
 
 def gateway_client(url: str, options: ClientOptions, max_connections: int = MAX_CONNECTIONS,
                    wait_s: float = WAIT_S) -> redis.asyncio.Redis:
-    return async_waiting_redis(url, max_connections, wait_s, driver_info=_DRIVER,
+    return async_waiting_redis(url, max_connections, wait_s, **connection_options(),
                                **options.kwargs())
+
+
+def connection_options() -> dict[str, object]:
+    """What the gateway's connections get beside the client options (its slot pools' too)."""
+    return {"driver_info": _DRIVER}

@@ -20,11 +20,17 @@ from qworker_client.gateway.catalog import Catalog
 from qworker_client.gateway.chat.shaping import Shape
 from qworker_client.gateway.chat.translate import GatewayRequest
 from qworker_client.gateway.config import GatewayConfig
-from qworker_client.gateway.connection import gateway_client
+from qworker_client.gateway.connection import (
+    MAX_CONNECTIONS,
+    WAIT_S,
+    connection_options,
+    gateway_client,
+)
 from qworker_client.gateway.errors import APIError, bad_request
 from qworker_client.gateway.metrics import Metrics
 from qworker_client.gateway.owners import Owner
 from qworker_client.gateway.round_trip import Command, round_trip
+from qworker_client.gateway.slots import Slots, SlotView
 from qworker_client.gateway.streams.hub import Hub
 from qworker_client.gateway.streams.meta import JobMeta, meta_key
 from qworker_client.gateway.streams.vanished import Queued
@@ -44,33 +50,48 @@ class Gateway:
         self.producer = AsyncProducer(config.redis_url, config.prefix, options=options,
                                       client=gateway_client(config.redis_url, options))
         self.redis = self.producer.redis
+        self.slots = Slots(self.redis, self.keys, config.redis_url,
+                           {**options.kwargs(), **connection_options()}, MAX_CONNECTIONS, WAIT_S,
+                           config.stream_interval_ms / 1000)
         self.gate = Gate(self.redis, self.keys, config.max_queued, config.retry_after_s)
         self.catalog = Catalog(self.redis, self.keys, config.models_cache_s, config.models)
         self.metrics = Metrics()
         self._submit_sha = self.redis.register_script(SUBMIT_SCRIPT).sha
-        self.hub = Hub(self.redis, self.keys, interval_s=config.stream_interval_ms / 1000)
         self.keys_file = None if config.keys_file is None else KeysFile(config.keys_file)
-        self._published = -1  # the keys file's version last written to Redis
+        self._published: dict[str, int] = {}  # tenants key -> the keys file's version there
         self.batches = None if config.files_dir is None else Batches(
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
 
-    async def publish_tenants(self) -> None:
-        """The keys file's tenants (weight, quotas) into `<prefix>:tenants`, where the workers'
-        fair share reads them; again whenever the file changed."""
-        if self.keys_file is None or self._published == self.keys_file.version:
+    @property
+    def hub(self) -> Hub:
+        """The hub of one Redis (on a Cluster, each model's view has its own: `slots`)."""
+        return self.slots.shared.hub
+
+    def hub_of(self, model: str | None) -> Hub:
+        return self.slots.of(model).hub
+
+    async def publish_tenants(self, model: str | None = None) -> None:
+        """The keys file's tenants (weight, quotas) into `<prefix>:tenants` (on a Cluster, that
+        of `model`'s slot), where the workers' fair share reads them; again whenever the file
+        changed. On a Cluster, a model's slot gets them with the first request of that model."""
+        if self.keys_file is None or (model is None and self.slots.cluster is not None):
+            return
+        view = self.slots.of(model)
+        key = view.keys.tenants
+        if self._published.get(key) == self.keys_file.version:
             return
         version = self.keys_file.version
         tenants = self.keys_file.tenants
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.keys.tenants)
+        pipe = view.redis.pipeline(transaction=True)
+        pipe.delete(key)
         published: dict[FieldT, EncodableT] = {n: t.published() for n, t in tenants.items()}
         if any(t.tokens_per_minute or t.concurrent_jobs for t in tenants.values()):
             published[QUOTAS_FIELD] = "1"  # the workers' fair read then looks at quotas
         if published:
-            pipe.hset(self.keys.tenants, mapping=published)
+            pipe.hset(key, mapping=published)
         await pipe.execute()
-        self._published = version
+        self._published[key] = version
 
     async def admit_tenant(self, tenant: Tenant | None, model: str,
                            priorities: list[int]) -> Tenant | None:
@@ -79,22 +100,23 @@ class Gateway:
         if tenant is not None:
             if (why := refusal(tenant, model, priorities)) is not None:
                 raise APIError(403, why, type="permission_error", code="tenant_not_allowed")
-            await self.check_quota(tenant)
-        await self.publish_tenants()
+            await self.check_quota(tenant, model)
+        await self.publish_tenants(model)
         return tenant
 
-    async def check_quota(self, tenant: Tenant) -> None:
+    async def check_quota(self, tenant: Tenant, model: str | None = None) -> None:
         """429 with `Retry-After` while the tenant is at a quota, as counted in Redis by every
         worker's fair read: its tokens of this minute (retry when the minute ends), or its jobs
-        running (retry in a second)."""
+        running (retry in a second). On a Cluster the counts are each model's."""
         now = time.time()
+        view = self.slots.of(model)
         if tenant.tokens_per_minute is not None:
-            used = await self.redis.hget(self.keys.tpm(int(now) // 60), tenant.name)
+            used = await view.redis.hget(view.keys.tpm(int(now) // 60), tenant.name)
             if used is not None and int(used) >= tenant.tokens_per_minute:
                 raise self._at_quota(tenant, f"its {tenant.tokens_per_minute} tokens of this "
                                      "minute", "tokens_per_minute", 60 - int(now) % 60)
         if tenant.concurrent_jobs is not None:
-            running = await self.redis.zlexcount(self.keys.running, f"[{tenant.name}\0",
+            running = await view.redis.zlexcount(view.keys.running, f"[{tenant.name}\0",
                                                  f"({tenant.name}\1")
             if int(running) >= tenant.concurrent_jobs:
                 raise self._at_quota(tenant, f"its {tenant.concurrent_jobs} concurrent jobs",
@@ -128,12 +150,13 @@ class Gateway:
                  for c in request.choices}
         metas.update(records or {})
         groups = by_stream(self.keys, prepared)
-        entries = await self._queue_at_once(metas, prepared, groups)
+        view = self.slots.of(request.model)
+        if self.slots.cluster is not None:  # the records' keys are in other slots
+            await self._set_records(metas)
+            metas = {}
+        entries = await self._queue_at_once(view, metas, prepared, groups)
         if entries is None:
-            pipe = self.redis.pipeline(transaction=False)
-            for key, value in metas.items():
-                pipe.set(key, value, ex=self.config.result_ttl_s)
-            await pipe.execute()
+            await self._set_records(metas)
             jobs = await self.producer.submit_prepared(prepared)  # loads the script, retries
             entries = [job.entry_id for job in jobs]
         stream_of = {k: stream for stream, positions in groups.items() for k in positions}
@@ -141,7 +164,13 @@ class Gateway:
                 for k, ((job_id, _), entry) in enumerate(zip(prepared, entries, strict=True))
                 if entry}
 
-    async def _queue_at_once(self, metas: dict[str, str],
+    async def _set_records(self, records: dict[str, str]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for key, value in records.items():
+            pipe.set(key, value, ex=self.config.result_ttl_s)
+        await pipe.execute()
+
+    async def _queue_at_once(self, view: SlotView, metas: dict[str, str],
                              prepared: list[tuple[str, dict[str, str]]],
                              groups: dict[str, list[int]]) -> list[str | None] | None:
         """The metas set and the jobs queued in one round trip (EVALSHA beside the SETs): each
@@ -151,9 +180,9 @@ class Gateway:
         ttl = self.config.result_ttl_s
         commands: list[Command] = [("SET", key, value, "EX", ttl) for key, value in metas.items()]
         for stream, positions in groups.items():
-            keys, args = submit_call(self.keys, [prepared[k] for k in positions], ttl, stream)
+            keys, args = submit_call(view.keys, [prepared[k] for k in positions], ttl, stream)
             commands.append(("EVALSHA", self._submit_sha, len(keys), *keys, *args))
-        replies = await round_trip(self.redis.connection_pool, commands)
+        replies = await round_trip(view.redis.connection_pool, commands)
         if replies is None or any(isinstance(r, Exception) for r in replies):
             return None
         entries: list[str | None] = [None] * len(prepared)
@@ -162,10 +191,11 @@ class Gateway:
                 entries[k] = done.entry_id
         return entries
 
-    async def cancel(self, job_ids: list[str]) -> None:
+    async def cancel(self, job_ids: list[str], model: str | None = None) -> None:
+        """Cancel jobs of `model` (on a Cluster their keys are in its slot)."""
         for job_id in job_ids:
-            await self.producer.cancel(job_id)
+            await self.producer.cancel(job_id, model=model)
 
     async def close(self) -> None:
-        await self.hub.close()
+        await self.slots.close()
         await self.producer.close()

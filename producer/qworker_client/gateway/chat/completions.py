@@ -45,9 +45,9 @@ async def complete(gateway: Gateway, request: Request, kind: Kind) -> ASGIApp:
 
     async def abort() -> None:
         if not req.detach:
-            await gateway.cancel(job_ids)
+            await gateway.cancel(job_ids, req.model)
 
-    reader = OutputReader(gateway.hub, dict.fromkeys(job_ids, START_ID), queued)
+    reader = OutputReader(gateway.hub_of(req.model), dict.fromkeys(job_ids, START_ID), queued)
     follow = _follow(gateway, req, shape)
     if req.stream:
         return EventStream(LiveStream(reader, follow, gateway.metrics, timing), abort, headers)
@@ -65,7 +65,7 @@ def _follow(gateway: Gateway, req: GatewayRequest, shape: Shape) -> frames.Follo
         prompt={c.job_id: c.prompt_index for c in req.choices},
         include_usage=req.include_usage,
         tagged=len(req.choices) > 1,
-        cancel=gateway.cancel,
+        cancel=lambda job_ids: gateway.cancel(job_ids, req.model),
         coalesce=gateway.config.stream_interval_ms > 0,
     )
 

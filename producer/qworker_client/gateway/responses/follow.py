@@ -17,7 +17,8 @@ from qworker_client.gateway.streams.vanished import Queued
 async def replay(gateway: Gateway, events: ResponseEvents) -> list[Event]:
     """The events of what the job's output stream holds now (no wait)."""
     found: list[Event] = []
-    entries = await gateway.redis.xrange(gateway.keys.out(events.stored.job_id))
+    view = gateway.slots.of(events.stored.model)
+    entries = await view.redis.xrange(view.keys.out(events.stored.job_id))
     for entry_id, fields in cast(list[tuple[str, dict[str, str]]], entries or []):
         found += events.entry(entry_id, fields)
         if events.ended:
@@ -31,7 +32,8 @@ async def live(gateway: Gateway, events: ResponseEvents, queued: Queued | None =
     has ended (a job whose state vanished ends with `lost_state`, as the hub finds it)."""
     job_id = events.stored.job_id
     mailbox = Mailbox()
-    gateway.hub.follow({job_id: events.state.last_id}, mailbox,
+    hub = gateway.hub_of(events.stored.model)
+    hub.follow({job_id: events.state.last_id}, mailbox,
                        None if queued is None else {job_id: queued})
     try:
         while not events.ended:
@@ -45,7 +47,7 @@ async def live(gateway: Gateway, events: ResponseEvents, queued: Queued | None =
                 if found:
                     yield found
     finally:
-        gateway.hub.drop([job_id], mailbox)
+        hub.drop([job_id], mailbox)
 
 
 async def settle(gateway: Gateway, events: ResponseEvents) -> None:

@@ -51,7 +51,7 @@ async def create(gateway: Gateway, request: Request) -> Response:
                              headers)
 
     async def abort() -> None:
-        await gateway.cancel([stored.job_id])
+        await gateway.cancel([stored.job_id], stored.model)
 
     async def whole() -> dict[str, Any]:
         async for _ in live(gateway, events, queued):
@@ -91,7 +91,7 @@ async def cancel(gateway: Gateway, request: Request) -> JSONResponse:
         return JSONResponse(current)
     stored.cancelled = True
     await record.update(gateway.redis, gateway.keys, stored, None)
-    await gateway.cancel([stored.job_id])
+    await gateway.cancel([stored.job_id], stored.model)
     return JSONResponse({**current, "status": "cancelled"})
 
 
@@ -175,7 +175,7 @@ async def _sent(gateway: Gateway, events: ResponseEvents, first: list[Event],
     finally:
         if cancel_on_leave and not events.ended:
             with anyio.CancelScope(shield=True):
-                await gateway.cancel([events.stored.job_id])
+                await gateway.cancel([events.stored.job_id], events.stored.model)
 
 
 def _frames(events: list[Event], after: int) -> str:

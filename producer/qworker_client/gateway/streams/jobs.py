@@ -12,6 +12,7 @@ from qworker_client.gateway import owners
 from qworker_client.gateway.chat.completions import JOB_ID_HEADER
 from qworker_client.gateway.errors import APIError, bad_request
 from qworker_client.gateway.service import Gateway
+from qworker_client.gateway.slots import SlotView
 from qworker_client.gateway.streams import frames, meta
 from qworker_client.gateway.streams.disconnect import EventStream
 from qworker_client.gateway.streams.live import LiveStream
@@ -30,9 +31,11 @@ def _job_id(request: Request) -> str:
 
 async def status(gateway: Gateway, request: Request) -> JSONResponse:
     job_id = _job_id(request)
-    if owners.caller(request) is not None:  # with API keys, only the owner's jobs are there
-        await _own_meta(gateway, request, job_id)
-    found = await job_status_async(gateway.redis, gateway.keys, job_id)
+    job = None
+    if owners.caller(request) is not None or gateway.slots.cluster is not None:
+        job = await _own_meta(gateway, request, job_id)  # with API keys: only the owner's
+    view = gateway.slots.of(None if job is None else job.shape.model)
+    found = await job_status_async(view.redis, view.keys, job_id)
     return JSONResponse(found.to_dict())
 
 
@@ -44,9 +47,10 @@ async def resume(gateway: Gateway, request: Request) -> ASGIApp:
                             include_usage=job.include_usage, tagged=False, cancel=_keep,
                             coalesce=gateway.config.stream_interval_ms > 0)
     headers = {JOB_ID_HEADER: job_id}
-    if await _ended_at_or_before(gateway, job_id, after):
+    view = gateway.slots.of(job.shape.model)
+    if await _ended_at_or_before(view, job_id, after):
         return EventStream(None, _keep, headers)  # only [DONE]
-    reader = OutputReader(gateway.hub, {job_id: after})
+    reader = OutputReader(view.hub, {job_id: after})
     return EventStream(LiveStream(reader, follow, gateway.metrics), _keep, headers)
 
 
@@ -70,9 +74,9 @@ def _after(last_event_id: str | None) -> str:
     return entry
 
 
-async def _ended_at_or_before(gateway: Gateway, job_id: str, after: str) -> bool:
+async def _ended_at_or_before(view: SlotView, job_id: str, after: str) -> bool:
     """Whether the stream's terminal event is at or before `after`: nothing is left to send."""
-    last = await gateway.redis.xrevrange(gateway.keys.out(job_id), count=1)
+    last = await view.redis.xrevrange(view.keys.out(job_id), count=1)
     if not last or (last[0][1] or {}).get("type") not in TERMINAL_TYPES:
         return False
     end, seen = parse_entry_id(str(last[0][0])), parse_entry_id(after)
