@@ -11,6 +11,7 @@ vanish; a job in flight ends complete and exact, or with `lost_state` (docs/oper
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from openai import OpenAI
 from redis.crc import key_slot
 
 from qworker.service.config import ServiceConfig
+from qworker_client.acl import roles as acl_roles
 from qworker_client.client import Producer
 from qworker_client.cluster_url import parse_cluster_url
 from qworker_client.connect import RedisURLError, checked_url
@@ -37,6 +39,7 @@ from tests.gateway_harness import gateway
 from tests.service_harness import (
     ROOT,
     check_stream,
+    spawn_worker,
     events,
     expected,
     stop_process,
@@ -323,3 +326,34 @@ def test_the_gateway_serves_models_of_several_masters(cluster: LocalCluster,
     assert status["status"] == "done", status
     assert raw.json()["choices"][0]["text"] and "data: [DONE]" in resumed
     no_cross_slot(*(tmp_path / f"{i}.log" for i in range(2)))
+
+
+def test_worker_and_producer_run_as_their_acl_users_on_a_cluster(cluster: LocalCluster,
+                                                                 tmp_path: Path) -> None:
+    """The ACL users of docs/operating.md (`qworker_client.acl`), set on every node: a worker
+    and a producer do their work on a cluster with no command refused."""
+    users = {name: role for name, role in acl_roles("qw").items() if name in ("worker",
+                                                                              "producer")}
+    for node in cluster.running():
+        with redis.Redis(port=node.port, socket_timeout=5) as admin:
+            for name, role in users.items():
+                admin.execute_command(*shlex.split(role.setuser(f"pw-{name}")))
+
+    def url(name: str) -> str:
+        return cluster.url.replace("://", f"://qworker-{name}:pw-{name}@")
+    model = "acl"
+    log = tmp_path / "w.log"
+    proc = spawn_worker(url("worker"), "acl-w", *FAST_RECLAIM, "--model", SIM,
+                        "--served-model-name", model, log_path=log)
+    try:
+        with Producer(url("producer")) as producer:
+            result = producer.submit("as acl users", model=model, max_tokens=6,
+                                     tenant="t1").result(timeout=60)
+            assert (result.finish_reason, result.usage.completion_tokens) == ("length", 6)
+            assert producer.status(result.job_id, model=model).status == "done"
+    finally:
+        stop_process(proc, sig=15)
+        proc.wait(30)
+    refused = log.read_text()
+    assert "NOPERM" not in refused and "no permissions" not in refused, refused[-2000:]
+    no_cross_slot(log)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from qworker_client.protocol import DEFAULT_PREFIX, Keys
 
 ROLES = ("worker", "producer", "gateway", "keda", "operator")
+CLUSTER_MAP = ("cluster|slots", "command")  # a Cluster client: which node serves which slot,
+# and which arguments of a command are keys
 
 
 @dataclass(frozen=True)
@@ -42,13 +44,22 @@ class Role:
     def setuser(self, password: str) -> str:
         """The `ACL SETUSER` line (a `user` line of an ACL file without its first word)."""
         words = ["ACL", "SETUSER", self.user, "on", f">{password}", "resetkeys", "resetchannels",
-                 "-@all", *(f"+{c}" for c in self.keyless), *(g.selector() for g in self.grants)]
+                 "-@all", *(f"+{c}" for c in (*self.keyless, *CLUSTER_MAP)),
+                 *(g.selector() for g in self.grants)]
         return " ".join(words)
 
 
+def _slotted(key: str) -> tuple[str, str]:
+    """A key of the whole fleet on one Redis, and its name in each model's slot on a Cluster
+    (`qw:dead`, `qw:dead:{*}`; the other keys' patterns end in `*` and match both anyway)."""
+    return key, key + ":{*}"
+
+
 def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
-    """Every role's user, by role name (ROLES)."""
+    """Every role's user, by role name (ROLES); the same users serve one Redis and a Cluster."""
     k = Keys(prefix)
+    dead, tenants, running, takeovers = (_slotted(k.dead), _slotted(k.tenants),
+                                         _slotted(k.running), _slotted(k.takeovers))
     jobs = (k.jobs, k.model_stream_patterns[0])  # new jobs: each band's and model's streams
     work = (*jobs, k.requeue, k.model_stream_patterns[1])  # and requeued work
     out, cancel, sub, owner = k.out("*"), k.cancel("*"), k.submitted("*"), k.owner("*")
@@ -61,7 +72,7 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
     # prefix affinity: sessions' workers (per model), when each was seen, offers, readers
     sessions = tuple(key for key in (k.affinity_of(k.jobs), k.affinity_seen_of(k.jobs))
                      for key in (key, key + ":*"))
-    affinity = (*sessions, k.offers, k.readers)
+    affinity = (*sessions, *_slotted(k.offers), *_slotted(k.readers))
 
     def producer(reads: tuple[str, ...] = (), read_commands: tuple[str, ...] = (),
                  sets: tuple[str, ...] = (), script_keys: tuple[str, ...] = ()
@@ -85,25 +96,25 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
                    "xrange", "xlen", "exists", "xread"), work),
             # requeues, events, dead letters, recent jobs; delayed jobs queued again (promoter);
             # KV events (--kv-events)
-            Grant(("xadd",), (*work, out, k.dead, k.recent, k.kv_events)),
+            Grant(("xadd",), (*work, out, *dead, k.recent, k.kv_events)),
             Grant(("zadd", "zrangebyscore", "zrange", "zrem", "hexists", "hset", "hget", "hdel"),
                   delayed),
             Grant(("xrange", "xrevrange", "expire"), (out,)),
             Grant(("hset", "hsetnx", "hget", "hmget", "expire", "del"), (owner,)),
             Grant(("set", "get", "del", "exists"), (worker, k.alone("*"))),
-            Grant(("set", "mget"), (k.lease("*"), k.takeovers)),  # the append's lease
-            Grant(("incr",), (k.takeovers,)),
+            Grant(("set", "mget"), (k.lease("*"), *takeovers)),  # the append's lease
+            Grant(("incr",), takeovers),
             Grant(("exists", "mget"), (cancel,), read_only=True),
             Grant(("zadd", "zpopmin", "zcard", "zrange", "zrem", "hmget", "hset"), fair),
-            Grant(("hmget", "hget", "hexists"), (k.tenants,), read_only=True),
+            Grant(("hmget", "hget", "hexists"), tenants, read_only=True),
             Grant(("hincrby", "hmget", "expire"), counts),
-            Grant(("zadd", "zlexcount", "zrem", "zrangebylex"), (k.running,)),
+            Grant(("zadd", "zlexcount", "zrem", "zrangebylex"), running),
             Grant(("zadd", "zrange", "zrangebyscore", "zremrangebyscore", "zscore", "zrem",
                    "hget", "hset", "hdel"), affinity),
             Grant(("hincrby", "expire"), (k.throughput("*"),)),  # the dashboard's throughput
-            Grant(("evalsha", "eval"), (*work, out, owner, k.dead, worker, *delayed, *fair,
-                                        k.tenants, counts[0], k.running, k.lease("*"),
-                                        k.takeovers, *affinity)),
+            Grant(("evalsha", "eval"), (*work, out, owner, *dead, worker, *delayed, *fair,
+                                        *tenants, counts[0], *running, k.lease("*"),
+                                        *takeovers, *affinity)),
         )),
         "producer": Role("qworker-producer", ("ping", "hello", "script|load"), producer()),
         "gateway": Role("qworker-gateway", ("ping", "hello", "script|load", "scan", "multi",
@@ -111,26 +122,26 @@ def roles(prefix: str = DEFAULT_PREFIX) -> dict[str, Role]:
             reads=(gateway, response, worker), read_commands=("mget", "xlen"),
             sets=(gateway, response)) + (
             Grant(("del",), (response,)),
-            Grant(("del", "hset"), (k.tenants,)),  # the keys file's tenants, published
+            Grant(("del", "hset"), tenants),  # the keys file's tenants, published
             Grant(("hget",), (k.tpm(0).removesuffix("0") + "*",), read_only=True),  # quotas
-            Grant(("zlexcount",), (k.running,), read_only=True),
+            Grant(("zlexcount",), running, read_only=True),
         )),
         "keda": Role("qworker-keda", ("ping", "hello", "scan"), (
             Grant(("xlen", "xinfo|groups", "xpending", "exists", "mget"),
-                  (*work, k.dead, worker), read_only=True),
+                  (*work, *dead, worker), read_only=True),
         )),
         # a producer that also lists jobs (`qworker jobs`) and reads, retries and purges dead
         # letters (`qworker dead`): the retry script deletes the job's old output; and runs the
         # dashboard (`qworker dashboard`: the consumers, workers' TTLs, throughput counters)
         "operator": Role("qworker-operator", ("ping", "hello", "script|load", "scan", "time"),
-                         producer(reads=(k.dead, k.recent, worker, *delayed,
-                                         k.throughput("*"), cancel, k.tenants, *counts),
+                         producer(reads=(*dead, k.recent, worker, *delayed,
+                                         k.throughput("*"), cancel, *tenants, *counts),
                                   read_commands=("hmget", "mget", "xlen", "xinfo|groups",
                                                  "zrange", "xinfo|consumers", "xpending",
                                                  "pttl", "hgetall"),
-                                  script_keys=(owner, k.dead)) + (
+                                  script_keys=(owner, *dead)) + (
             Grant(("del",), (out,)),
-            Grant(("xdel",), (k.dead,)),
+            Grant(("xdel",), dead),
         )),
     }
 

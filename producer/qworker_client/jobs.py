@@ -11,7 +11,8 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from qworker_client.found_keys import FoundKeys, delayed_keys
+from qworker_client.connect import is_cluster_client, slot_keys
+from qworker_client.found_keys import FoundKeys, dead_keys, delayed_keys
 from qworker_client.protocol import (
     DEFAULT_GROUP,
     DEFAULT_TENANT,
@@ -75,10 +76,12 @@ def queued(client: redis.Redis, keys: Keys, limit: int,
         if len(entries) >= limit:
             break
     pipe = client.pipeline(transaction=False)
-    for _, entry_id, fields in entries:
+    cluster = is_cluster_client(client)
+    for stream, entry_id, fields in entries:
         job_id = fields.get("id") or entry_id
-        pipe.hmget(keys.owner(job_id), ["worker", "t0"])
-        pipe.xrevrange(keys.out(job_id), count=1)
+        job_keys = slot_keys(keys, cluster, keys.stream_model(stream)) if cluster else keys
+        pipe.hmget(job_keys.owner(job_id), ["worker", "t0"])
+        pipe.xrevrange(job_keys.out(job_id), count=1)
     replies = pipe.execute()
     over = over_quota(client, keys, {fields.get("tenant") or DEFAULT_TENANT
                                      for _, _, fields in entries})
@@ -176,8 +179,12 @@ def recent(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
 
 
 def dead(client: redis.Redis, keys: Keys, limit: int) -> list[JobRow]:
+    """The newest dead letters (on a Cluster, each model's newest: `limit` of each)."""
     rows = []
-    for entry_id, fields in _entries(client.xrevrange(keys.dead, count=limit)):
+    cluster = is_cluster_client(client)
+    names = dead_keys(keys, cluster, model_streams(client, keys) if cluster else [])
+    letters = [entry for name in names for entry in _entries(client.xrevrange(name, count=limit))]
+    for entry_id, fields in letters:
         source = fields.get("source", "")
         rows.append(JobRow(fields.get("id") or fields.get("source_id", ""), "dead",
                            keys.stream_model(source) or fields.get("model", ""), None,
