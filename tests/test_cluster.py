@@ -10,6 +10,7 @@ vanish; a job in flight ends complete and exact, or with `lost_state` (docs/oper
 
 from __future__ import annotations
 
+import html
 import json
 import shlex
 import subprocess
@@ -357,3 +358,38 @@ def test_worker_and_producer_run_as_their_acl_users_on_a_cluster(cluster: LocalC
     refused = log.read_text()
     assert "NOPERM" not in refused and "no permissions" not in refused, refused[-2000:]
     no_cross_slot(log)
+
+
+def test_the_dashboard_finds_each_models_jobs_and_dead_letters(cluster: LocalCluster,
+                                                               tmp_path: Path) -> None:
+    models = cluster.models_on_each_master("board")[:2]
+    client = sync_redis(cluster.url, socket_timeout=5)
+    with ExitStack() as stack:
+        for i, model in enumerate(models):
+            stack.enter_context(worker(cluster, f"board-w{i}", model, tmp_path / f"{i}.log"))
+        base = stack.enter_context(gateway(cluster.url))
+        with Producer(cluster.url) as producer:
+            texts = {m: producer.submit("show me", id=f"board-{m}", model=m, max_tokens=6,
+                                        seed=1).result(timeout=60).text for m in models}
+        for model in models:
+            client.xadd(Keys().jobs_of(model), {"id": f"board-bad-{model}", "max_tokens": "x"})
+            wait_terminal(client, [f"board-bad-{model}"], keys=Keys().in_slot(model))
+        pages = {m: httpx2.get(f"{base}/dashboard/jobs/board-{m}", timeout=30) for m in models}
+        dead = httpx2.get(f"{base}/dashboard/dead", timeout=30)
+    client.close()
+    for model, page in pages.items():
+        assert page.status_code == 200 and texts[model] in html.unescape(page.text), page.text
+    assert dead.status_code == 200
+    assert all(f"board-bad-{m}" in dead.text for m in models), dead.text
+
+
+def test_batches_say_in_one_line_that_they_do_not_run_on_a_cluster(cluster: LocalCluster,
+                                                                   tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"custom_id": "a", "prompt": "x", "model": "m", "max_tokens": 4}\n')
+    proc = cli(cluster, "batch", "run", str(source), str(tmp_path / "out.jsonl"))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Redis Cluster" in proc.stderr, proc.stderr
+    gateway_proc = cli(cluster, "gateway", "--port", "0", "--files-dir", str(tmp_path / "files"))
+    assert gateway_proc.returncode == 2, gateway_proc.stderr
+    assert "Redis Cluster" in gateway_proc.stderr.splitlines()[-1], gateway_proc.stderr

@@ -153,10 +153,10 @@ def test_dead_counts_codes_and_filters(client: redis.Redis) -> None:
     for k in range(3):
         client.xadd(KEYS.dead, {"reason": "r", "code": "invalid_job" if k else "poison",
                                 "source": KEYS.jobs, "source_id": f"{k}-0", "worker": "w"})
-    data, n = calls(client, lambda: reads.dead(client, KEYS))
+    data, n = calls(client, lambda: reads.dead(client, [KEYS]))
     assert n <= reads.page_bound("dead", client.dbsize())
     assert data.codes == {"invalid_job": 2, "poison": 1}
-    assert len(reads.dead(client, KEYS, "poison").letters) == 1
+    assert len(reads.dead(client, [KEYS], "poison").letters) == 1
 
 
 def test_a_page_calls_stay_bounded_whatever_the_queue_holds(client: redis.Redis) -> None:
@@ -175,7 +175,7 @@ def test_a_page_calls_stay_bounded_whatever_the_queue_holds(client: redis.Redis)
                        ("workers", lambda: reads.workers(client, KEYS)),
                        ("jobs", lambda: reads.jobs(client, KEYS)),
                        ("job", lambda: reads.job(client, KEYS, "q1")),
-                       ("dead", lambda: reads.dead(client, KEYS))):
+                       ("dead", lambda: reads.dead(client, [KEYS]))):
         _, n = calls(client, read)
         assert n <= reads.page_bound(page, keys_in_db), page
     assert reads.page_bound("jobs", keys_in_db) < 1_000

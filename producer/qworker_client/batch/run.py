@@ -13,6 +13,7 @@ from typing import Any
 import redis
 
 from qworker_client.batch.files import (
+    BatchInputError,
     Finished,
     JsonlAppender,
     default_errors_path,
@@ -31,7 +32,13 @@ from qworker_client.batch.lines import (
 )
 from qworker_client.batch.progress import NoProgress, Progress
 from qworker_client.batch.submit import MARKER_TTL_S, Submitter
-from qworker_client.connect import READ_COUNT, ClientOptions, redis_url_from_env, sync_client
+from qworker_client.connect import (
+    READ_COUNT,
+    ClientOptions,
+    is_cluster_client,
+    redis_url_from_env,
+    sync_client,
+)
 from qworker_client.multiplex import Multiplexer
 from qworker_client.protocol import DEFAULT_PREFIX, DoneEvent, ErrorEvent, Keys, TokenEvent
 from qworker_client.result import OutputEvent
@@ -87,11 +94,17 @@ class BatchSummary:
         return {**asdict(self), "ok": self.ok}
 
 
+# its output reader follows many jobs in one XREAD, which a Cluster serves for keys of one slot
+NOT_ON_CLUSTER = "batches do not run on a Redis Cluster yet (docs/operating.md, \"Redis Cluster\")"
+
+
 class BatchRun:
     """One run over a batch file; `run()` returns when every line has a result or an error."""
 
     def __init__(self, client: redis.Redis, config: BatchConfig,
                  progress: Progress | None = None) -> None:
+        if is_cluster_client(client):
+            raise BatchInputError(NOT_ON_CLUSTER)
         self.client = client
         self.config = config
         self.keys = Keys(config.prefix)

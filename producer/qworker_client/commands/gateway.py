@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         app = create_app(config)
-    except KeysFileError as exc:
+    except (KeysFileError, ValueError) as exc:  # ValueError: what the settings cannot do
         report_error(str(exc))
         return EXIT_USAGE
     if app.state.gateway.keys_file is not None:

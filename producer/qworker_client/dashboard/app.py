@@ -28,7 +28,8 @@ from qworker_client.dashboard import live, reads
 from qworker_client.dashboard.access import COOKIE, SESSION_S, Access, Role
 from qworker_client.dashboard.directory import REFRESH_S, Directory
 from qworker_client.dashboard.view import FILTERS
-from qworker_client.protocol import DEFAULT_PREFIX, ID_PATTERN, is_valid_id
+from qworker_client.job_slots import job_view, slot_views
+from qworker_client.protocol import DEFAULT_PREFIX, ID_PATTERN, Keys, is_valid_id
 
 HERE = Path(__file__).parent
 STATUSES = ("running", "queued", "delayed", "done", "error", "dead")
@@ -45,6 +46,14 @@ class Dashboard:
     @property
     def client(self) -> redis.Redis:
         return self.producer.redis
+
+    def views(self) -> list[Keys]:
+        """Each model's view of the keys on a Cluster (one Redis: the keys)."""
+        return slot_views(self.client, self.producer.keys, self.directory.found().streams)
+
+    def job_keys(self, job_id: str) -> Keys:
+        """The keys of a job (on a Cluster, of the model whose slot holds it)."""
+        return job_view(self.client, self.producer.keys, job_id, self.directory.found().streams)
 
 
 def create_dashboard(redis_url: str, prefix: str = DEFAULT_PREFIX,
@@ -182,8 +191,8 @@ async def _job(board: Dashboard, request: Request) -> Response:
     job_id = request.path_params["job_id"]
     if not is_valid_id(job_id):
         return _refused(board, request, 404, f"not a job id (want {ID_PATTERN})")
-    data = await run_in_threadpool(lambda: reads.job(board.client, board.producer.keys, job_id,
-                                                     found=board.directory.found()))
+    data = await run_in_threadpool(lambda: reads.job(board.client, board.job_keys(job_id),
+                                                     job_id, found=board.directory.found()))
     return render(board, request, "job.html", job=data, page="jobs")
 
 
@@ -198,7 +207,8 @@ async def _events(board: Dashboard, request: Request) -> Response:
     if not live.try_open():
         return Response("too many live streams; retry later\n", 503,
                         headers={"retry-after": "5"})
-    frames = live.events(board.client, board.producer.keys, job_id, after, int(index))
+    keys = await run_in_threadpool(board.job_keys, job_id)
+    frames = live.events(board.client, keys, job_id, after, int(index))
     return StreamingResponse(frames, media_type="text/event-stream",
                              headers={"cache-control": "no-store", "x-accel-buffering": "no"})
 
@@ -206,7 +216,7 @@ async def _events(board: Dashboard, request: Request) -> Response:
 async def _dead(board: Dashboard, request: Request) -> Response:
     code = request.query_params.get("code", "")
     code = code if _CODE.fullmatch(code) else ""
-    data = await run_in_threadpool(reads.dead, board.client, board.producer.keys, code)
+    data = await run_in_threadpool(lambda: reads.dead(board.client, board.views(), code))
     return render(board, request, "dead.html", data=data, page="dead", code=code)
 
 
@@ -217,7 +227,8 @@ async def _cancel(board: Dashboard, request: Request) -> Response:
     job_id = request.path_params["job_id"]
     if not is_valid_id(job_id):
         return _refused(board, request, 404, f"not a job id (want {ID_PATTERN})")
-    flagged = await run_in_threadpool(board.producer.cancel, job_id)
+    keys = await run_in_threadpool(board.job_keys, job_id)
+    flagged = await run_in_threadpool(board.producer.cancel, job_id, None, keys.slot)
     if flagged:
         return _back(request, f"/jobs/{job_id}", flash="cancelling: it ends with finish "
                                                        "reason cancelled")
@@ -228,20 +239,24 @@ async def _retry(board: Dashboard, request: Request) -> Response:
     """One dead letter (`entry`), or the newest RETRY_ALL_MAX of a code (`code`)."""
     form = await request.form()
     entry, code = str(form.get("entry", "")), str(form.get("code", ""))
-    keys, client, ttl = board.producer.keys, board.client, board.producer.options.result_ttl_s
+    client, ttl = board.client, board.producer.options.result_ttl_s
 
     def retry() -> tuple[int, list[str]]:
-        if entry:
-            found = dead_letters.find(client, keys, entry)
-            letters = [found] if found is not None and found.entry_id == entry else []
-            if not letters:
-                return 0, [f"no dead letter {entry!r}"]
-        elif _CODE.fullmatch(code) and code:
-            letters = dead_letters.newest(client, keys, reads.RETRY_ALL_MAX, code)
-        else:
-            return 0, ["say which dead letter, or which reason"]
+        letters: list[tuple[Keys, dead_letters.DeadLetter]] = []
+        for keys in board.views():  # on a Cluster, each model's dead letters
+            if entry:
+                found = dead_letters.find(client, keys, entry)
+                if found is not None and found.entry_id == entry:
+                    letters.append((keys, found))
+            elif _CODE.fullmatch(code) and code:
+                letters += [(keys, letter) for letter in
+                            dead_letters.newest(client, keys, reads.RETRY_ALL_MAX, code)]
+            else:
+                return 0, ["say which dead letter, or which reason"]
+        if entry and not letters:
+            return 0, [f"no dead letter {entry!r}"]
         done, failed = 0, []
-        for letter in letters:
+        for keys, letter in letters[:reads.RETRY_ALL_MAX]:
             try:
                 dead_letters.retry(client, keys, letter, ttl)
                 done += 1
@@ -262,8 +277,9 @@ async def _purge(board: Dashboard, request: Request) -> Response:
         return _back(request, "/dead", error="not purged: type purge to confirm")
     if not _CODE.fullmatch(code):
         return _back(request, "/dead", error="not a reason code")
-    chosen = await run_in_threadpool(dead_letters.purge, board.client, board.producer.keys,
-                                     dead_letters.MAX_SCAN, code or None)
+    chosen = await run_in_threadpool(lambda: [
+        letter for keys in board.views()
+        for letter in dead_letters.purge(board.client, keys, dead_letters.MAX_SCAN, code or None)])
     return _back(request, "/dead", flash=f"purged {len(chosen)} dead letter(s)")
 
 

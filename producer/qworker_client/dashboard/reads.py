@@ -20,7 +20,8 @@ from typing import Any
 import redis
 
 from qworker_client import dead as dead_letters
-from qworker_client.found_keys import SCAN_COUNT, FoundKeys, find_keys
+from qworker_client.connect import is_cluster_client
+from qworker_client.found_keys import SCAN_COUNT, FoundKeys, dead_keys, find_keys
 from qworker_client.jobs import JobRow, find_entry, list_jobs, server_ms
 from qworker_client.protocol import (
     BANDS,
@@ -29,6 +30,7 @@ from qworker_client.protocol import (
     Keys,
     TokenEvent,
     entry_ms,
+    parse_entry_id,
 )
 from qworker_client.result import START_ID, OutputState
 from qworker_client.stats import live_workers, streams_in_order
@@ -136,7 +138,9 @@ def overview(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP,
         pipe.xrange(stream, "-", "+", count=1)
     for m in range(minute - MINUTES + 1, minute + 1):
         pipe.hgetall(keys.throughput(m))
-    pipe.xrevrange(keys.dead, "+", str(now - 3_600_000), count=DEAD_HOUR_MAX)
+    dead_names = dead_keys(keys, is_cluster_client(client), found.streams)
+    for name in dead_names:
+        pipe.xrevrange(name, "+", str(now - 3_600_000), count=DEAD_HOUR_MAX)
     replies = pipe.execute(raise_on_error=False)
     rows: dict[tuple[str, str], QueueRow] = {}
     for k, stream in enumerate(names):
@@ -154,7 +158,8 @@ def overview(client: redis.Redis, keys: Keys, group: str = DEFAULT_GROUP,
             ms = entry_ms(_text(first[0][0])) or now
             row.oldest_ms = ms if row.oldest_ms is None else min(row.oldest_ms, ms)
     minutes = replies[3 * len(names): 3 * len(names) + MINUTES]
-    dead_reply = replies[-1] if isinstance(replies[-1], list) else []
+    dead_reply = [entry for reply in replies[len(replies) - len(dead_names):]
+                  if isinstance(reply, list) for entry in reply]
     for _, fields in dead_reply:
         source = _fields(fields).get("source", "")
         key = (keys.stream_model(source) or "", keys.stream_band(source) if source else "")
@@ -425,9 +430,13 @@ class Dead:
     read: int
 
 
-def dead(client: redis.Redis, keys: Keys, code: str = "") -> Dead:
+def dead(client: redis.Redis, views: list[Keys], code: str = "") -> Dead:
+    """The newest dead letters (on a Cluster `views` are each model's keys: theirs, merged)."""
     now = server_ms(client)
-    letters = dead_letters.newest(client, keys, DEAD_READ, code or None)
+    letters = sorted((letter for keys in views
+                      for letter in dead_letters.newest(client, keys, DEAD_READ, code or None)),
+                     key=lambda d: parse_entry_id(d.entry_id) or (0, 0),
+                     reverse=True)[:DEAD_READ]
     codes: dict[str, int] = defaultdict(int)
     for letter in letters:
         codes[letter.code] += 1

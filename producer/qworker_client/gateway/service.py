@@ -11,6 +11,7 @@ from typing import cast
 from redis.typing import EncodableT, FieldT
 
 from qworker_client.aio import AsyncProducer
+from qworker_client.batch.run import NOT_ON_CLUSTER
 from qworker_client.connect import ClientOptions
 from qworker_client.fields import job_fields
 from qworker_client.gateway.backpressure import Gate
@@ -59,6 +60,8 @@ class Gateway:
         self._submit_sha = self.redis.register_script(SUBMIT_SCRIPT).sha
         self.keys_file = None if config.keys_file is None else KeysFile(config.keys_file)
         self._published: dict[str, int] = {}  # tenants key -> the keys file's version there
+        if config.files_dir is not None and self.slots.cluster is not None:
+            raise ValueError(f"--files-dir: {NOT_ON_CLUSTER}")
         self.batches = None if config.files_dir is None else Batches(
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
