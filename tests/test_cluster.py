@@ -204,7 +204,7 @@ def test_a_killed_workers_jobs_are_reclaimed_on_a_cluster(cluster: LocalCluster,
     no_cross_slot(*logs)
 
 
-def test_a_worker_follows_a_masters_failover(tmp_path: Path) -> None:
+def test_a_worker_and_the_gateway_follow_a_masters_failover(tmp_path: Path) -> None:
     model = "failover"
     keys = Keys().in_slot(model)
     with local_cluster(masters=3, replicas=1) as cluster:
@@ -212,8 +212,12 @@ def test_a_worker_follows_a_masters_failover(tmp_path: Path) -> None:
         jobs = {f"pre-{k}": {"prompt": f"before {k}", "max_tokens": 150, "seed": k,
                              "model": model} for k in range(4)}
         log = tmp_path / "w.log"
-        with worker(cluster, "fo-w", model, log) as proc, Producer(cluster.url) as producer:
+        with worker(cluster, "fo-w", model, log) as proc, Producer(cluster.url) as producer, \
+                gateway(cluster.url) as base, \
+                OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
             client = sync_redis(cluster.url, socket_timeout=5)
+            before = sdk.completions.create(model=model, prompt="before", max_tokens=8, seed=1)
+            assert before.choices[0].finish_reason == "length"
             producer.submit_many([{"id": k, **v} for k, v in jobs.items()])
             replicated(master)  # no submit may be lost: only what the worker wrote since
             wait_for(lambda: len(events(client, "pre-0", keys)) >= 10, what="tokens")
@@ -224,6 +228,9 @@ def test_a_worker_follows_a_masters_failover(tmp_path: Path) -> None:
             after = {f"post-{k}": {"prompt": f"after {k}", "max_tokens": 20, "seed": k,
                                    "model": model} for k in range(4)}
             producer.submit_many([{"id": k, **v} for k, v in after.items()])
+            streamed = [c.choices[0].text for c in sdk.completions.create(  # the gateway's
+                model=model, prompt="after", max_tokens=8, seed=2, stream=True) if c.choices]
+            assert "".join(streamed)  # per-model pool and hub, on the promoted master
             ends = wait_terminal(client, [*jobs, *after], timeout=60, keys=keys)
             assert proc.poll() is None, "the worker died in the failover"
             want = expected({**jobs, **after})
