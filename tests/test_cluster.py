@@ -40,9 +40,9 @@ from tests.gateway_harness import gateway
 from tests.service_harness import (
     ROOT,
     check_stream,
-    spawn_worker,
     events,
     expected,
+    spawn_worker,
     stop_process,
     terminal,
     wait_for,
@@ -266,15 +266,20 @@ def test_the_cli_submits_follows_and_asks_of_a_job_on_a_cluster(cluster: LocalCl
         submitted = cli(cluster, "submit", "hello there", "--model", model, "--max-tokens", "8",
                         "--id", "cli-1", "--wait")
         tailed = cli(cluster, "tail", "cli-1", "--model", model)
-        status = cli(cluster, "status", "cli-1", "--model", model)
-        no_model = [cli(cluster, verb, "cli-1") for verb in ("tail", "status", "cancel")]
+        found = cli(cluster, "tail", "cli-1")  # its model found by its id
+        status = cli(cluster, "status", "cli-1")
+        ended = cli(cluster, "cancel", "cli-1")
+        unknown = [cli(cluster, verb, "cli-nobody") for verb in ("tail", "status", "cancel")]
         model_less = cli(cluster, "submit", "no model", "--no-wait")
     assert submitted.returncode == 0 and submitted.stdout.strip(), submitted.stderr
     assert tailed.returncode == 0 and tailed.stdout == submitted.stdout, tailed.stderr
+    assert found.returncode == 0 and found.stdout == submitted.stdout, found.stderr
     assert status.returncode == 0 and status.stdout.startswith("done"), status.stderr
-    for proc in [*no_model, model_less]:
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.count("\n") == 1 and "names its model" in proc.stderr, proc.stderr
+    assert ended.returncode == 1 and "already ended" in ended.stderr, ended.stderr
+    assert [p.returncode for p in unknown] == [1, 1, 1], [p.stderr for p in unknown]
+    assert unknown[1].stdout.strip() == "unknown"
+    assert model_less.returncode == 2, model_less.stderr
+    assert model_less.stderr.count("\n") == 1 and "names its model" in model_less.stderr
 
 
 def test_stats_and_dead_letters_of_several_models_on_a_cluster(cluster: LocalCluster,

@@ -24,6 +24,8 @@ from qworker_client.connect import (
     checked_url,
     redis_url_from_env,
 )
+from qworker_client.found_keys import model_stream_keys
+from qworker_client.job_slots import job_view
 from qworker_client.protocol import (
     DEFAULT_PREFIX,
     DoneEvent,
@@ -68,8 +70,17 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 def add_job_model_arg(parser: argparse.ArgumentParser,
                       help: str = "on a Redis Cluster: the job's model (its keys live in that "
-                                  "model's hash slot); elsewhere not needed") -> None:
+                                  "model's hash slot; by default the model whose slot holds "
+                                  "the job); elsewhere not needed") -> None:
     parser.add_argument("--model", default=None, help=help)
+
+
+def job_model(producer: Producer, model: str | None, job_id: str) -> str | None:
+    """`model`, else on a Cluster the model whose slot holds job `job_id` (None: none does)."""
+    if model is not None or not producer.cluster:
+        return model
+    streams = model_stream_keys(producer.redis, producer.keys)
+    return job_view(producer.redis, producer.keys, job_id, streams).slot
 
 
 def connect(args: argparse.Namespace) -> Producer:

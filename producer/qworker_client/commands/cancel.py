@@ -12,6 +12,7 @@ from qworker_client.cli import (
     add_connection_args,
     add_job_model_arg,
     connect,
+    job_model,
     report_error,
     reports_redis_errors,
 )
@@ -37,13 +38,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     code = 0
     with connect(args) as producer:
-        try:
-            producer.keys_for(args.model)
-        except ValueError as exc:
-            report_error(str(exc))
-            return EXIT_USAGE
         for job_id in args.job_ids:
-            if producer.cancel(job_id, model=args.model):
+            model = job_model(producer, args.model, job_id)
+            if producer.cluster and model is None:
+                report_error(f"{job_id}: in no model's slot (give --model to flag a job not "
+                             "yet submitted)")
+                code = EXIT_JOB_ERROR
+            elif producer.cancel(job_id, model=model):
                 print(f"{job_id}: cancelling")
             else:
                 report_error(f"{job_id}: has already ended, left alone")

@@ -13,11 +13,13 @@ from qworker_client.cli import (
     add_connection_args,
     add_job_model_arg,
     connect,
+    job_model,
     print_json,
     report_error,
     reports_redis_errors,
 )
 from qworker_client.jobs import held_detail
+from qworker_client.status import JobStatus
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,8 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 @reports_redis_errors
 def run(args: argparse.Namespace) -> int:
     with connect(args) as producer:
+        args.model = job_model(producer, args.model, args.job_id)
         try:
-            found = producer.status(args.job_id, args.model)
+            found = (JobStatus(args.job_id, "unknown") if producer.cluster and args.model is None
+                     else producer.status(args.job_id, args.model))  # in no model's slot
         except ValueError as exc:
             report_error(str(exc))
             return EXIT_USAGE

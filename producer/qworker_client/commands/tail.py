@@ -14,6 +14,7 @@ from qworker_client.cli import (
     add_job_model_arg,
     connect,
     follow,
+    job_model,
     report_error,
     reports_redis_errors,
 )
@@ -45,6 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 @reports_redis_errors
 def run(args: argparse.Namespace) -> int:
     with connect(args) as producer:
+        args.model = job_model(producer, args.model, args.job_id)
+        if producer.cluster and args.model is None and not args.wait:
+            report_error(f"job {args.job_id} is unknown: in no model's slot (--model and --wait "
+                         "to follow a job not yet submitted)")
+            return EXIT_JOB_ERROR
         try:
             job = producer.job(args.job_id, after=args.from_id, model=args.model)
         except ValueError as exc:
