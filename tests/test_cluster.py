@@ -68,6 +68,15 @@ def worker(cluster: LocalCluster, name: str, model: str, log_path: Path, *args: 
                       model=SIM, log_path=log_path, keys=Keys().in_slot(model))
 
 
+def workers_of(stack: ExitStack, cluster: LocalCluster, models: list[str], stem: str,
+               tmp_path: Path) -> list[Path]:
+    """A worker for each model, stopped when `stack` closes; their logs."""
+    logs = [tmp_path / f"{stem}-{i}.log" for i in range(len(models))]
+    for i, model in enumerate(models):
+        stack.enter_context(worker(cluster, f"{stem}-w{i}", model, logs[i]))
+    return logs
+
+
 def no_cross_slot(*logs: Path) -> None:
     for log in logs:
         text = log.read_text(errors="replace")
@@ -130,10 +139,8 @@ def test_workers_of_three_models_run_on_three_masters(cluster: LocalCluster,
     models = cluster.models_on_each_master("spread")
     jobs = {f"spread-{m}-{k}": {"prompt": f"job {k} of {m}", "max_tokens": 12, "seed": k,
                                 "model": m} for m in models for k in range(4)}
-    logs = [tmp_path / f"w{i}.log" for i in range(3)]
     with ExitStack() as stack:
-        for i, model in enumerate(models):
-            stack.enter_context(worker(cluster, f"spread-w{i}", model, logs[i]))
+        logs = workers_of(stack, cluster, models, "spread", tmp_path)
         producer = stack.enter_context(Producer(cluster.url))
         handles = producer.submit_many([{"id": job_id, **fields}
                                         for job_id, fields in jobs.items()])
@@ -228,6 +235,8 @@ def test_a_worker_and_the_gateway_follow_a_masters_failover(tmp_path: Path) -> N
             after = {f"post-{k}": {"prompt": f"after {k}", "max_tokens": 20, "seed": k,
                                    "model": model} for k in range(4)}
             producer.submit_many([{"id": k, **v} for k, v in after.items()])
+            wait_for(lambda: model in [m.id for m in sdk.models.list()], timeout=30,
+                     what="the gateway to see the worker again")  # 503s meanwhile
             streamed = [c.choices[0].text for c in sdk.completions.create(  # the gateway's
                 model=model, prompt="after", max_tokens=8, seed=2, stream=True) if c.choices]
             assert "".join(streamed)  # per-model pool and hub, on the promoted master
@@ -287,8 +296,7 @@ def test_stats_and_dead_letters_of_several_models_on_a_cluster(cluster: LocalClu
     models = cluster.models_on_each_master("dead")[:2]
     client = sync_redis(cluster.url, socket_timeout=5)
     with ExitStack() as stack:
-        for i, model in enumerate(models):
-            stack.enter_context(worker(cluster, f"dead-w{i}", model, tmp_path / f"{i}.log"))
+        logs = workers_of(stack, cluster, models, "dead", tmp_path)
         before = json.loads(cli(cluster, "stats", "--json").stdout)["dead_letters"]
         for model in models:
             client.xadd(Keys().jobs_of(model), {"id": f"bad-{model}", "max_tokens": "many"})
@@ -306,6 +314,7 @@ def test_stats_and_dead_letters_of_several_models_on_a_cluster(cluster: LocalClu
     assert [json.loads(line)["job_id"] for line in listed.stdout.splitlines()] == \
         [f"bad-{models[1]}"]
     assert unnamed.returncode == 2 and "names its model" in unnamed.stderr, unnamed.stderr
+    no_cross_slot(*logs)
 
 
 def test_the_gateway_serves_models_of_several_masters(cluster: LocalCluster,
@@ -315,8 +324,7 @@ def test_the_gateway_serves_models_of_several_masters(cluster: LocalCluster,
     connections."""
     models = cluster.models_on_each_master("gw")[:2]
     with ExitStack() as stack:
-        for i, model in enumerate(models):
-            stack.enter_context(worker(cluster, f"gw-w{i}", model, tmp_path / f"{i}.log"))
+        logs = workers_of(stack, cluster, models, "gw", tmp_path)
         base = stack.enter_context(gateway(cluster.url))
         sdk = stack.enter_context(OpenAI(base_url=f"{base}/v1", api_key="unused",
                                          max_retries=0, timeout=60))
@@ -338,7 +346,7 @@ def test_the_gateway_serves_models_of_several_masters(cluster: LocalCluster,
         resumed = httpx2.get(f"{base}/v1/jobs/{job_id}/stream", timeout=30).text
     assert status["status"] == "done", status
     assert raw.json()["choices"][0]["text"] and "data: [DONE]" in resumed
-    no_cross_slot(*(tmp_path / f"{i}.log" for i in range(2)))
+    no_cross_slot(*logs)
 
 
 def test_worker_and_producer_run_as_their_acl_users_on_a_cluster(cluster: LocalCluster,
@@ -377,8 +385,7 @@ def test_the_dashboard_finds_each_models_jobs_and_dead_letters(cluster: LocalClu
     models = cluster.models_on_each_master("board")[:2]
     client = sync_redis(cluster.url, socket_timeout=5)
     with ExitStack() as stack:
-        for i, model in enumerate(models):
-            stack.enter_context(worker(cluster, f"board-w{i}", model, tmp_path / f"{i}.log"))
+        logs = workers_of(stack, cluster, models, "board", tmp_path)
         base = stack.enter_context(gateway(cluster.url))
         with Producer(cluster.url) as producer:
             texts = {m: producer.submit("show me", id=f"board-{m}", model=m, max_tokens=6,
@@ -393,6 +400,7 @@ def test_the_dashboard_finds_each_models_jobs_and_dead_letters(cluster: LocalClu
         assert page.status_code == 200 and texts[model] in html.unescape(page.text), page.text
     assert dead.status_code == 200
     assert all(f"board-bad-{m}" in dead.text for m in models), dead.text
+    no_cross_slot(*logs)
 
 
 def test_batches_say_in_one_line_that_they_do_not_run_on_a_cluster(cluster: LocalCluster,

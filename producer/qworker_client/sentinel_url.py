@@ -13,17 +13,15 @@ for the master's connections, parsed by redis-py itself.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
-import redis.connection
+from qworker_client.url_parts import addresses, node_kwargs
 
 SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
 DEFAULT_SENTINEL_PORT = 26379
 SENTINEL_AUTH_OPTIONS = {"sentinel_username": "username", "sentinel_password": "password"}
-_ADDRESS = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]]+))(?::(?P<port>\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -53,24 +51,10 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     options = parse_qsl(query, keep_blank_values=True)
     sentinel_auth = {SENTINEL_AUTH_OPTIONS[k]: v for k, v in options if k in SENTINEL_AUTH_OPTIONS}
     node_query = urlencode([(k, v) for k, v in options if k not in SENTINEL_AUTH_OPTIONS])
-    node_kwargs = _node_kwargs(tls, userinfo, db, node_query)
-    return SentinelTarget(_addresses(hosts), service_name, node_kwargs,
-                          {**sentinel_auth, **_tls_kwargs(node_kwargs)})
-
-
-def _addresses(hosts: str) -> tuple[tuple[str, int], ...]:
-    if not hosts:
-        raise ValueError("no sentinel address (host:port[,host:port...] before the /)")
-    addresses = []
-    for address in hosts.split(","):
-        match = _ADDRESS.match(address.strip())
-        if match is None:
-            raise ValueError(f"sentinel address {address!r} is not host[:port]")
-        port = int(match["port"] or DEFAULT_SENTINEL_PORT)
-        if not 0 < port < 65536:
-            raise ValueError(f"sentinel port {port} is out of range")
-        addresses.append((unquote(match["v6"] or match["host"]), port))
-    return tuple(addresses)
+    node = node_kwargs(tls, userinfo, node_query, db)
+    sentinels = addresses(hosts, "sentinel", DEFAULT_SENTINEL_PORT, " before the /")
+    return SentinelTarget(sentinels, service_name, node,
+                          {**sentinel_auth, **_tls_kwargs(node)})
 
 
 def _service_and_db(path: str) -> tuple[str, str]:
@@ -81,19 +65,6 @@ def _service_and_db(path: str) -> tuple[str, str]:
     if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
         raise ValueError("the path must be /service_name or /service_name/db (a number)")
     return parts[0], parts[1] if len(parts) == 2 else ""
-
-
-def _node_kwargs(tls: bool, userinfo: str, db: str, query: str) -> dict[str, Any]:
-    """redis-py's own parse of the same URL to the master (host and port left out)."""
-    at = f"{userinfo}@" if userinfo else ""
-    scheme = "rediss" if tls else "redis"
-    kwargs = dict(redis.connection.parse_url(
-        f"{scheme}://{at}sentinel-master/{db}" + (f"?{query}" if query else "")))
-    for placed in ("host", "port", "connection_class"):
-        kwargs.pop(placed, None)
-    if tls:
-        kwargs["ssl"] = True  # the sentinel pool picks its TLS connection class from this
-    return kwargs
 
 
 def _tls_kwargs(node_kwargs: dict[str, Any]) -> dict[str, Any]:
