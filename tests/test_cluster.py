@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -413,3 +414,32 @@ def test_batches_say_in_one_line_that_they_do_not_run_on_a_cluster(cluster: Loca
     gateway_proc = cli(cluster, "gateway", "--port", "0", "--files-dir", str(tmp_path / "files"))
     assert gateway_proc.returncode == 2, gateway_proc.stderr
     assert "Redis Cluster" in gateway_proc.stderr.splitlines()[-1], gateway_proc.stderr
+
+
+def test_the_dashboard_retries_and_purges_every_models_dead_letters(cluster: LocalCluster
+                                                                   ) -> None:
+    models = cluster.models_on_each_master("retry")[:2]
+    client = sync_redis(cluster.url, socket_timeout=5, decode_responses=True)
+    for model in models:
+        keys = Keys().in_slot(model)
+        client.xgroup_create(keys.jobs_of(model), "workers", id="0", mkstream=True)
+        for job_id, code in ((f"exp-{model}", "expired"), (f"poi-{model}", "poison")):
+            client.xadd(keys.dead, {"reason": "r", "code": code, "source": keys.jobs_of(model),
+                                    "source_id": "1-0", "worker": "w1", "id": job_id,
+                                    "prompt": "hi", "max_tokens": "4", "model": model})
+    admin_key = "sk-admin-9876543210"
+    with gateway(cluster.url, admin_keys=(admin_key,)) as base, \
+            httpx2.Client(base_url=f"{base}/dashboard", follow_redirects=False) as admin:
+        assert admin.post("/login", data={"key": admin_key}).status_code == 303
+        token = re.search(r'name="csrf" value="([0-9a-f]+)"', admin.get("/dead").text)
+        assert token is not None
+        retried = admin.post("/dead/retry", data={"code": "expired", "csrf": token.group(1)})
+        purged = admin.post("/dead/purge", data={"csrf": token.group(1), "code": "poison",
+                                                 "confirm": "purge"})
+    assert "queued+again%3A+2" in retried.headers["location"], retried.headers
+    assert "purged+2" in purged.headers["location"], purged.headers
+    for model in models:
+        keys = Keys().in_slot(model)
+        assert [f["id"] for _, f in client.xrange(keys.jobs_of(model))] == [f"exp-{model}"]
+        assert client.xlen(keys.dead) == 0
+    client.close()
