@@ -27,11 +27,12 @@ $(STAMP): pyproject.toml producer/pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[worker,test]'
 	touch $(STAMP)
 
-redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server from the system's packages"; \
+redis:  # redis-cli too: the cluster tests join their nodes with `redis-cli --cluster create`
+	@{ command -v redis-server && command -v redis-cli; } >/dev/null 2>&1 || { \
+	  echo "installing redis-server and redis-tools from the system's packages"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server redis-tools \
+	    >/dev/null; }
 
 compiler:
 	@command -v g++ >/dev/null 2>&1 || { \
