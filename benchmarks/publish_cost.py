@@ -3,6 +3,7 @@
 flags of every running job, and a read of new entries) against a redis-server of our own.
 
     .venv/bin/python -m benchmarks.publish_cost [--jobs 64] [--steps 300] [--steps-per-flush 1]
+        [--no-aof]
 
 Prints one JSON line: medians per step of the worker thread's CPU and wall time, redis-server's CPU
 per step, Redis commands per token (those run inside scripts included: INFO stats), the tokens a
@@ -57,12 +58,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--no-aof", action="store_true",
+                        help="redis-server without its append-only file (default: AOF, fsync "
+                             "every second)")
     parser.add_argument("--steps-per-flush", type=int, default=1,
                         help="engine steps whose tokens go in one round trip (a stream interval "
                              "of this many steps); figures stay per step")
     args = parser.parse_args()
     group = args.steps_per_flush
-    with local_redis() as url:
+    with local_redis(aof=not args.no_aof) as url:
         client = redis.Redis.from_url(url)
         keys, config, token = Keys(), ServiceConfig(redis_url=url, name="bench"), "bench/1"
         Scripts.load(client)
@@ -87,6 +91,7 @@ def main() -> None:
         commands_per_step = (commands_processed(client) - commands_before) / args.steps
         evalsha = client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
     print(json.dumps({"jobs": args.jobs, "steps": args.steps, "steps_per_flush": group,
+                      "aof": not args.no_aof,
                       "worker_cpu_ms_per_step": round(statistics.median(cpu) * 1e3, 3),
                       "worker_wall_ms_per_step": round(statistics.median(wall) * 1e3, 3),
                       "redis_cpu_ms_per_step": round(redis_per_step * 1e3, 3),
