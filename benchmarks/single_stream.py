@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.single_stream [--dtype bfloat16] [--runs 5]
         [--weights dense|quantized] [--llama-bench PATH --gguf MODEL.gguf]
         [--workload random|copy|chat] [--speculate K]
+        [--llama-server PATH --gguf MODEL.gguf [--llama-spec-type ngram-simple]]
 
 In-process engine on the default model (SmolLM2-135M). Each run times the decode steps after the
 prompt's prefill (time to first token is printed apart). Runs alternate between the decode graph
@@ -21,7 +22,10 @@ going through every prompt of the workload one at a time, up to `--new-tokens` e
 sooner). The default, `random`, is the fixed shape above. `--speculate K` adds a third mode to the
 alternation, speculative decoding with drafts of up to K tokens (the decode graph on for the steps
 without a draft), and prints its ms per token, its speed-up over the decode graph alone and its
-acceptance figures.
+acceptance figures. `--llama-server`: llama.cpp's server on `--gguf` (benchmarks/llama_server.py)
+runs the same prompts' token ids between our runs, twice: plainly and with its n-gram speculative
+decoding (`--spec-type`, `--llama-spec-type`); its ms per token are its own timings' generation
+time over its decode forwards, as ours are.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ import random
 import statistics
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks.llama_server import LlamaRun, llama_server, timed_pass
 from benchmarks.machine import machine_info
 from qworker.engine.config import EngineConfig
 from qworker.engine.engine import Engine
@@ -133,9 +139,12 @@ def main() -> None:
                         help="also run with speculative decoding, drafts of up to K tokens")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                         help="copy / chat: the most tokens of each answer")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary, to run beside")
+    parser.add_argument("--llama-spec-type", default="ngram-simple",
+                        help="the llama-server's --spec-type for its speculative runs")
     args = parser.parse_args()
-    if args.llama_bench and not args.gguf:
-        parser.error("--llama-bench needs --gguf")
+    if (args.llama_bench or args.llama_server) and not args.gguf:
+        parser.error("--llama-bench and --llama-server need --gguf")
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model))
     model = load_model(path, dtype=resolve_dtype(args.dtype, "cpu"), weights=args.weights)
@@ -156,11 +165,21 @@ def main() -> None:
     modes = [plain, layers] + ([speculative] if args.speculate else [])
     runs: dict[Mode, list[tuple[float, float]]] = {mode: [] for mode in modes}
     llama_ms = []
-    for i in range(args.runs):  # interleaved, so that a noisy spell hits every engine alike
-        for mode in modes:
-            runs[mode].append(one_run(engine, prompts, i, mode, new_tokens, fixed))
-        if args.llama_bench:
-            llama_ms.append(llama_bench_ms_per_token(args.llama_bench, args.gguf, args.threads))
+    servers: dict[str, str] = {}
+    server_runs: dict[str, list[LlamaRun]] = {"plain": [], "spec": []}
+    with ExitStack() as stack:
+        if args.llama_server:
+            for name, extra in (("plain", ()), ("spec", ("--spec-type", args.llama_spec_type))):
+                servers[name] = stack.enter_context(
+                    llama_server(args.llama_server, args.gguf, args.threads, extra))
+        for i in range(args.runs):  # interleaved, so that a noisy spell hits every engine alike
+            for mode in modes:
+                runs[mode].append(one_run(engine, prompts, i, mode, new_tokens, fixed))
+            if args.llama_bench:
+                llama_ms.append(llama_bench_ms_per_token(args.llama_bench, args.gguf,
+                                                         args.threads))
+            for name, url in servers.items():
+                server_runs[name].append(timed_pass(url, prompts, new_tokens, fixed))
     ms = {mode: statistics.median(r[1] for r in runs[mode]) * 1000 for mode in runs}
     figures = {
         "dtype": args.dtype, "weights": model.weights_kept(),
@@ -183,7 +202,30 @@ def main() -> None:
     if llama_ms:
         figures |= {"llama_cpp_ms_per_token": round(statistics.median(llama_ms), 2),
                     "llama_cpp_over_ours": round(statistics.median(llama_ms) / ms[plain], 3)}
+    if servers:
+        figures |= server_figures(server_runs, args.llama_spec_type, ms[plain],
+                                  ms[speculative] if args.speculate else None)
     print(json.dumps(figures), flush=True)
+
+
+def server_figures(server_runs: dict[str, list[LlamaRun]], spec_type: str, ours_ms: float,
+                   ours_spec_ms: float | None) -> dict[str, object]:
+    """The llama-server's medians beside ours: plain against our plain decode, speculative
+    against our speculative decoding (the time per token, ours over theirs)."""
+    plain = statistics.median(r.ms_per_token for r in server_runs["plain"])
+    spec = statistics.median(r.ms_per_token for r in server_runs["spec"])
+    drafted = sum(r.drafted for r in server_runs["spec"])
+    accepted = sum(r.accepted for r in server_runs["spec"])
+    figures: dict[str, object] = {
+        "llama_server_ms_per_token": round(plain, 2),
+        "llama_server_spec_type": spec_type,
+        "llama_server_spec_ms_per_token": round(spec, 2),
+        "llama_server_spec_speedup": round(plain / spec, 3),
+        "llama_server_spec_acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+        "ours_over_llama_server_time": round(ours_ms / plain, 3)}
+    if ours_spec_ms is not None:
+        figures["ours_spec_over_llama_server_spec_time"] = round(ours_spec_ms / spec, 3)
+    return figures
 
 
 def llama_bench_ms_per_token(binary: str, gguf: str, threads: int) -> float:
