@@ -12,12 +12,14 @@ way, as with Sentinel).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio
 import redis.asyncio.cluster
 from redis.asyncio.connection import Connection, SSLConnection
+from redis.exceptions import RedisClusterException
 
 from qworker_client.cluster_url import parse_cluster_url
 from qworker_client.connect import is_cluster_client
@@ -42,15 +44,19 @@ class SlotConnection(Connection):
         self.slot_key = slot_key
 
     async def _connect(self) -> None:
-        await self.cluster.initialize()  # nothing to do once the slot map is known
-        node = self.cluster.get_node_from_key(self.slot_key)
+        try:
+            await self.cluster.initialize()  # nothing to do once the slot map is known
+            node = self.cluster.get_node_from_key(self.slot_key)
+        except (redis.RedisError, RedisClusterException) as exc:  # mid-failover: no map yet
+            raise redis.ConnectionError(f"no master found for {self.slot_key}: {exc}") from exc
         if node is None:
             raise redis.ConnectionError(f"no master serves the slot of {self.slot_key}")
         self.host, self.port = node.host, int(node.port)
         try:
             await super()._connect()
         except OSError:  # that master is gone: the next connection asks a fresh slot map
-            await self.cluster.nodes_manager.initialize()
+            with contextlib.suppress(redis.RedisError, RedisClusterException):
+                await self.cluster.nodes_manager.initialize()
             raise
 
 
