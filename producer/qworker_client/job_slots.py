@@ -23,9 +23,9 @@ def slot_views(client: redis.Redis, keys: Keys, streams: Sequence[str]) -> list[
 def job_view(client: redis.Redis, keys: Keys, job_id: str, streams: Sequence[str]) -> Keys:
     """The keys of job `job_id`: on a Cluster, those of the first model (of `streams`) whose
     slot holds its output, submit marker or owner hash; `keys` when none does, or on one Redis."""
-    views = slot_views(client, keys, streams)
     if not is_cluster_client(client):
         return keys
+    views = slot_views(client, keys, streams)
     pipe = client.pipeline(transaction=False)
     for view in views:
         pipe.exists(view.out(job_id), view.submitted(job_id), view.owner(job_id))

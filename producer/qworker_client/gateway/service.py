@@ -66,11 +66,6 @@ class Gateway:
             FileStore(Path(config.files_dir)), config.redis_url, config.prefix,
             result_ttl_s=config.result_ttl_s)
 
-    @property
-    def hub(self) -> Hub:
-        """The hub of one Redis (on a Cluster, each model's view has its own: `slots`)."""
-        return self.slots.shared.hub
-
     def hub_of(self, model: str | None) -> Hub:
         return self.slots.of(model).hub
 
