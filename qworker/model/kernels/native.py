@@ -262,7 +262,8 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
 
 
 # qw_quant_gemm's methods ("...x8": on weights in the 8-row interleaved layout)
-QUANT_METHODS = {"int8": 0, "dequant": 1, "int16": 2, "int16x8": 3, "dequantx8": 4, "bf16x8": 5}
+QUANT_METHODS = {"int8": 0, "dequant": 1, "int16": 2, "int16x8": 3, "dequantx8": 4, "bf16x8": 5,
+                 "int8x8": 6}
 
 
 def bf16_panels() -> bool:

@@ -22,6 +22,10 @@ The kernels ("kinds"):
   a time into a bfloat16 panel of the dense GEMM's layout, multiplied with the activations
   rounded to bfloat16, in float: the arithmetic of the file expanded to bfloat16, near its
   speed where many rows share each panel, from the blocks (nothing expanded stays resident);
+- "int8x8": for a bfloat16 model with Q4_K or Q6_K blocks, on AVX512-VNNI builds: those
+  segments' x8 weight against activations quantized per 32-block to 8 bits (llama.cpp's
+  scheme), `vpdpbusd` on a panel of the weight's values as bytes (twice bf16x8's multiplies an
+  instruction); its other segments as "bf16x8";
 - "torch": gguf's reference dequantization of the whole weight, then `F.linear`. Only where no
   native build is loaded: it reads and writes 4 bytes per weight per call and cannot win.
 Which native kind runs at each token-count bucket is measured at warm-up (`kernel_choice`); the
@@ -105,7 +109,8 @@ class QuantLinear(nn.Module):
         """The kernels the measured choice picks among (the first where nothing is chosen)."""
         if native.library() is None:
             return ("torch",)
-        x8 = (*X8_TWINS.values(), *(("bf16x8",) if self._bf16_panels() else ()))
+        x8 = (*X8_TWINS.values(), *(("bf16x8",) if self._bf16_panels() else ()),
+              *(("int8x8",) if self._int8_panels() else ()))
         if self.quant.is_x8:
             return x8
         base = ("int16", "dequant") if self._integer_dot(INT16_DOT_TYPES) else ("dequant",)
@@ -113,6 +118,10 @@ class QuantLinear(nn.Module):
 
     def _bf16_panels(self) -> bool:
         return self.model_dtype == torch.bfloat16 and native.bf16_panels()
+
+    def _int8_panels(self) -> bool:
+        """int8x8 is bf16x8 but for Q4_K and Q6_K: a candidate only where a segment is one."""
+        return self._bf16_panels() and bool({"Q4_K", "Q6_K"} & set(self.quant.type_names))
 
     def runnable(self) -> tuple[str, ...]:
         """kernels() and those that run only where forced (int8)."""

@@ -545,13 +545,16 @@ inline void team_dequant_gemm(int type, const float* x, int64_t m, int64_t k, co
 }  // namespace qw::quant
 
 #include "quant_x8.h"  // the 8-row interleaved layout's kernels (they use the above)
+#include "quant_int8x8.h"  // the K-quants on 8-bit activations through AVX512-VNNI
 
 namespace qw::quant {
 
 // kInt16X8 / kDequantX8: the int16 dot / the dequantized panels on weights in the x8 layout;
-// kBf16X8: bfloat16 panels and activations (AVX512-BF16 builds only)
+// kBf16X8: bfloat16 panels and activations (AVX512-BF16 builds only); kInt8X8: 8-bit
+// activations through AVX512-VNNI for Q4_K and Q6_K, the other x8 formats as kBf16X8
+// (quant_int8x8.h)
 enum Method : int {
-  kInt8 = 0, kDequant = 1, kInt16 = 2, kInt16X8 = 3, kDequantX8 = 4, kBf16X8 = 5
+  kInt8 = 0, kDequant = 1, kInt16 = 2, kInt16X8 = 3, kDequantX8 = 4, kBf16X8 = 5, kInt8X8 = 6
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -563,7 +566,8 @@ constexpr bool kBf16Panels = false;
 inline bool serves(int type, int method, int64_t m, int64_t k, int64_t n, int64_t ldo) {
   const Format f = format(type);
   if (f.elems == 0 || k % f.elems || k % 32 || m <= 0 || ldo < n) return false;
-  if (method == kInt16X8 || method == kDequantX8 || (method == kBf16X8 && kBf16Panels))
+  if (method == kInt16X8 || method == kDequantX8 || (method == kBf16X8 && kBf16Panels) ||
+      (method == kInt8X8 && kInt8Panels))
     return x8_serves(type) && n % 16 == 0;
   return method == kDequant || (method == kInt8 && int8_dot_serves(type)) ||
          (method == kInt16 && (int8_dot_serves(type) || type == Q4_K || type == Q6_K));
@@ -583,6 +587,11 @@ inline void team_gemm(int type, int method, const float* x, int64_t m, int64_t k
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   else if (method == kBf16X8)
     team_x8_bf16(type, x, m, k, w, n, out, ldo);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BF16__)
+  else if (method == kInt8X8)
+    team_x8_int8(type, x, m, k, w, n, out, ldo, shared);
 #endif
   else
     team_dequant_gemm(type, x, m, k, w, n, out, ldo);
