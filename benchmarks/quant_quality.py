@@ -2,13 +2,17 @@
 same file dequantized to float32, over the reference chats (tests/test_model_smollm2.py's).
 
     .venv/bin/python -m benchmarks.quant_quality [--model smollm2] [--new-tokens 48]
+        [--dtype float32|bfloat16]
 
 The float32 model answers each chat greedily; prompt and answer are then run through both models
 in one prefill each, and every position's next-token distribution is compared: top-1 agreement
 (target >= 99%) and the mean KL divergence KL(float32 || quantized), with the kernels the
 measured choice runs for such a prefill (`top1_agreement`), then with every layer forced onto one
 kernel (`by_setting`: "int16" is what a decode step of a few rows runs, "int8" llama.cpp's 8-bit
-activations). Both greedy answers are printed. One JSON line.
+activations). With `--dtype bfloat16` the kept model runs in bfloat16 (the reference stays
+float32) and the bfloat16 model's own kernels are forced too: "bf16x8" (weights and
+activations rounded to bfloat16) and "int8x8" (the K-quants on 8-bit activations, the other
+formats on bf16x8). Both greedy answers are printed. One JSON line.
 """
 
 from __future__ import annotations
@@ -61,14 +65,19 @@ SETTINGS: dict[str, Callable[[str], str]] = {
     "dequant": lambda name: "dequant",
     "int8, gate_up int16": lambda name: "int16" if name.endswith("gate_up_proj") else "int8",
 }
+BF16_SETTINGS: dict[str, Callable[[str], str]] = {  # after SETTINGS: these repack to x8
+    "bf16x8": lambda name: "bf16x8",
+    "int8x8": lambda name: "int8x8",
+}
 
 
 def forced(model: DecoderModel, pick: Callable[[str], str]) -> DecoderModel:
-    """The model with each quantized layer on pick(its name) at every bucket (its own first
-    kernel where it has not that one)."""
+    """The model with each quantized layer on pick(its name) at every bucket (int8x8's formats
+    aside on bf16x8; its own first kernel where it has not that one)."""
     for name, layer in model.named_modules():
         if isinstance(layer, QuantLinear):
-            kind = pick(name) if pick(name) in layer.runnable() else layer.kernels()[0]
+            wanted = (pick(name), *(("bf16x8",) if pick(name) == "int8x8" else ()))
+            kind = next((k for k in wanted if k in layer.runnable()), layer.kernels()[0])
             layer.set_choice((kind,) * len(BUCKETS))
     model.decode_graph.reset()
     return model
@@ -97,10 +106,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the kept model's (the reference is float32)")
     args = parser.parse_args()
     path = str(resolve_model(args.model))
     tokenizer = Tokenizer.load(path)
-    models = {w: load_model(path, dtype=torch.float32, weights=w) for w in ("float32", "quantized")}
+    dtypes = {"float32": torch.float32, "quantized": getattr(torch, args.dtype)}
+    models = {w: load_model(path, dtype=dtypes[w], weights=w) for w in ("float32", "quantized")}
     engines = {w: Engine(m, tokenizer, EngineConfig(max_num_seqs=4, kv_cache_gb=0.1))
                for w, m in models.items()}
     for engine in engines.values():
@@ -113,10 +125,11 @@ def main() -> None:
     measured = agreement(quant, sequences, refs)  # the kernels the prefill's bucket chose
     kernels = quant.kernel_report()  # before `forced` changes them
     by_setting = {}
-    for name, pick in SETTINGS.items():
+    settings = SETTINGS | (BF16_SETTINGS if args.dtype == "bfloat16" else {})
+    for name, pick in settings.items():
         by_setting[name] = agreement(forced(quant, pick), sequences, refs)
     print(json.dumps({
-        "model": args.model, "weights": quant.weights_kept(), **machine_info(),
+        "model": args.model, "dtype": args.dtype, "weights": quant.weights_kept(), **machine_info(),
         "positions": sum(len(t) for t in sequences), "top1_agreement": measured[0],
         "mean_kl": measured[1], "kernels": kernels,
         "by_setting": {name: {"top1_agreement": a, "mean_kl": kl}

@@ -165,10 +165,60 @@ def test_bf16_panels_compute_the_file_expanded_to_bfloat16(kind: gguf.GGMLQuanti
     if not native.bf16_panels():  # an AVX2 or plain AVX-512 build has no bfloat16 dot
         assert "bf16x8" not in layer.kernels()
         return
-    assert layer.kernels()[-1] == "bf16x8"
+    assert "bf16x8" in layer.kernels()
     want = _bf16(x) @ _bf16(w).T
     got = layer.run("bf16x8", torch.from_numpy(x)).double().numpy()
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+K_QUANTS = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
+
+
+@pytest.mark.parametrize("kind", K_QUANTS, ids=lambda k: k.name)
+@pytest.mark.parametrize(("rows", "outputs"), [(1, 48), (3, 16), (5, 32), (17, 80), (64, 112)])
+def test_int8_panels_compute_the_file_on_8_bit_activations(kind: gguf.GGMLQuantizationType,
+                                                          rows: int, outputs: int) -> None:
+    """int8x8: the K-quant's own values against the activations quantized per 32-block to 8
+    bits, exact in the integers, the scales applied in float (panels of 48 / 32 rows, the last
+    narrower where the outputs leave one)."""
+    rng = np.random.default_rng(13 * rows + outputs + int(kind))
+    cols = x8_columns(kind)
+    raw = random_blocks(kind, outputs, cols, rng)
+    w = gguf.quants.dequantize(raw, kind).astype(np.float64)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[-1, 32:64] = 0  # a block of zeros: its scale is 0
+    x[0, :32] *= 100  # a block of outliers: its own scale
+    weight = QuantWeight.of(kind.name, torch.from_numpy(raw), cols)
+    assert "int8x8" not in QuantLinear(weight, None).kernels()  # a float32 model keeps float32
+    layer = QuantLinear(weight, None, torch.bfloat16)
+    if not native.bf16_panels():
+        assert "int8x8" not in layer.kernels()
+        return
+    assert layer.kernels()[-1] == "int8x8"
+    want = _activations_quantized(x, 127).astype(np.float64) @ w.T
+    got = layer.run("int8x8", torch.from_numpy(x)).double().numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_int8_panels_leave_other_formats_to_bf16_panels() -> None:
+    """A fused layer of Q4_K and Q8_0: int8x8 runs the Q4_K segment on 8-bit activations and the
+    Q8_0 one as bf16x8; a layer with no K-quant has no int8x8 to choose."""
+    rng = np.random.default_rng(6)
+    a = random_blocks(gguf.GGMLQuantizationType.Q4_K, 32, 256, rng)
+    b = random_blocks(gguf.GGMLQuantizationType.Q8_0, 16, 256, rng)
+    plain = QuantWeight.of("Q8_0", torch.from_numpy(b), 256)
+    assert "int8x8" not in QuantLinear(plain, None, torch.bfloat16).kernels()
+    fused = QuantWeight.cat([QuantWeight.of("Q4_K", torch.from_numpy(a), 256), plain])
+    layer = QuantLinear(fused, None, torch.bfloat16)
+    if not native.bf16_panels():
+        return
+    x = torch.randn(9, 256)
+    got = layer.run("int8x8", x).double().numpy()
+    wa = gguf.quants.dequantize(a, gguf.GGMLQuantizationType.Q4_K).astype(np.float64)
+    want_a = _activations_quantized(x.numpy(), 127).astype(np.float64) @ wa.T
+    want_b = layer.run("bf16x8", x).double().numpy()[:, 32:]
+    np.testing.assert_allclose(got[:, :32], want_a, atol=1e-5 * np.abs(want_a).max(), rtol=0)
+    np.testing.assert_array_equal(got[:, 32:], want_b)
 
 
 def test_choosing_an_x8_kernel_repacks_the_weight_once_for_every_bucket() -> None:

@@ -72,7 +72,8 @@ Q = gguf.GGMLQuantizationType
 CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
            "k-mixed": ("int16", "dequant", "dequant", "dequant", "dequant"),
            "x8": ("int16x8", "dequantx8", "dequantx8", "dequantx8", "dequantx8"),
-           "bf16-x8": ("int16x8", "bf16x8", "bf16x8", "bf16x8", "bf16x8")}  # bfloat16 models
+           "bf16-x8": ("int16x8", "bf16x8", "bf16x8", "bf16x8", "bf16x8"),  # bfloat16 models
+           "int8-x8": ("int16x8", "int8x8", "int8x8", "int8x8", "int8x8")}  # and VNNI
 
 
 @pytest.mark.parametrize(("kind", "others", "choice"), [
@@ -81,7 +82,8 @@ CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
     (Q.Q4_1, {"attn_v": Q.Q8_0, "ffn_down": Q.Q4_0}, "x8"),  # repacked in groups of 8 rows
     (Q.Q4_K, {"attn_v": Q.Q6_K}, "x8"),  # K-quants too
     (Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_up": Q.Q8_0}, "bf16-x8"),  # bfloat16 panels
-], ids=["int16-and-int8", "k-quants", "x8", "k-quants-x8", "bf16-panels"])
+    (Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_up": Q.Q8_0}, "int8-x8"),  # 8-bit activations (Q8_0: bf16)
+], ids=["int16-and-int8", "k-quants", "x8", "k-quants-x8", "bf16-panels", "int8-panels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],
@@ -91,9 +93,10 @@ def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 5 and len(model.layers[0].self_attn.qkv_proj.quant.segments) == (
         2 if others else 1)
-    if choice == "bf16-x8" and not (dtype == torch.bfloat16 and native.bf16_panels()):
-        assert all("bf16x8" not in m.runnable() for m in linears)  # float32's, or no such dot
-        return
+    if choice in ("bf16-x8", "int8-x8") and not (dtype == torch.bfloat16
+                                                 and native.bf16_panels()):
+        assert all(CHOICES[choice][1] not in m.runnable() for m in linears)  # float32's, or no
+        return  # such dot
     for m in linears:
         m.set_choice(CHOICES[choice])
     assert all(m.quant.is_x8 for m in linears) == choice.endswith("x8")

@@ -46,10 +46,11 @@ inline void chunk_quads(__m512i v, __m512i h, __m512i* lo, __m512i* hi) {
   if constexpr (T == Q6_K) {
     const __m512i even = _mm512_set1_epi32(0x00300030), odd = _mm512_set1_epi32(0x30003000);
     const __m512i m32 = _mm512_set1_epi8(32);
-    *lo = _mm512_or_si512(*lo, _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(h, 4), even),
-                                               _mm512_and_si512(_mm512_slli_epi32(h, 8), odd)));
-    *hi = _mm512_or_si512(*hi, _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(h, 2), even),
-                                               _mm512_and_si512(_mm512_slli_epi32(h, 6), odd)));
+    constexpr int kOrAnd = 0xF8;  // a | (b & c)
+    *lo = _mm512_ternarylogic_epi32(*lo, _mm512_slli_epi32(h, 4), even, kOrAnd);
+    *lo = _mm512_ternarylogic_epi32(*lo, _mm512_slli_epi32(h, 8), odd, kOrAnd);
+    *hi = _mm512_ternarylogic_epi32(*hi, _mm512_slli_epi32(h, 2), even, kOrAnd);
+    *hi = _mm512_ternarylogic_epi32(*hi, _mm512_slli_epi32(h, 6), odd, kOrAnd);
     *lo = _mm512_sub_epi8(*lo, m32);
     *hi = _mm512_sub_epi8(*hi, m32);
   } else {
@@ -61,20 +62,13 @@ inline void chunk_quads(__m512i v, __m512i h, __m512i* lo, __m512i* hi) {
 template <int T, int J>
 inline void panel_sub_block(const uint8_t* g0, const uint8_t* g1, __m512 d, __m512 dmin, int s,
                             int64_t b, int j, const Int8Panel& p) {
-  const __m256 d0 = _mm512_castps512_ps256(d), d1 = _mm512_extractf32x8_ps(d, 1);
   const uint8_t* q0 = g0 + X8K<T>::kHead + s * X8K<T>::kSub;
   const uint8_t* q1 = g1 + X8K<T>::kHead + s * X8K<T>::kSub;
   __m512i* quads = p.quads + 8 * b * J + j;
   if constexpr (T == Q4_K) {
-    __m256 scale0, scale1, minimum0, minimum1;
-    x8_q4k_scales(g0, s, d0, _mm512_castps512_ps256(dmin), &scale0, &minimum0);
-    x8_q4k_scales(g1, s, d1, _mm512_extractf32x8_ps(dmin, 1), &scale1, &minimum1);
-    p.scale[b * J + j] = joined(scale0, scale1);
-    p.minimum[b * J + j] = joined(minimum0, minimum1);
+    x8_q4k_scales2(g0, g1, s, d, dmin, p.scale + b * J + j, p.minimum + b * J + j);
   } else {
-    for (int h = 0; h < 2; ++h)
-      p.scale[(2 * b + h) * J + j] = joined(x8_q6k_scale(g0, s, h, d0),
-                                            x8_q6k_scale(g1, s, h, d1));
+    for (int h = 0; h < 2; ++h) p.scale[(2 * b + h) * J + j] = x8_q6k_scale2(g0, g1, s, h, d);
   }
   __m512i sum = _mm512_setzero_si512();
   for (int c = 0; c < 4; ++c) {

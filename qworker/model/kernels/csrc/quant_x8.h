@@ -306,6 +306,39 @@ inline __m512 joined(__m256 low, __m256 high) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
 }
 
+inline __m512i bytes_as_16_int32(int64_t a, int64_t b) {  // 8 bytes, then 8 more, widened
+  return _mm512_cvtepu8_epi32(_mm_set_epi64x(b, a));
+}
+
+// x8_q4k_scales for the 16 rows of two groups at once (d, dmin: both groups' 8 each)
+inline void x8_q4k_scales2(const uint8_t* g0, const uint8_t* g1, int s, __m512 d, __m512 dmin,
+                           __m512* scale, __m512* minimum) {
+  int64_t low0, low1;
+  uint32_t rest0, rest1;
+  std::memcpy(&low0, g0 + 32 + 8 * s, 8);
+  std::memcpy(&low1, g1 + 32 + 8 * s, 8);
+  std::memcpy(&rest0, g0 + 96 + 4 * s, 4);
+  std::memcpy(&rest1, g1 + 96 + 4 * s, 4);
+  const __m512i a = bytes_as_16_int32(low0, low1);
+  auto twice = [](uint32_t r) { return static_cast<int64_t>(r | (static_cast<uint64_t>(r) << 32)); };
+  __m512i b = bytes_as_16_int32(twice(rest0), twice(rest1));
+  b = _mm512_and_si512(_mm512_srlv_epi32(b, _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0,
+                                                              0, 4, 4, 4, 4)),
+                       _mm512_set1_epi32(0xF));  // lanes 4-7 of each group: the high nibbles
+  const __m512i sc = _mm512_and_si512(a, _mm512_set1_epi32(63));
+  const __m512i mn = _mm512_or_si512(_mm512_srli_epi32(a, 6), _mm512_slli_epi32(b, 2));
+  *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+  *minimum = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+}
+
+// x8_q6k_scale for the 16 rows of two groups at once (d: both groups' 8)
+inline __m512 x8_q6k_scale2(const uint8_t* g0, const uint8_t* g1, int s, int half, __m512 d) {
+  int64_t sc0, sc1;
+  std::memcpy(&sc0, g0 + 16 + 16 * s + 8 * half, 8);
+  std::memcpy(&sc1, g1 + 16 + 16 * s + 8 * half, 8);
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x(sc1, sc0))));
+}
+
 inline __m512i dot_add512(__m512i isum, __m512i w, __m512i x) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(isum, w, x);
@@ -358,13 +391,7 @@ inline void x8k_pair_dot(const uint8_t* g0, const uint8_t* g1, const ActBlock* x
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < blocks / 8; ++kb, g0 += X8K<T>::kBytes, g1 += X8K<T>::kBytes) {
     const __m512 d = halves_of(g0, g1);
-    const __m256 d0 = _mm512_castps512_ps256(d), d1 = _mm512_extractf32x8_ps(d, 1);
-    __m256 dmin0 = _mm256_setzero_ps(), dmin1 = _mm256_setzero_ps();
-    if constexpr (T == Q4_K) {
-      const __m512 dmin = halves_of(g0 + 16, g1 + 16);
-      dmin0 = _mm512_castps512_ps256(dmin);
-      dmin1 = _mm512_extractf32x8_ps(dmin, 1);
-    }
+    const __m512 dmin = T == Q4_K ? halves_of(g0 + 16, g1 + 16) : _mm512_setzero_ps();
     for (int s = 0; s < 8; ++s) {
       const int64_t b = 8 * kb + s;
       const uint8_t* q0 = g0 + X8K<T>::kHead + s * X8K<T>::kSub;
@@ -386,10 +413,8 @@ inline void x8k_pair_dot(const uint8_t* g0, const uint8_t* g1, const ActBlock* x
         }
       }
       if constexpr (T == Q4_K) {
-        __m256 scale0, scale1, minimum0, minimum1;
-        x8_q4k_scales(g0, s, d0, dmin0, &scale0, &minimum0);
-        x8_q4k_scales(g1, s, d1, dmin1, &scale1, &minimum1);
-        const __m512 scale = joined(scale0, scale1), minimum = joined(minimum0, minimum1);
+        __m512 scale, minimum;
+        x8_q4k_scales2(g0, g1, s, d, dmin, &scale, &minimum);
         for (int r = 0; r < R; ++r) {
           const ActBlock& xb = x[r * stride + b];
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(isum[0][r], isum[1][r]));
@@ -397,8 +422,8 @@ inline void x8k_pair_dot(const uint8_t* g0, const uint8_t* g1, const ActBlock* x
           acc[r] = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(xb.s), acc[r]);
         }
       } else {
-        const __m512 low = joined(x8_q6k_scale(g0, s, 0, d0), x8_q6k_scale(g1, s, 0, d1));
-        const __m512 high = joined(x8_q6k_scale(g0, s, 1, d0), x8_q6k_scale(g1, s, 1, d1));
+        const __m512 low = x8_q6k_scale2(g0, g1, s, 0, d);
+        const __m512 high = x8_q6k_scale2(g0, g1, s, 1, d);
         for (int r = 0; r < R; ++r) {
           const __m512 dot = _mm512_fmadd_ps(low, _mm512_cvtepi32_ps(isum[0][r]),
                                              _mm512_mul_ps(high, _mm512_cvtepi32_ps(isum[1][r])));
@@ -623,21 +648,19 @@ template <int T>
 inline void x8k_bf16_panel(const uint8_t* g0, const uint8_t* g1, int64_t k, bf16* to) {
   for (int64_t kb = 0; kb < k / 256; ++kb, g0 += X8K<T>::kBytes, g1 += X8K<T>::kBytes) {
     const __m512 d = halves_of(g0, g1);
-    const __m256 d0 = _mm512_castps512_ps256(d), d1 = _mm512_extractf32x8_ps(d, 1);
     const __m512 dmin = T == Q4_K ? halves_of(g0 + 16, g1 + 16) : _mm512_setzero_ps();
     for (int s = 0; s < 8; ++s) {
       const uint8_t* q0 = g0 + X8K<T>::kHead + s * X8K<T>::kSub;
       const uint8_t* q1 = g1 + X8K<T>::kHead + s * X8K<T>::kSub;
       __m512 scale[2], offset;
       if constexpr (T == Q4_K) {
-        __m256 s0, s1, m0, m1;
-        x8_q4k_scales(g0, s, d0, _mm512_castps512_ps256(dmin), &s0, &m0);
-        x8_q4k_scales(g1, s, d1, _mm512_extractf32x8_ps(dmin, 1), &s1, &m1);
-        scale[0] = scale[1] = joined(s0, s1);
-        offset = _mm512_sub_ps(_mm512_setzero_ps(), joined(m0, m1));
+        __m512 minimum;
+        x8_q4k_scales2(g0, g1, s, d, dmin, &scale[0], &minimum);
+        scale[1] = scale[0];
+        offset = _mm512_sub_ps(_mm512_setzero_ps(), minimum);
       } else {
-        scale[0] = joined(x8_q6k_scale(g0, s, 0, d0), x8_q6k_scale(g1, s, 0, d1));
-        scale[1] = joined(x8_q6k_scale(g0, s, 1, d0), x8_q6k_scale(g1, s, 1, d1));
+        scale[0] = x8_q6k_scale2(g0, g1, s, 0, d);
+        scale[1] = x8_q6k_scale2(g0, g1, s, 1, d);
         offset = _mm512_setzero_ps();
       }
       bf16* at = to + (kb * 256 + s * 32) * 16;
