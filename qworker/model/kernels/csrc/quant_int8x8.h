@@ -9,8 +9,8 @@
 // - Q4_K (w = d sc q - dmin m, q in 0..15): q unsigned against the signed activations, then
 //   (isum d_x) (d sc) - s_x (dmin m), with s_x = d_x sum(q_x) the minimum's share;
 // - Q6_K (w = d sc_h (q - 32), q in 0..63, sc_h an int8 scale per 16 values): q - 32 signed
-//   against the activations + 128 (unsigned), each half's sums starting from -128 times the
-//   half's weight sum (the +128's share), then (isum_0 d sc_0 + isum_1 d sc_1) d_x.
+//   against the activations + 128 (unsigned, stored so), each half's sums starting from -128
+//   times the half's weight sum (the +128's share), then (isum_0 d sc_0 + isum_1 d sc_1) d_x.
 // The Q4_K sums take 4 float operations per 8 vpdpbusd, Q6_K's 5 (its scale every 16 values).
 // The other x8 formats run bf16x8. Included by quant_gemm.h after quant_x8.h.
 #pragma once
@@ -144,7 +144,6 @@ inline void q4k_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, floa
 template <int R, int J>
 inline void q6k_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, float* out,
                      int64_t ldo) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // signed -> + 128, unsigned
   __m512 acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -160,7 +159,7 @@ inline void q6k_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, floa
         __m512i wq[J];
         for (int j = 0; j < J; ++j) wq[j] = _mm512_load_si512(p.quads + (8 * b + u) * J + j);
         for (int r = 0; r < R; ++r) {
-          const __m512i xq = _mm512_xor_si512(four_of(x[r * blocks + b], u), flip);
+          const __m512i xq = four_of(x[r * blocks + b], u);  // unsigned: + 128
           for (int j = 0; j < J; ++j) isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], xq, wq[j]);
         }
       }
@@ -210,14 +209,17 @@ inline void int8_panel_rows(const ActBlock* x, int64_t m, int64_t blocks, const 
 }
 
 // a row quantized to 8 bits (quantize_row<false>), each 8 values reordered 0 4 1 5 2 6 3 7 as
-// chunk_quads reads them
+// chunk_quads reads them; for Q6_K + 128, as unsigned bytes (d and s stay the signed values')
+template <int T>
 inline void quantize_crossed(const float* x, int64_t k, ActBlock* out) {
   quantize_row<false>(x, k, out);
   const __m256i order = _mm256_broadcastsi128_si256(
       _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15));
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(T == Q6_K ? 0x80 : 0));
   for (int64_t b = 0; b < k / 32; ++b) {
     __m256i* q = reinterpret_cast<__m256i*>(out[b].q8);
-    _mm256_storeu_si256(q, _mm256_shuffle_epi8(_mm256_loadu_si256(q), order));
+    _mm256_storeu_si256(q, _mm256_xor_si256(_mm256_shuffle_epi8(_mm256_loadu_si256(q), order),
+                                            flip));
   }
 }
 
@@ -232,11 +234,11 @@ inline void team_int8x8(const float* x, int64_t m, int64_t k, const uint8_t* w, 
   if (m <= kPrivateRows) {  // each thread its own rows: no barrier
     thread_local std::vector<ActBlock> mine;
     grow(mine, static_cast<size_t>(m * blocks));
-    for (int64_t i = 0; i < m; ++i) quantize_crossed(x + i * k, k, mine.data() + i * blocks);
+    for (int64_t i = 0; i < m; ++i) quantize_crossed<T>(x + i * k, k, mine.data() + i * blocks);
     xq = mine.data();
   } else {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) quantize_crossed(x + i * k, k, shared + i * blocks);
+    for (int64_t i = 0; i < m; ++i) quantize_crossed<T>(x + i * k, k, shared + i * blocks);
   }
   thread_local std::vector<__m512i> quads, bias;
   thread_local std::vector<__m512> scale, minimum;
