@@ -102,6 +102,18 @@ inline void int8_panel(const uint8_t* w, int64_t pair0, int64_t k, const Int8Pan
   }
 }
 
+// bytes a tile asks for while it computes (the next panel's share), a few lines per sub-block:
+// issued all at once they fill the core's outstanding misses and stall it
+struct Ahead {
+  const uint8_t* from;
+  int64_t bytes;
+  void at(int64_t b, int64_t blocks) const {
+    for (int64_t line = (b * bytes / blocks) & ~int64_t{63}; line < (b + 1) * bytes / blocks;
+         line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(from + line), _MM_HINT_T1);
+  }
+};
+
 inline __m512i four_of(const ActBlock& xb, int u) {  // activation values 4u..4u+3, broadcast
   int32_t four;
   std::memcpy(&four, xb.q8 + 4 * u, 4);
@@ -111,11 +123,12 @@ inline __m512i four_of(const ActBlock& xb, int u) {  // activation values 4u..4u
 // out[r * ldo + 16 j + col] for R activation rows (`blocks` ActBlocks apart) and the panel
 template <int R, int J>
 inline void q4k_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, float* out,
-                     int64_t ldo) {
+                     int64_t ldo, const Ahead& ahead) {
   __m512 acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    ahead.at(b, blocks);
     __m512i isum[R][J];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < J; ++j) isum[r][j] = _mm512_setzero_si512();
@@ -143,11 +156,12 @@ inline void q4k_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, floa
 
 template <int R, int J>
 inline void q6k_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, float* out,
-                     int64_t ldo) {
+                     int64_t ldo, const Ahead& ahead) {
   __m512 acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    ahead.at(b, blocks);
     __m512 both[R][J];  // isum_0 sc_0 + isum_1 sc_1
     for (int h = 0; h < 2; ++h) {
       __m512i isum[R][J];
@@ -182,9 +196,9 @@ inline void q6k_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, floa
 
 template <int T, int R, int J>
 inline void int8_tile(const ActBlock* x, int64_t blocks, const Int8Panel& p, float* out,
-                      int64_t ldo) {
-  if constexpr (T == Q4_K) q4k_tile<R, J>(x, blocks, p, out, ldo);
-  else q6k_tile<R, J>(x, blocks, p, out, ldo);
+                      int64_t ldo, const Ahead& ahead) {
+  if constexpr (T == Q4_K) q4k_tile<R, J>(x, blocks, p, out, ldo, ahead);
+  else q6k_tile<R, J>(x, blocks, p, out, ldo, ahead);
 }
 
 // the panel times every activation row, 4 at a time; meanwhile the next panel's bytes (`next`,
@@ -195,15 +209,14 @@ inline void int8_panel_rows(const ActBlock* x, int64_t m, int64_t blocks, const 
   constexpr int kRows = 4;
   const int64_t tiles = (m + kRows - 1) / kRows, slice = (bytes / tiles + 63) / 64 * 64;
   for (int64_t i = 0, t = 0; i < m; i += kRows, ++t) {
-    for (int64_t line = t * slice; line < std::min(bytes, (t + 1) * slice); line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T1);
+    const Ahead ahead{next + t * slice, std::max<int64_t>(0, std::min(slice, bytes - t * slice))};
     const ActBlock* xi = x + i * blocks;
     float* to = out + i * ldo;
     switch (std::min<int64_t>(kRows, m - i)) {
-      case 4: int8_tile<T, 4, J>(xi, blocks, p, to, ldo); break;
-      case 3: int8_tile<T, 3, J>(xi, blocks, p, to, ldo); break;
-      case 2: int8_tile<T, 2, J>(xi, blocks, p, to, ldo); break;
-      default: int8_tile<T, 1, J>(xi, blocks, p, to, ldo); break;
+      case 4: int8_tile<T, 4, J>(xi, blocks, p, to, ldo, ahead); break;
+      case 3: int8_tile<T, 3, J>(xi, blocks, p, to, ldo, ahead); break;
+      case 2: int8_tile<T, 2, J>(xi, blocks, p, to, ldo, ahead); break;
+      default: int8_tile<T, 1, J>(xi, blocks, p, to, ldo, ahead); break;
     }
   }
 }
