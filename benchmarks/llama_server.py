@@ -32,12 +32,13 @@ class LlamaRun:
 
 
 @contextmanager
-def llama_server(binary: str, gguf: str, threads: int, extra: Sequence[str] = ()
-                 ) -> Iterator[str]:
-    """The server's base URL while it runs (one slot, no web UI)."""
+def llama_server(binary: str, gguf: str, threads: int, extra: Sequence[str] = (),
+                 slots: int = 1, context: int = 4096) -> Iterator[str]:
+    """The server's base URL while it runs (`slots` slots sharing `context` KV cells, no web
+    UI)."""
     port = free_port()
     command = [binary, "-m", gguf, "-t", str(threads), "--host", "127.0.0.1", "--port",
-               str(port), "-np", "1", "-c", "4096", "--no-webui", *extra]
+               str(port), "-np", str(slots), "-c", str(context), "--no-webui", *extra]
     proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
