@@ -1,7 +1,7 @@
 """llama.cpp's `llama-server` on standard workload v1, the batched peer figure beside
 benchmarks.engine_throughput (as ../shared/bench/peers/README.md runs it).
 
-    .venv/bin/python -m benchmarks.peers_llama_server --binary /tmp/peers/llama-build/bin/llama-server \\
+    .venv/bin/python -m benchmarks.peers_llama_server --binary .../llama-build/bin/llama-server \\
         --gguf FILE [--slots 16] [--no-repack]
 
 Starts the server with `--slots` parallel slots (continuous batching, 1,024 KV cells each, 2
