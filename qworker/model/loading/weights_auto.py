@@ -13,7 +13,8 @@ batches whenever work waits. But the resident size stays bounded first: where ex
 hold more than `EXPANSION_ALLOWANCE` bytes beyond the blocks (any file past ~100M parameters at
 4 bits: a 1.5B Q4_K_M file's 0.98 GB would become 3.6 GB of bfloat16), or would not fit
 comfortably in memory, the blocks stay whatever the timing, and a full batch runs on the
-"bf16x8" panels (within 1.1-1.3x of the expanded GEMM from 128 rows on Zen 5). A small model
+"int8x8" panels (Q4_K and Q6_K on 8-bit activations through AVX512-VNNI: 1.4-2.1x "bf16x8"
+from 8 rows on Zen 5, bf16x8 being at the expanded GEMM's speed from 128 rows). A small model
 such as the default SmolLM2 (98 MB, 0.23 GB more expanded) is still timed, and expands where its
 cache-resident dense matrices win. A float64 model is always expanded (its dtype asks for
 float64's arithmetic; the blocks' kernels compute in float32). The timing is cached beside the
