@@ -88,7 +88,8 @@ CHOICES = {"mixed": ("int8", "int16", "int16", "int16", "int16"),
 def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Q, others: dict[str, Q],
         choice: str, dtype: torch.dtype) -> None:
-    path = write_tiny_gguf(tmp_path / "q.gguf", kind, seed=7, tied=False, others=others)
+    path = write_tiny_gguf(tmp_path / "q.gguf", kind, seed=7, tied=False, others=others,
+                           arch="qwen2")  # q/k/v biases, float32 in the file
     model = load_model(path, dtype=dtype, weights="quantized")
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 5 and len(model.layers[0].self_attn.qkv_proj.quant.segments) == (
@@ -100,9 +101,8 @@ def test_the_decode_graph_runs_kept_layers_bit_for_bit_as_the_layer_path(
     for m in linears:
         m.set_choice(CHOICES[choice])
     assert all(m.quant.is_x8 for m in linears) == choice.endswith("x8")
-    qkv = model.layers[0].self_attn.qkv_proj  # a Qwen2-like bias, added after the kernel
-    qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features, dtype=dtype),
-                                  requires_grad=False)
+    qkv = model.layers[0].self_attn.qkv_proj  # Qwen2's bias, added after the kernel, in the
+    assert qkv.bias is not None and qkv.bias.dtype == dtype  # model's dtype, as the graph reads it
     calls: list[int] = []
     real = native.decode_step
     monkeypatch.setattr(native, "decode_step",

@@ -199,6 +199,8 @@ class DecodeGraph:
                 tensors |= {"attn_out_norm": layer.post_attention_layernorm.weight,
                             "post_norm": layer.pre_feedforward_layernorm.weight,
                             "mlp_out_norm": layer.post_feedforward_layernorm.weight}
+            wrong = [n for n, t in tensors.items() if t is not None and t.dtype != dtype]
+            assert not wrong, f"the graph reads {wrong} as {dtype}"  # else it misreads them
             entries.append(_pointing_at(tensors, qkv=qkv, o=o, gate_up=gate_up, down=down,
                                         experts=experts,
                                         activation=ACTIVATIONS[_activation(mlp)],

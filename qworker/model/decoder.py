@@ -257,8 +257,9 @@ class DecoderModel(nn.Module):
             return
         bias = given.get(f"{module_name}.bias")  # left in `given`: copied in as any tensor is
         assert bias is None or isinstance(bias, torch.Tensor)
-        self._set_module(module_name, QuantLinear(quant, None if bias is None else bias.float(),
-                                                  self.dtype))
+        # in the model's dtype, as a dense layer's and as the decode graph reads it (T*)
+        self._set_module(module_name, QuantLinear(quant, None if bias is None else
+                                                  bias.to(self.dtype), self.dtype))
 
     def _set_module(self, dotted: str, module: QuantLinear) -> None:
         parent, _, name = dotted.rpartition(".")
