@@ -404,20 +404,30 @@ constexpr int64_t kPrivateRows = 8;  // up to this many rows each thread quantiz
 // kPrivateRows rows; below, each thread quantizes every row for itself, which spares the team
 // a barrier (on a busy machine a barrier waits for every thread to be scheduled: the larger
 // cost).
-template <bool Wide>
-inline void team_int_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
-                          int64_t n, float* out, int64_t ldo, ActBlock* shared) {
+// x's m rows of k values as blocks, each row by quantize(row, its blocks): up to kPrivateRows
+// each thread quantizes them all for itself (no barrier), above the team splits them into
+// `shared` (m * k/32 blocks). The blocks stay valid until the thread's next call.
+template <typename Quantize>
+inline const ActBlock* team_quantized(const float* x, int64_t m, int64_t k, ActBlock* shared,
+                                      Quantize quantize) {
   const int64_t blocks = k / 32;
-  const ActBlock* xq = shared;
   if (m <= kPrivateRows) {
     thread_local std::vector<ActBlock> mine;
     grow(mine, static_cast<size_t>(m * blocks));
-    for (int64_t i = 0; i < m; ++i) quantize_row<Wide>(x + i * k, k, mine.data() + i * blocks);
-    xq = mine.data();
-  } else {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) quantize_row<Wide>(x + i * k, k, shared + i * blocks);
+    for (int64_t i = 0; i < m; ++i) quantize(x + i * k, mine.data() + i * blocks);
+    return mine.data();
   }
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < m; ++i) quantize(x + i * k, shared + i * blocks);
+  return shared;
+}
+
+template <bool Wide>
+inline void team_int_gemm(int type, const float* x, int64_t m, int64_t k, const uint8_t* w,
+                          int64_t n, float* out, int64_t ldo, ActBlock* shared) {
+  const ActBlock* xq = team_quantized(x, m, k, shared, [k](const float* row, ActBlock* to) {
+    quantize_row<Wide>(row, k, to);
+  });
   switch (type) {
     case Q4_0: team_int_rows<Q4_0, Wide>(xq, w, m, n, k, out, ldo); break;
     case Q4_1: team_int_rows<Q4_1, Wide>(xq, w, m, n, k, out, ldo); break;

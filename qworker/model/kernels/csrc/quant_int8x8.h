@@ -243,16 +243,9 @@ inline void team_int8x8(const float* x, int64_t m, int64_t k, const uint8_t* w, 
                         float* out, int64_t ldo, ActBlock* shared) {
   constexpr int J = kPanelPairs<T>;
   const int64_t blocks = k / 32, group_bytes = x8_group_bytes<T>(blocks);
-  const ActBlock* xq = shared;
-  if (m <= kPrivateRows) {  // each thread its own rows: no barrier
-    thread_local std::vector<ActBlock> mine;
-    grow(mine, static_cast<size_t>(m * blocks));
-    for (int64_t i = 0; i < m; ++i) quantize_crossed<T>(x + i * k, k, mine.data() + i * blocks);
-    xq = mine.data();
-  } else {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m; ++i) quantize_crossed<T>(x + i * k, k, shared + i * blocks);
-  }
+  const ActBlock* xq = team_quantized(x, m, k, shared, [k](const float* row, ActBlock* to) {
+    quantize_crossed<T>(row, k, to);
+  });
   thread_local std::vector<__m512i> quads, bias;
   thread_local std::vector<__m512> scale, minimum;
   grow(quads, static_cast<size_t>(blocks * 8 * J));
